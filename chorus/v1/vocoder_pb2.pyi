@@ -1,0 +1,79 @@
+from chorus.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodeStart(_message.Message):
+    __slots__ = ("stream_id", "first_chunk_frames", "chunk_frames", "codebooks")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    first_chunk_frames: int
+    chunk_frames: int
+    codebooks: int
+    def __init__(self, stream_id: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., codebooks: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("start", "frames", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStart
+    frames: _common_pb2.IntMatrix
+    end: bool
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., frames: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("first_sample", "num_samples", "pcm", "first_frame", "frames")
+    FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    first_sample: int
+    num_samples: int
+    pcm: bytes
+    first_frame: int
+    frames: int
+    def __init__(self, first_sample: _Optional[int] = ..., num_samples: _Optional[int] = ..., pcm: _Optional[bytes] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("audio", "codebooks")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    audio: _common_pb2.AudioData
+    codebooks: int
+    def __init__(self, audio: _Optional[_Union[_common_pb2.AudioData, _Mapping]] = ..., codebooks: _Optional[int] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("codes", "cache_hit")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    codes: _common_pb2.IntMatrix
+    cache_hit: bool
+    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+
+class VocoderInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VocoderInfo(_message.Message):
+    __slots__ = ("codec", "sample_rate", "channels", "samples_per_frame", "max_codebooks", "active_streams")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    sample_rate: int
+    channels: int
+    samples_per_frame: int
+    max_codebooks: int
+    active_streams: int
+    def __init__(self, codec: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., samples_per_frame: _Optional[int] = ..., max_codebooks: _Optional[int] = ..., active_streams: _Optional[int] = ...) -> None: ...
