@@ -1,0 +1,111 @@
+"""Executes one StepPlan: releases, prefill chunks and decode steps packed
+into a single backbone forward, then one batched frame decode for every
+request that samples this step. Returns the step's Journal."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from chorus.moss_config import MossTTSLocalConfig
+from chorus.v1 import common_pb2, worker_pb2
+from gpu_worker.attention import AttentionBatch, SequenceSpan, TorchPagedAttention
+from gpu_worker.model import MossTTSLocal
+from gpu_worker.state_pool import DecodeStatePool
+
+
+def matrix_to_tensor(m: common_pb2.IntMatrix) -> torch.Tensor:
+    arr = np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols)
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def tensor_to_matrix(t: torch.Tensor) -> common_pb2.IntMatrix:
+    arr = np.ascontiguousarray(t.cpu().numpy().astype("<i4"))
+    return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
+
+
+class StepError(RuntimeError):
+    """A plan the worker cannot execute (a scheduler bug or a lost message)."""
+
+
+class Engine:
+    def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int):
+        self.model = model
+        self.cfg: MossTTSLocalConfig = model.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        bb = self.cfg.backbone
+        self.kv = TorchPagedAttention(bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
+                                      bb.head_dim, self.dtype, self.device)
+        self.pool = DecodeStatePool(max_batch, self.cfg.hidden_size, self.cfg.n_vq,
+                                    self.cfg.audio_vocab_size, self.dtype, self.device)
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.steps = 0
+
+    @torch.inference_mode()
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
+        t0 = time.perf_counter()
+        for rid in plan.release:
+            self.pool.release(rid)
+        embeds, spans, samplers, skipped = [], [], [], []
+        sample_at: list[int] = []  # indices into spans whose last token samples a frame
+        for item in plan.prefill:
+            if item.first_chunk:
+                state = self.pool.acquire(item.request_id, item.sampling, item.generation_step,
+                                          item.prompt_length)
+                state.kv_slots.extend(item.prefix_slots)
+            else:
+                state = self.pool.get(item.request_id)
+            rows = matrix_to_tensor(item.rows).to(self.device)
+            if rows.shape[0] != len(item.kv_slots) or rows.shape[0] == 0:
+                raise StepError(f"request {item.request_id}: {rows.shape[0]} rows but {len(item.kv_slots)} kv slots")
+            if state.prompt_length > 0:  # re-prefill: rows past the prompt are our own output
+                first_pos = len(state.kv_slots)
+                self.pool.record_history(state.row, rows[max(0, state.prompt_length - first_pos):, 1:])
+            state.kv_slots.extend(item.kv_slots)
+            embeds.append(self.model.embed_rows(rows))
+            spans.append(SequenceSpan(list(state.kv_slots), rows.shape[0]))
+            if item.last_chunk:
+                sample_at.append(len(spans) - 1)
+                samplers.append((item.request_id, state))
+        for item in plan.decode:
+            state = self.pool.requests.get(item.request_id)
+            if state is None:
+                raise StepError(f"decode for request {item.request_id} that holds no decode state")
+            if state.stopped:  # lookahead sent this before it knew the request had stopped
+                skipped.append(item.request_id)
+                continue
+            state.kv_slots.append(item.kv_slot)
+            embeds.append(self.pool.feedback[state.row][None])
+            spans.append(SequenceSpan(list(state.kv_slots), 1))
+            sample_at.append(len(spans) - 1)
+            samplers.append((item.request_id, state))
+        journal = worker_pb2.Journal(step_id=plan.step_id, skipped=skipped)
+        if spans:
+            batch = AttentionBatch.build(spans, self.device)
+            hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
+            if samplers:
+                ends = np.cumsum([sp.num_new for sp in spans]) - 1
+                last = torch.as_tensor(ends[sample_at], device=self.device)
+                self._decode_frames(hidden[last], samplers, journal)
+        self.steps += 1
+        journal.step_ms = (time.perf_counter() - t0) * 1e3
+        return journal
+
+    def _decode_frames(self, hidden: torch.Tensor, samplers: list, journal: worker_pb2.Journal) -> None:
+        rows = torch.as_tensor([s.row for _, s in samplers], device=self.device)
+        sp = self.pool.sampling(rows)
+        codes, stop = self.model.decode_frame(hidden, sp)
+        frame_rows = self.model.frame_rows(codes)
+        feedback = self.model.embed_rows(frame_rows)
+        self.pool.commit(rows, codes, stop, feedback)
+        stop_list = stop.tolist()  # the step's one host sync: the journal goes to the host anyway
+        for (rid, state), stopped in zip(samplers, stop_list):
+            state.stopped = stopped
+        journal.request_ids.extend(rid for rid, _ in samplers)
+        journal.rows.CopyFrom(tensor_to_matrix(frame_rows))
+        journal.stopped.extend(stop_list)
+        journal.generation_steps.extend(sp.generation_step.tolist())

@@ -1,0 +1,301 @@
+"""MOSS-TTS Local v1.5: the model math (spec moss_tts_local.md §2–§3).
+
+Reads top to bottom: multi-channel row embedding → Qwen3 backbone (paged KV
+through an attention backend) → local transformer that decodes one frame
+(stop choice + n_vq codes) per backbone step. Module names equal the
+upstream state-dict names, so a checkpoint loads by name.
+
+Dtype policy: every tensor computes in the model dtype (bf16 for serving,
+float32/float64 for CPU parity tests); logits are promoted to ≥ fp32 before
+sampling; RoPE tables are built in fp32 as upstream does, then cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig
+from gpu_worker.attention import AttentionBatch, AttentionBackend
+from gpu_worker.sampler import apply_repetition_penalty, sample
+
+
+def _promote(x: Tensor) -> Tensor:
+    """At least fp32 (float64 stays float64 for the CPU determinism tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rope_inv_freq(base: float, dim: int) -> Tensor:
+    """inv_freq[i] = 1 / base^(2i/dim), with an fp32 exponent and fp32 power (spec §3.2.3)."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    return 1.0 / torch.tensor(base, dtype=torch.float32).pow(exponent)
+
+
+# ---------------------------------------------------------------------------
+# Backbone (Qwen3)
+# ---------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = _promote(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)  # normalised value cast before the weight multiply
+
+
+def rotate_half_split(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NeoX RoPE: pairs (i, i + d/2). cos/sin: [N, d/2] broadcast over heads."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: BackboneConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch,
+                backend: AttentionBackend) -> Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+        o = backend.attend(self.layer_idx, q, k, v, batch)  # writes k, v to the paged cache
+        return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: BackboneConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: BackboneConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch,
+                backend: AttentionBackend) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Backbone(nn.Module):
+    def __init__(self, cfg: BackboneConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_theta, cfg.head_dim), persistent=False)
+
+    def forward(self, x: Tensor, batch: AttentionBatch, backend: AttentionBackend) -> Tensor:
+        """x: [N, hidden] packed tokens of every sequence in the step → final-norm hidden [N, hidden]."""
+        angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, backend)
+        return self.norm(x)
+
+
+# ---------------------------------------------------------------------------
+# Local transformer (one GPT-2-style block with interleaved RoPE)
+# ---------------------------------------------------------------------------
+def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """GPT-J RoPE: pairs (2i, 2i+1); cos/sin already expanded to the full head dim."""
+    rot = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    return x * cos + rot * sin
+
+
+class LocalAttention(nn.Module):
+    def __init__(self, cfg: LocalConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, cache: list[Tensor]) -> Tensor:
+        """x: [B, H] at the next local position; cache: [k_cache, v_cache] each [B, nh, p, d], grown here."""
+        b, hdim = x.shape
+        q, k, v = self.c_attn(x).view(b, 3, self.n_head, self.head_dim).unbind(1)
+        if cos is not None:
+            q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
+        cache[0] = torch.cat([cache[0], k[:, :, None]], dim=2)
+        cache[1] = torch.cat([cache[1], v[:, :, None]], dim=2)
+        scores = torch.einsum("bhd,bhpd->bhp", q, cache[0]) * (self.head_dim ** -0.5)
+        probs = torch.softmax(_promote(scores), dim=-1).to(x.dtype)
+        o = torch.einsum("bhp,bhpd->bhd", probs, cache[1])
+        return self.c_proj(o.reshape(b, hdim))
+
+
+class LocalMLP(nn.Module):
+    def __init__(self, cfg: LocalConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.n_embd, cfg.n_inner)
+        self.fc_out = nn.Linear(cfg.n_inner, cfg.n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(F.silu(self.fc_in(x)))
+
+
+class LocalBlock(nn.Module):
+    def __init__(self, cfg: LocalConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = LocalAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = LocalMLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, cache: list[Tensor]) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class LocalTransformer(nn.Module):
+    def __init__(self, cfg: LocalConfig, positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.use_rope = cfg.position_embedding_type == "rope"
+        self.h = nn.ModuleList(LocalBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        if not self.use_rope:
+            self.wpe = nn.Embedding(positions, cfg.n_embd)
+        inv = rope_inv_freq(cfg.rope_base, cfg.head_dim)
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+        self.register_buffer("cos_table", angles.cos().repeat_interleave(2, dim=-1), persistent=False)
+        self.register_buffer("sin_table", angles.sin().repeat_interleave(2, dim=-1), persistent=False)
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> list[list[Tensor]]:
+        empty = torch.empty(batch, self.cfg.n_head, 0, self.cfg.head_dim, dtype=dtype, device=device)
+        return [[empty, empty] for _ in self.h]
+
+    def step(self, x: Tensor, p: int, cache: list[list[Tensor]]) -> Tensor:
+        """One local position for the whole batch: x [B, H] → ln_f output [B, H]."""
+        cos = sin = None
+        if self.use_rope:
+            cos, sin = self.cos_table[p].to(x.dtype), self.sin_table[p].to(x.dtype)
+        else:
+            x = x + self.wpe.weight[p]
+        for block, block_cache in zip(self.h, cache):
+            x = block(x, cos, sin, block_cache)
+        return self.ln_f(x)
+
+
+# ---------------------------------------------------------------------------
+# The whole model
+# ---------------------------------------------------------------------------
+@dataclass
+class FrameSampling:
+    """Per-row sampling parameters for one frame decode; every field is [B]."""
+
+    text_temperature: Tensor
+    text_top_k: Tensor
+    text_top_p: Tensor
+    audio_temperature: Tensor
+    audio_top_k: Tensor
+    audio_top_p: Tensor
+    audio_penalty: Tensor
+    seed: Tensor
+    generation_step: Tensor  # n: frames already committed
+    min_frames: Tensor
+    presence: Tensor | None = None  # [B, n_vq, V] bool: codes generated so far (repetition penalty)
+
+
+class MossTTSLocal(nn.Module):
+    def __init__(self, cfg: MossTTSLocalConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = Qwen3Backbone(cfg.backbone)
+        self.local_transformer = LocalTransformer(cfg.local, positions=cfg.n_vq + 1)
+        self.audio_embeddings = nn.ModuleList(
+            nn.Embedding(cfg.audio_vocab_size, cfg.hidden_size) for _ in range(cfg.n_vq))
+        self.local_text_lm_head = nn.Linear(cfg.hidden_size, 2, bias=False)
+
+    # -- §3.1 --------------------------------------------------------------
+    def embed_rows(self, rows: Tensor) -> Tensor:
+        """rows: int [T, 1 + n_vq] → [T, hidden]. Pad code embeds to exactly zero."""
+        e = self.transformer.embed_tokens(rows[:, 0])
+        pad = self.cfg.audio_pad_code
+        for k, table in enumerate(self.audio_embeddings):  # order text, c0..c11 matters in bf16
+            ids = rows[:, k + 1]
+            valid = ids != pad
+            e = e + torch.where(valid[:, None], table(torch.where(valid, ids, 0)), 0)
+        return e
+
+    # -- §3.2 --------------------------------------------------------------
+    def backbone(self, x: Tensor, batch: AttentionBatch, backend: AttentionBackend) -> Tensor:
+        return self.transformer(x, batch, backend)
+
+    # -- §3.3–§3.5 -----------------------------------------------------------
+    def decode_frame(self, hidden: Tensor, sp: FrameSampling) -> tuple[Tensor, Tensor]:
+        """Decode one frame for each row of hidden [B, H] (final-norm backbone output).
+
+        Returns (codes int64 [B, n_vq], stop bool [B]). Codes are sampled for
+        every row, stopped or not: the seeded noise depends only on (seed,
+        position), so a row's draws never depend on its neighbours.
+        """
+        b = hidden.shape[0]
+        lt = self.local_transformer
+        cache = lt.new_cache(b, hidden.dtype, hidden.device)
+        base = sp.generation_step * (self.cfg.n_vq + 1)  # sampler position = 13n + channel
+        l = lt.step(hidden, 0, cache)
+        stop_logits = _promote(self.local_text_lm_head(l))
+        stop = sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
+        stop = stop & (sp.generation_step >= sp.min_frames)
+        codes = []
+        for k, table in enumerate(self.audio_embeddings):
+            logits = _promote(l @ table.weight.T)  # tied head
+            if sp.presence is not None:
+                logits = apply_repetition_penalty(logits, sp.presence[:, k], sp.audio_penalty)
+            c = sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base + k + 1)
+            codes.append(c)
+            if k + 1 < self.cfg.n_vq:
+                l = lt.step(table(c), k + 1, cache)
+        return torch.stack(codes, dim=1), stop
+
+    def frame_rows(self, codes: Tensor) -> Tensor:
+        """Generated rows [B, 1 + n_vq]: the assistant slot id and the codes."""
+        slot = torch.full_like(codes[:, :1], self.cfg.audio_assistant_slot_token_id)
+        return torch.cat([slot, codes], dim=1)
+
+
+def init_random_weights(model: MossTTSLocal, seed: int) -> None:
+    """Deterministic random weights (tiny presets and `--load-format dummy`)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight")):
+                vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif name.endswith("bias"):
+                vals = 0.02 * torch.randn(p.shape, generator=gen)
+            elif "embed" in name:
+                vals = torch.randn(p.shape, generator=gen) * 0.5
+            else:
+                vals = torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5)
+            p.copy_(vals.to(p.dtype))

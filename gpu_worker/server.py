@@ -1,0 +1,123 @@
+"""gpu_worker process: binds a ZeroMQ ROUTER, answers hello/stats, executes
+step plans in arrival order and sends one journal per plan.
+
+Messages are chorus.v1.WorkerCommand / WorkerEvent protobufs, one per frame.
+The worker never decides anything: a plan it cannot execute gets a journal
+with `error` set, and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from chorus.v1 import worker_pb2
+from gpu_worker.engine import Engine
+from gpu_worker.loader import DTYPES, build_model
+
+log = logging.getLogger("chorus.worker")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bind", default="tcp://127.0.0.1:5560",
+                   help="ZeroMQ endpoint to bind for the scheduler (tcp://HOST:PORT; port 0 picks a free one)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="Hugging Face MOSS-TTS Local v1.5 directory (config.json + safetensors); "
+                        "default: the built-in preset")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "full"],
+                   help="random-weight model when --model is not given: tiny (CPU tests/demo) or full-size")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: real shapes from --model's config.json, random weights (benchmarks)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="compute dtype (bfloat16 on GPU; float64 for exact CPU parity tests)")
+    p.add_argument("--kv-slots", type=int, default=32768,
+                   help="KV cache capacity in rows (tokens), shared by all requests")
+    p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
+    p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    if endpoint.endswith(":0"):
+        port = sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+        return f"{endpoint.rsplit(':', 1)[0]}:{port}"
+    sock.bind(endpoint)
+    return endpoint
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
+                        dtype=args.dtype, device=args.device, seed=args.seed)
+    engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context)
+    hello = worker_pb2.Hello(
+        model_name=model.cfg.name, architecture="moss_tts_local", model_config_json=model.cfg.to_json(),
+        kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
+        device=str(engine.device), dtype=args.dtype, pid=os.getpid())
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = _bind(sock, args.bind)
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}",
+          flush=True)
+    try:
+        while not stopping:
+            if not sock.poll(200):
+                continue
+            ident, payload = sock.recv_multipart()
+            reply = worker_pb2.WorkerEvent()
+            try:
+                cmd = worker_pb2.WorkerCommand.FromString(payload)
+            except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
+                reply.error = f"unparseable WorkerCommand: {e}"
+                sock.send_multipart([ident, reply.SerializeToString()])
+                continue
+            kind = cmd.WhichOneof("kind")
+            if kind == "hello":
+                reply.hello.CopyFrom(hello)
+            elif kind == "stats":
+                reply.stats.active_requests = len(engine.pool)
+                reply.stats.steps = engine.steps
+            elif kind == "step":
+                try:
+                    reply.journal.CopyFrom(engine.execute(cmd.step))
+                except Exception as e:  # noqa: BLE001
+                    log.exception("step %d failed", cmd.step.step_id)
+                    reply.journal.step_id = cmd.step.step_id
+                    reply.journal.error = f"{type(e).__name__}: {e}"
+                    for item in list(cmd.step.prefill) + list(cmd.step.decode):
+                        engine.pool.release(item.request_id)
+            elif kind == "shutdown":
+                break
+            else:
+                reply.error = f"unknown command {kind!r}"
+            sock.send_multipart([ident, reply.SerializeToString()])
+    finally:
+        sock.close()
+        ctx.term()
+        log.info("worker stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="chorus worker", description=__doc__)
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,118 @@
+"""Per-request decode state that lives on the worker, so a decode step
+message is O(batch): the next input embedding (feedback of the last frame),
+sampling parameters, the frame counter, the repetition-penalty history and
+the request's KV slot list (the worker's mirror of the scheduler's table).
+
+Rows are tensors indexed by pool row so a whole batch's parameters gather in
+one indexing op; row `capacity` is a spare, never handed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from chorus.v1 import worker_pb2
+from gpu_worker.model import FrameSampling
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestState:
+    row: int
+    kv_slots: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+    stopped: bool = False
+
+
+class DecodeStatePool:
+    def __init__(self, capacity: int, hidden: int, n_vq: int, audio_vocab: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.capacity = capacity
+        rows = capacity + 1
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.feedback = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        self.text_temperature = torch.zeros(rows, **f32)
+        self.text_top_p = torch.ones(rows, **f32)
+        self.text_top_k = torch.zeros(rows, **i64)
+        self.audio_temperature = torch.zeros(rows, **f32)
+        self.audio_top_p = torch.ones(rows, **f32)
+        self.audio_top_k = torch.zeros(rows, **i64)
+        self.audio_penalty = torch.ones(rows, **f32)
+        self.seed = torch.zeros(rows, **i64)
+        self.generation_step = torch.zeros(rows, **i64)
+        self.min_frames = torch.zeros(rows, **i64)
+        self.presence = torch.zeros(rows, n_vq, audio_vocab, dtype=torch.bool, device=device)
+        self._free = list(range(capacity - 1, -1, -1))
+        self.requests: dict[int, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def acquire(self, request_id: int, sampling: worker_pb2.SamplingConfig, generation_step: int,
+                prompt_length: int) -> RequestState:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id} already holds decode state")
+        if not self._free:
+            raise PoolExhausted(f"decode state pool full ({self.capacity} requests)")
+        r = self._free.pop()
+        self.text_temperature[r] = sampling.text_temperature
+        self.text_top_p[r] = sampling.text_top_p
+        self.text_top_k[r] = sampling.text_top_k
+        self.audio_temperature[r] = sampling.audio_temperature
+        self.audio_top_p[r] = sampling.audio_top_p
+        self.audio_top_k[r] = sampling.audio_top_k
+        self.audio_penalty[r] = sampling.audio_repetition_penalty or 1.0
+        self.seed[r] = sampling.seed
+        self.min_frames[r] = sampling.min_frames
+        self.generation_step[r] = generation_step
+        self.presence[r] = False
+        self.feedback[r] = 0
+        state = RequestState(row=r, prompt_length=prompt_length)
+        self.requests[request_id] = state
+        return state
+
+    def release(self, request_id: int) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self._free.append(state.row)
+        return True
+
+    def get(self, request_id: int) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id} has no decode state (not prefilled, or released)")
+        return state
+
+    def sampling(self, rows: Tensor) -> FrameSampling:
+        penalised = self.audio_penalty[rows] != 1.0
+        return FrameSampling(
+            text_temperature=self.text_temperature[rows], text_top_k=self.text_top_k[rows],
+            text_top_p=self.text_top_p[rows], audio_temperature=self.audio_temperature[rows],
+            audio_top_k=self.audio_top_k[rows], audio_top_p=self.audio_top_p[rows],
+            audio_penalty=self.audio_penalty[rows], seed=self.seed[rows],
+            generation_step=self.generation_step[rows], min_frames=self.min_frames[rows],
+            presence=self.presence[rows] if bool(penalised.any()) else None,
+        )
+
+    def record_history(self, row: int, codes: Tensor) -> None:
+        """Mark generated codes [n, n_vq] in the repetition-penalty history."""
+        if codes.numel():
+            k = torch.arange(codes.shape[1], device=codes.device).expand_as(codes)
+            self.presence[row, k.reshape(-1), codes.reshape(-1)] = True
+
+    def commit(self, rows: Tensor, codes: Tensor, stop: Tensor, feedback: Tensor) -> None:
+        """After a frame: advance n, store the feedback embedding, extend the history."""
+        keep = ~stop
+        r, c = rows[keep], codes[keep]
+        self.generation_step[r] += 1
+        self.feedback[r] = feedback[keep]
+        k = torch.arange(c.shape[1], device=c.device).expand_as(c)
+        self.presence[r[:, None].expand_as(c), k, c] = True
