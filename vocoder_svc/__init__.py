@@ -1,0 +1,1 @@
+"""vocoder_svc."""

@@ -1,0 +1,433 @@
+"""The vocoder gRPC service (chorus.v1.Vocoder): streaming Decode of code
+frames to PCM, Encode of reference audio to codes, Info.
+
+Chunking is a pure function of (first_chunk_frames, chunk_frames, total
+frames): the first chunk is exactly first_chunk_frames frames, every later
+one exactly chunk_frames, and `end` flushes whatever remains. Arrival timing
+never matters, so the PCM is byte-identical run to run.
+
+Codec work runs on a worker thread, never on the asyncio loop. With
+--max-batch-streams > 1 steps of different streams with the same frame count
+are decoded in one forward; that trades byte-exactness (GEMM shapes then
+depend on which streams happened to be due together) for throughput.
+
+    python -m vocoder_svc.server --port 50053 --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import signal
+import struct
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from chorus.audio import decode_audio, prepare_reference
+from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
+from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
+
+SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name  # "chorus.v1.Vocoder"
+DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
+MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
+MAX_MESSAGE_BYTES = 64 << 20  # a 100 s 48 kHz stereo float32 reference is ~38 MB
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active_streams = Gauge("chorus_vocoder_active_streams", "Decode streams currently open", registry=r)
+        self.decode_step_ms = Histogram(
+            "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it)",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
+        self.audio_seconds = Counter("chorus_vocoder_audio_seconds", "Seconds of audio decoded", registry=r)
+        self.encode_cache_hits = Counter("chorus_vocoder_encode_cache_hits", "Encode requests served from cache",
+                                         registry=r)
+        self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
+                                           registry=r)
+
+
+# ---- the codec worker -------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    state: StreamState
+    codes: np.ndarray  # [T, n_q] int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if fut.done():  # the call was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class DecodeWorker:
+    """One thread that runs decode steps in submission order. It takes the
+    oldest pending step and, up to max_batch, later ones with the same
+    (frames, codebooks) from other streams, and decodes them in one forward."""
+
+    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1):
+        self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="codec-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: StreamState, codes: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("decode worker is closed")
+            self._pending.append(_Job(state, codes, fut, loop))
+            self._cond.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _take(self) -> list[_Job] | None:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if not self._pending:
+                return None
+            head = self._pending[0]
+            key = head.codes.shape
+            group = [j for j in self._pending if j.codes.shape == key][:self.max_batch]
+            taken = {id(j) for j in group}
+            self._pending = [j for j in self._pending if id(j) not in taken]
+            return group
+
+    def _run(self) -> None:
+        while (group := self._take()) is not None:
+            group = [j for j in group if not j.future.cancelled()]  # best effort: skip abandoned steps
+            if not group:
+                continue
+            try:
+                codes = torch.from_numpy(np.stack([j.codes.T for j in group], axis=1).astype(np.int64))
+                t0 = time.perf_counter()
+                wav = self.codec.decode_step([j.state for j in group], codes)  # [B, C, T*hop]
+                out = wav.to(device="cpu", dtype=torch.float32).numpy()
+                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
+                results = [(out[b], None) for b in range(len(group))]
+            except BaseException as e:  # noqa: BLE001 - reported to every waiting call
+                results = [(None, e)] * len(group)
+            for job, (res, err) in zip(group, results):
+                job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
+
+
+# ---- the service ----------------------------------------------------------------------------
+
+@dataclass
+class _Stream:
+    stream_id: str
+    state: StreamState
+    codebooks: int
+    first_chunk: int
+    chunk: int
+    pending: list[np.ndarray] = field(default_factory=list)  # [n, codebooks] int32 blocks
+    pending_frames: int = 0
+    next_frame: int = 0  # first frame of the next chunk
+
+    @property
+    def threshold(self) -> int:
+        return self.first_chunk if self.next_frame == 0 else self.chunk
+
+    def take(self, n: int) -> np.ndarray:
+        """The oldest n pending frames as one [n, codebooks] array."""
+        block = np.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
+        head, rest = block[:n], block[n:]
+        self.pending = [rest] if len(rest) else []
+        self.pending_frames -= n
+        return head
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
+    def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
+                 encode_cache_size: int = 256, max_batch_streams: int = 1, metrics: Metrics | None = None):
+        if not 1 <= chunk_frames <= MAX_CHUNK_FRAMES or first_chunk_frames < 1:
+            raise ValueError(f"chunk sizes must be >= 1 (chunk <= {MAX_CHUNK_FRAMES}); got first "
+                             f"{first_chunk_frames}, chunk {chunk_frames}")
+        self.codec, self.name = codec, name
+        self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
+        self.metrics = metrics or Metrics()
+        self.worker = DecodeWorker(codec, self.metrics, max_batch_streams)
+        # Encoding a long reference takes a while; its own thread keeps streams flowing.
+        self._encode_lock = threading.Lock()
+        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
+        self._cache_size = encode_cache_size
+        self.active_streams = 0
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # ---- Decode ---------------------------------------------------------------------------------
+    def _open(self, start: vocoder_pb2.DecodeStart) -> _Stream:
+        max_cb = self.codec.num_codebooks
+        codebooks = start.codebooks or min(DEFAULT_CODEBOOKS, max_cb)
+        if not 1 <= codebooks <= max_cb:
+            raise _BadRequest(f"start.codebooks={start.codebooks}: this codec decodes 1..{max_cb} codebooks")
+        if start.first_chunk_frames < 0 or start.chunk_frames < 0:
+            raise _BadRequest(f"start.first_chunk_frames ({start.first_chunk_frames}) and start.chunk_frames "
+                              f"({start.chunk_frames}) must be >= 0 (0 = server default)")
+        chunk = start.chunk_frames or self.chunk_frames
+        if chunk > MAX_CHUNK_FRAMES:
+            raise _BadRequest(f"start.chunk_frames={chunk} is over the limit {MAX_CHUNK_FRAMES}")
+        first = min(start.first_chunk_frames or self.first_chunk_frames, chunk)  # never above the steady size
+        return _Stream(start.stream_id, self.codec.new_stream(), codebooks, first, chunk)
+
+    def _parse_frames(self, m: common_pb2.IntMatrix, stream: _Stream) -> np.ndarray:
+        if m.cols != stream.codebooks:
+            raise _BadRequest(f"frames has {m.cols} columns but start.codebooks is {stream.codebooks}")
+        if m.rows < 0:
+            raise _BadRequest(f"frames.rows is {m.rows}; must be >= 0")
+        if len(m.data) != m.rows * m.cols * 4:
+            raise _BadRequest(f"frames.data has {len(m.data)} bytes; a {m.rows}x{m.cols} int32 matrix needs "
+                              f"{m.rows * m.cols * 4}")
+        codes = np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols)
+        if codes.size:
+            lo, hi = int(codes.min()), int(codes.max())
+            if lo < 0 or hi >= self.codec.codebook_size:
+                bad = np.argwhere((codes < 0) | (codes >= self.codec.codebook_size))[0]
+                raise _BadRequest(f"frames: code {int(codes[bad[0], bad[1]])} at row {int(bad[0])}, codebook "
+                                  f"{int(bad[1])} is outside [0, {self.codec.codebook_size}) (pad ids are not "
+                                  f"codec codes)")
+        return codes
+
+    async def _step(self, stream: _Stream, n: int) -> vocoder_pb2.DecodeResponse:
+        codes = stream.take(n)
+        wav = await self.worker.submit(stream.state, codes)  # [C, n*hop] float32
+        first_frame = stream.next_frame
+        stream.next_frame += n
+        num = wav.shape[1]
+        self.metrics.audio_seconds.inc(num / self.codec.sample_rate)
+        return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num,
+                                          pcm=np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes(),
+                                          first_frame=first_frame, frames=n)
+
+    async def Decode(self, request_iterator, context):
+        stream: _Stream | None = None
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("kind")
+                if stream is None:
+                    if kind != "start":
+                        raise _BadRequest(f"the first DecodeRequest must be `start` (got {kind or 'nothing'})")
+                    stream = self._open(req.start)
+                    self.active_streams += 1
+                    self.metrics.active_streams.inc()
+                    continue
+                if kind == "frames":
+                    block = self._parse_frames(req.frames, stream)
+                    if len(block):
+                        stream.pending.append(block)
+                        stream.pending_frames += len(block)
+                    while stream.pending_frames >= stream.threshold:
+                        yield await self._step(stream, stream.threshold)
+                elif kind == "end":
+                    break
+                elif kind == "start":
+                    raise _BadRequest("`start` sent twice in one Decode call")
+                else:
+                    raise _BadRequest("empty DecodeRequest: set one of start, frames, end")
+            # `end`, or the client half-closed without it: flush the tail either way.
+            if stream is None:
+                raise _BadRequest("no DecodeRequest received: send `start` first")
+            if stream.pending_frames:
+                yield await self._step(stream, stream.pending_frames)
+        except _BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if stream is not None:  # also on cancellation: the state goes with the call
+                self.active_streams -= 1
+                self.metrics.active_streams.dec()
+
+    # ---- Encode -----------------------------------------------------------------------------------
+    @staticmethod
+    def _cache_key(req: vocoder_pb2.EncodeRequest, codebooks: int) -> bytes:
+        a = req.audio
+        h = hashlib.blake2b(digest_size=32)
+        h.update(struct.pack("<iiii", int(a.encoding), a.sample_rate, a.channels, codebooks))
+        h.update(a.data)
+        return h.digest()
+
+    def _encode_sync(self, audio: common_pb2.AudioData, codebooks: int) -> common_pb2.IntMatrix:
+        wav, rate = decode_audio(audio)
+        ref = prepare_reference(wav, rate, self.codec.sample_rate, self.codec.channels)
+        with self._encode_lock:
+            codes = self.codec.encode(torch.from_numpy(ref).unsqueeze(0), codebooks)  # [n_q, 1, T]
+        mat = codes[:, 0, :].T.to("cpu", torch.int32).numpy()  # [T, n_q]
+        return common_pb2.IntMatrix(rows=mat.shape[0], cols=mat.shape[1], data=mat.astype("<i4").tobytes())
+
+    async def Encode(self, request, context):
+        max_cb = self.codec.num_codebooks
+        codebooks = request.codebooks or min(DEFAULT_CODEBOOKS, max_cb)
+        if not 1 <= codebooks <= max_cb:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"codebooks={request.codebooks}: this codec encodes 1..{max_cb} codebooks")
+        key = self._cache_key(request, codebooks)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self.metrics.encode_cache_hits.inc()
+            return vocoder_pb2.EncodeResponse(codes=common_pb2.IntMatrix.FromString(self._cache[key]),
+                                              cache_hit=True)
+        self.metrics.encode_cache_misses.inc()
+        try:
+            mat = await asyncio.get_running_loop().run_in_executor(None, self._encode_sync, request.audio, codebooks)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._cache_size > 0:
+            self._cache[key] = mat.SerializeToString()
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return vocoder_pb2.EncodeResponse(codes=mat, cache_hit=False)
+
+    async def Info(self, request, context):
+        return vocoder_pb2.VocoderInfo(codec=self.name, sample_rate=self.codec.sample_rate,
+                                       channels=self.codec.channels, samples_per_frame=self.codec.hop,
+                                       max_codebooks=self.codec.num_codebooks, active_streams=self.active_streams)
+
+
+# ---- startup -----------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50053,
+                        help="gRPC port (default: %(default)s; 0 picks a free port and prints it)")
+    parser.add_argument("--metrics-port", type=int, default=9103,
+                        help="Prometheus /metrics HTTP port on --host (default: %(default)s; 0 disables)")
+    parser.add_argument("--codec", metavar="DIR", default=None,
+                        help="MOSS-Audio-Tokenizer Hugging Face directory (config.json + safetensors). "
+                             "Without it, a random-weight --preset is served")
+    parser.add_argument("--preset", choices=("tiny", "full"), default="tiny",
+                        help="random-weight codec when --codec is not given: tiny = toy v2 for tests, "
+                             "full = full-size v2 shapes with dummy weights (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device where the codec runs: cpu, cuda, cuda:1 "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="codec compute dtype; the quantizer always runs in fp32 (default: %(default)s)")
+    parser.add_argument("--first-chunk-frames", type=int, default=5,
+                        help="frames in a stream's first PCM chunk, for low first-audio latency; a request's "
+                             "start.first_chunk_frames overrides it (default: %(default)s)")
+    parser.add_argument("--chunk-frames", type=int, default=25,
+                        help="frames in every later PCM chunk (25 = 2 s); a request's start.chunk_frames "
+                             "overrides it (default: %(default)s)")
+    parser.add_argument("--encode-cache-size", type=int, default=256,
+                        help="reference encodings kept in the LRU cache (default: %(default)s; 0 disables)")
+    parser.add_argument("--max-batch-streams", type=int, default=1,
+                        help="decode up to this many streams' steps in one forward when they are due together; "
+                             ">1 raises throughput but output then depends on timing at the ~1e-6 level "
+                             "(default: %(default)s, byte-identical)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random --preset weights "
+                        "(default: %(default)s)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="CPU threads for torch ops (default: %(default)s, best for the tiny preset and for GPU "
+                             "serving; 0 = torch's default, all cores)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds open calls get to finish on SIGINT/SIGTERM (default: %(default)s)")
+
+
+def make_codec(args: argparse.Namespace) -> tuple[MossAudioTokenizer, str]:
+    if getattr(args, "torch_threads", 0) > 0:
+        torch.set_num_threads(args.torch_threads)
+    dtype = DTYPES[args.dtype]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if args.codec:
+        return load_codec(args.codec, dtype=dtype, device=args.device), Path(args.codec).name
+    config = tiny_v2() if args.preset == "tiny" else full_v2()
+    codec = build_codec(config, seed=args.seed, dtype=dtype, device=args.device)
+    return codec, f"{config.name} (random weights, seed {args.seed})"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
+    codec, name = make_codec(args)
+    metrics = Metrics()
+    servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
+                               chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
+                               max_batch_streams=args.max_batch_streams, metrics=metrics)
+    # Warm-up: the first real step should not pay one-time allocation costs.
+    codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long))
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    vocoder_pb2_grpc.add_VocoderServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(_host_port(args.host, args.port))
+    if port == 0:
+        raise SystemExit(f"could not bind {_host_port(args.host, args.port)}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    http = None
+    if args.metrics_port:
+        http, _ = start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
+            pass
+    print(f"vocoder ready on {_host_port(args.host, port)}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        # Drain: report NOT_SERVING so balancers move away, let open calls finish, then stop.
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(args.grace)
+        servicer.close()
+        if http is not None:
+            http.shutdown()
+        print("vocoder stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM (blocking)."""
+    asyncio.run(serve(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
