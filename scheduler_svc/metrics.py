@@ -1,0 +1,18 @@
+"""Prometheus metrics of the scheduler (served on --metrics-port)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+QUEUE_DEPTH = Gauge("chorus_queue_depth", "Requests waiting for admission", registry=REGISTRY)
+RUNNING = Gauge("chorus_running_requests", "Requests admitted (prefilling or decoding)", registry=REGISTRY)
+KV_USED = Gauge("chorus_kv_slots_used", "KV slots held by requests", registry=REGISTRY)
+KV_TOTAL = Gauge("chorus_kv_slots_total", "KV slot capacity of the worker", registry=REGISTRY)
+FRAMES = Counter("chorus_frames_generated", "Audio frames generated", registry=REGISTRY)
+REQUESTS = Counter("chorus_requests", "Synthesize calls by outcome", ["outcome"], registry=REGISTRY)
+ABORTED = Counter("chorus_requests_aborted", "Requests dropped because the client went away", registry=REGISTRY)
+STEP_SECONDS = Histogram("chorus_step_seconds", "Worker step round-trip time", registry=REGISTRY,
+                         buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+TTFA_SECONDS = Histogram("chorus_time_to_first_audio_seconds", "Accepted to first audio chunk sent",
+                         registry=REGISTRY, buckets=(.02, .05, .1, .2, .3, .5, 1, 2, 5, 10))
+ACTIVE_STREAMS = Gauge("chorus_active_streams", "Synthesize calls in progress", registry=REGISTRY)

@@ -1,0 +1,130 @@
+"""Checks a SynthesizeRequest at the gRPC edge and resolves its defaults.
+Every message names the field, the value and the allowed range."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from chorus.v1 import tts_pb2, worker_pb2
+from gpu_worker.sampler import derive_sampling_seed
+
+# Model defaults (spec moss_tts_local.md §4.2: the app's recommended values).
+AUDIO_DEFAULTS = dict(temperature=1.7, top_p=0.8, top_k=25, repetition_penalty=1.0)
+TEXT_DEFAULTS = dict(temperature=1.0, top_p=1.0, top_k=50)
+MAX_TEMPERATURE = 100.0
+MAX_CHUNK_FRAMES = 250
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_text_chars: int = 5000
+    max_frames_cap: int = 4096
+    default_max_frames: int = 4096
+    first_chunk_frames: int = 5
+    chunk_frames: int = 25
+
+
+@dataclass
+class ResolvedRequest:
+    sampling: worker_pb2.SamplingConfig
+    max_frames: int
+    min_frames: int
+    first_chunk_frames: int
+    chunk_frames: int
+    output_format: int
+    sample_rate: int
+
+
+def _finite(name: str, v: float) -> float:
+    if not math.isfinite(v):
+        raise InvalidRequest(f"sampling.{name} must be a finite number, got {v}")
+    return v
+
+
+def _temperature(name: str, v: float) -> float:
+    if not 0.0 <= _finite(name, v) <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"sampling.{name} must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {v}")
+    return v
+
+
+def _top_p(name: str, v: float) -> float:
+    if not 0.0 < _finite(name, v) <= 1.0:
+        raise InvalidRequest(f"sampling.{name} must be in (0, 1], got {v}")
+    return v
+
+
+def _top_k(name: str, v: int) -> int:
+    if v < -1:
+        raise InvalidRequest(f"sampling.{name} must be >= -1 (-1 or 0 = off), got {v}")
+    return v
+
+
+def _penalty(name: str, v: float) -> float:
+    if not 0.0 < _finite(name, v) <= 100.0:
+        raise InvalidRequest(f"sampling.{name} must be in (0, 100] (1 = off), got {v}")
+    return v
+
+
+def _pick(s: tts_pb2.SamplingParams, side: str, knob: str, default):
+    """text_/audio_ override, then the plain field, then the model default."""
+    for name in (f"{side}_{knob}", knob):
+        if s.HasField(name):
+            return name, getattr(s, name)
+    return knob, default
+
+
+def resolve_sampling(s: tts_pb2.SamplingParams, min_frames: int) -> worker_pb2.SamplingConfig:
+    checks = dict(temperature=_temperature, top_p=_top_p, top_k=_top_k, repetition_penalty=_penalty)
+    out = {}
+    for side, defaults in (("text", TEXT_DEFAULTS), ("audio", AUDIO_DEFAULTS)):
+        for knob, default in defaults.items():
+            name, value = _pick(s, side, knob, default)
+            out[f"{side}_{knob}"] = checks[knob](name, value)
+    seed = s.seed if s.HasField("seed") else None
+    return worker_pb2.SamplingConfig(
+        text_temperature=out["text_temperature"], text_top_p=out["text_top_p"], text_top_k=out["text_top_k"],
+        audio_temperature=out["audio_temperature"], audio_top_p=out["audio_top_p"],
+        audio_top_k=out["audio_top_k"], audio_repetition_penalty=out["audio_repetition_penalty"],
+        seed=derive_sampling_seed(seed), min_frames=min_frames)
+
+
+def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str]) -> ResolvedRequest:
+    if not req.text.strip():
+        raise InvalidRequest("text is empty: give the words to speak")
+    if len(req.text) > limits.max_text_chars:
+        raise InvalidRequest(f"text has {len(req.text)} characters; the limit is {limits.max_text_chars} "
+                             "(split long text into several requests)")
+    if req.model and req.model not in known_models:
+        raise InvalidRequest(f"model {req.model!r} is not served here; available: {', '.join(known_models)}")
+    max_frames = req.max_frames or min(limits.default_max_frames, limits.max_frames_cap)
+    if not 0 < max_frames <= limits.max_frames_cap:
+        raise InvalidRequest(f"max_frames must be in [1, {limits.max_frames_cap}] (0 = default), "
+                             f"got {req.max_frames}")
+    if not 0 <= req.min_frames <= max_frames:
+        raise InvalidRequest(f"min_frames must be in [0, max_frames={max_frames}], got {req.min_frames}")
+    if not 0 <= req.duration_frames <= limits.max_frames_cap:
+        raise InvalidRequest(f"duration_frames must be in [0, {limits.max_frames_cap}], got {req.duration_frames}")
+    if req.format not in tts_pb2.OutputFormat.values():
+        raise InvalidRequest(f"format {req.format} is unknown; use PCM16, FLOAT32 or WAV")
+    if req.sample_rate and not 8000 <= req.sample_rate <= 192000:
+        raise InvalidRequest(f"sample_rate must be 0 (native) or in [8000, 192000], got {req.sample_rate}")
+    first = req.streaming.first_chunk_frames or limits.first_chunk_frames
+    chunk = req.streaming.chunk_frames or limits.chunk_frames
+    for name, v in (("streaming.first_chunk_frames", req.streaming.first_chunk_frames),
+                    ("streaming.chunk_frames", req.streaming.chunk_frames)):
+        if not 0 <= v <= MAX_CHUNK_FRAMES:
+            raise InvalidRequest(f"{name} must be in [0, {MAX_CHUNK_FRAMES}] (0 = default), got {v}")
+    if req.HasField("continuation"):
+        if req.references:
+            raise InvalidRequest("use either references (voice cloning) or continuation, not both")
+        if not req.continuation.transcript.strip():
+            raise InvalidRequest("continuation.transcript is empty: continuation needs what the audio says")
+    return ResolvedRequest(
+        sampling=resolve_sampling(req.sampling, req.min_frames), max_frames=max_frames,
+        min_frames=req.min_frames, first_chunk_frames=first, chunk_frames=chunk,
+        output_format=req.format or tts_pb2.PCM16, sample_rate=req.sample_rate)
