@@ -1,0 +1,130 @@
+"""Starts the three services as real local processes and stops them.
+
+Used by `chorus up` / `chorus demo` and by the end-to-end tests. Each service
+prints one `... ready on ADDRESS` line when it serves; the launcher waits for
+it (so ephemeral ports work) and relays every line with a prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY = re.compile(r"\bready on (\S+)")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    address: str | None = None
+    lines: list[str] = field(default_factory=list)
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, echo: bool, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1, env=env, start_new_session=True)
+        threading.Thread(target=self._pump, args=(echo,), daemon=True).start()
+
+    def _pump(self, echo: bool) -> None:
+        assert self.proc and self.proc.stdout
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if len(self.lines) > 2000:
+                del self.lines[:1000]
+            if echo:
+                print(f"[{self.name}] {line}", flush=True)
+            m = READY.search(line)
+            if m and not self._ready.is_set():
+                self.address = m.group(1)
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter, which checks the return code
+
+    def wait_ready(self, timeout: float) -> str:
+        if not self._ready.wait(timeout):
+            raise LaunchError(f"{self.name} not ready after {timeout:.0f}s:\n" + "\n".join(self.lines[-30:]))
+        if self.address is None:
+            raise LaunchError(f"{self.name} exited with code {self.proc.poll()}:\n" + "\n".join(self.lines[-30:]))
+        return self.address
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Cluster:
+    """worker + vocoder(s) + scheduler on this machine."""
+
+    worker_args: list[str] = field(default_factory=list)
+    vocoder_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    scheduler_port: int = 0
+    worker_port: int = 0
+    vocoder_ports: list[int] = field(default_factory=lambda: [0])
+    echo: bool = False
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.services[-1].address
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def start(self, timeout: float = 300.0) -> "Cluster":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        py = [sys.executable, "-m"]
+        worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
+                                         *self.worker_args])
+        vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
+                            py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port", "0",
+                                  *self.vocoder_args])
+                    for i, port in enumerate(self.vocoder_ports)]
+        self.services = [worker, *vocoders]
+        try:
+            for s in self.services:
+                s.start(self.echo, env)
+            deadline = time.monotonic() + timeout
+            for s in self.services:
+                s.wait_ready(max(1.0, deadline - time.monotonic()))
+            vocoder_flags = [f for v in vocoders for f in ("--vocoder", v.address)]
+            scheduler = Service("scheduler", py + ["scheduler_svc.server", "--host", self.host, "--port",
+                                                   str(self.scheduler_port), "--worker", worker.address,
+                                                   *vocoder_flags, *self.scheduler_args])
+            self.services.append(scheduler)
+            scheduler.start(self.echo, env)
+            scheduler.wait_ready(max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

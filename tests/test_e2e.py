@@ -1,0 +1,172 @@
+"""The spine, end to end: client → scheduler (gRPC) → worker (ZeroMQ) → scheduler
+→ vocoder (gRPC) → client, all real processes on loopback."""
+
+import io
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chorus.client import channel, synthesize
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
+
+SAMPLES_PER_FRAME = 3840
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    return tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
+
+
+def request(text="Hello from the test suite.", seed=1, frames=12, **kw):
+    req = tts_pb2.SynthesizeRequest(text=text, language="English", min_frames=frames, max_frames=frames, **kw)
+    req.sampling.seed = seed
+    return req
+
+
+def test_health_and_models(cluster, stub):
+    health = health_pb2_grpc.HealthStub(channel(cluster.address))
+    resp = health.Check(health_pb2.HealthCheckRequest(service="chorus.v1.TextToSpeech"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    models = stub.ListModels(tts_pb2.ListModelsRequest()).models
+    assert models[0].sample_rate == 48000 and models[0].channels == 2 and models[0].codebooks == 12
+
+
+def test_three_concurrent_requests_complete(stub):
+    frames = [9, 14, 20]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda f: synthesize(stub, request(seed=f, frames=f), timeout=120), frames))
+    for f, r in zip(frames, results):
+        assert r.header.sample_rate == 48000 and r.header.channels == 2
+        pcm = r.pcm()
+        assert pcm.shape == (f * SAMPLES_PER_FRAME, 2)
+        assert r.summary.frames == f and r.summary.finish_reason == tts_pb2.MAX_FRAMES
+        starts = [c.first_sample for c in r.chunks]
+        assert starts[0] == 0 and starts == sorted(starts)
+        assert r.summary.first_audio_ms > 0 and r.summary.total_ms >= r.summary.first_audio_ms
+        assert np.abs(pcm).max() > 0
+
+
+def test_same_seed_is_byte_identical(stub):
+    a = synthesize(stub, request(seed=42, frames=16, return_codes=True), timeout=120)
+    b = synthesize(stub, request(seed=42, frames=16, return_codes=True), timeout=120)
+    c = synthesize(stub, request(seed=43, frames=16, return_codes=True), timeout=120)
+    assert a.audio_bytes == b.audio_bytes
+    assert np.array_equal(a.code_frames(), b.code_frames()) and a.code_frames().shape == (16, 12)
+    assert not np.array_equal(a.code_frames(), c.code_frames())
+
+
+def test_wav_and_float32_and_resampled_output(stub):
+    wav = synthesize(stub, request(frames=6, format=tts_pb2.WAV), timeout=120)
+    data, rate = sf.read(io.BytesIO(wav.audio_bytes), dtype="int16")
+    assert rate == 48000 and data.shape == (6 * SAMPLES_PER_FRAME, 2)
+    f32 = synthesize(stub, request(frames=6, format=tts_pb2.FLOAT32), timeout=120)
+    assert f32.pcm().dtype == np.float32 and f32.pcm().shape == (6 * SAMPLES_PER_FRAME, 2)
+    low = synthesize(stub, request(frames=6, sample_rate=16000), timeout=120)
+    assert low.header.sample_rate == 16000
+    assert abs(low.pcm().shape[0] - 6 * SAMPLES_PER_FRAME // 3) <= 2
+
+
+BAD = [
+    (dict(text=""), "text"),
+    (dict(text="   \n\t"), "text"),
+    (dict(text="x" * 6000), "5000"),
+    (dict(model="no-such-model"), "model"),
+    (dict(max_frames=-1), "max_frames"),
+    (dict(max_frames=100000), "max_frames"),
+    (dict(min_frames=20, max_frames=10), "min_frames"),
+    (dict(sampling=tts_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
+    (dict(sampling=tts_pb2.SamplingParams(temperature=-1)), "temperature"),
+    (dict(sampling=tts_pb2.SamplingParams(top_p=0)), "top_p"),
+    (dict(sampling=tts_pb2.SamplingParams(top_p=1.5)), "top_p"),
+    (dict(sampling=tts_pb2.SamplingParams(audio_top_k=-5)), "audio_top_k"),
+    (dict(sampling=tts_pb2.SamplingParams(repetition_penalty=0)), "repetition_penalty"),
+    (dict(sample_rate=100), "sample_rate"),
+    (dict(references=[tts_pb2.VoiceReference(audio=common_pb2.AudioData(data=b"not audio at all"))]),
+     "references[0].audio"),
+    (dict(references=[tts_pb2.VoiceReference(codes=common_pb2.IntMatrix(rows=2, cols=5, data=bytes(40)))]),
+     "references[0].codes"),
+]
+
+
+@pytest.mark.parametrize("fields,needle", BAD, ids=[n for _, n in BAD])
+def test_bad_input_is_invalid_argument(stub, fields, needle):
+    base = dict(text="Fine text.", max_frames=4)
+    base.update(fields)
+    with pytest.raises(grpc.RpcError) as e:
+        synthesize(stub, tts_pb2.SynthesizeRequest(**base), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert needle in e.value.details()
+
+
+def test_unknown_voice_id_is_not_found(stub):
+    req = request(frames=4)
+    req.references.add(voice_id="nobody")
+    with pytest.raises(grpc.RpcError) as e:
+        synthesize(stub, req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_voice_reference_audio_is_encoded_and_used(stub):
+    t = np.arange(48000) / 48000
+    buf = io.BytesIO()
+    sf.write(buf, 0.3 * np.sin(2 * np.pi * 220 * t), 48000, format="WAV")
+    voice = stub.CreateVoice(tts_pb2.CreateVoiceRequest(audio=common_pb2.AudioData(data=buf.getvalue())))
+    assert voice.frames == 12
+    req = request(frames=5)
+    req.references.add(voice_id=voice.voice_id)
+    r = synthesize(stub, req, timeout=120)
+    assert r.summary.prompt_rows > synthesize(stub, request(frames=5), timeout=120).summary.prompt_rows
+
+
+def _metric(cluster, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _worker_active(cluster) -> int:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.service("worker").address)
+    sock.send(worker_pb2.WorkerCommand(stats=worker_pb2.StatsRequest()).SerializeToString())
+    assert sock.poll(10000)
+    event = worker_pb2.WorkerEvent.FromString(sock.recv())
+    sock.close()
+    return event.stats.active_requests
+
+
+def _vocoder_active(cluster) -> int:
+    stub = vocoder_pb2_grpc.VocoderStub(channel(cluster.service("vocoder").address))
+    return stub.Info(vocoder_pb2.VocoderInfoRequest()).active_streams
+
+
+def test_cancelled_stream_leaves_nothing_held(cluster, stub):
+    for cancel_after in (0, 1, 3):
+        call = stub.Synthesize(request(frames=400, seed=cancel_after), timeout=120)
+        seen = 0
+        for resp in call:
+            if resp.HasField("audio"):
+                seen += 1
+            if seen >= cancel_after and not resp.HasField("header"):
+                break
+        call.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        held = (_metric(cluster, "chorus_kv_slots_used"), _metric(cluster, "chorus_running_requests"),
+                _worker_active(cluster), _vocoder_active(cluster))
+        if held == (0, 0, 0, 0):
+            break
+        time.sleep(0.2)
+    assert held == (0, 0, 0, 0), f"kv used, running, worker states, vocoder streams = {held}"
+    # and it still serves
+    assert synthesize(stub, request(frames=3), timeout=60).summary.frames == 3
