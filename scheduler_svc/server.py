@@ -28,8 +28,9 @@ from chorus.prompt import build_prompt_rows
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, worker_pb2
 from scheduler_svc import metrics
+from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, QueueFull, Request, Scheduler, rows_matrix
+from scheduler_svc.scheduler import QueueFull, Request, Scheduler
 from scheduler_svc.validation import InvalidRequest, Limits, validate
 from scheduler_svc.vocoder_client import VocoderPool
 from scheduler_svc.worker_client import WorkerClient
@@ -37,12 +38,6 @@ from scheduler_svc.worker_client import WorkerClient
 log = logging.getLogger("chorus.scheduler")
 SERVICE_NAME = "chorus.v1.TextToSpeech"
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
-
-
-class SynthesisFailed(RuntimeError):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class VoiceStore:
@@ -74,6 +69,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.limits = limits
         self.codec = codec
         self.voices = VoiceStore()
+        self.relay = AudioRelay(vocoders, codec, cfg.n_vq)
 
     # ---- references ------------------------------------------------------------
     async def _encode_audio(self, audio: common_pb2.AudioData, field: str) -> np.ndarray:
@@ -149,29 +145,18 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                  resolved.max_frames)
         output = AudioOutput(self.codec.sample_rate, self.codec.channels, resolved.sample_rate or
                              self.codec.sample_rate, resolved.output_format)
-        replica = self.vocoders.pick()
-        replica.open_streams += 1
-        call = replica.stub.Decode()
-        out_q: asyncio.Queue = asyncio.Queue()
-        feeder = asyncio.create_task(self._feed(req, call, out_q, request.return_codes, resolved))
-        reader = asyncio.create_task(self._read(call, output, out_q))
         first_audio = None
         try:
             yield tts_pb2.SynthesizeResponse(header=tts_pb2.StreamHeader(
                 request_id=request_id, model=self.cfg.name, sample_rate=output.out_rate,
                 channels=self.codec.channels, format=resolved.output_format,
                 samples_per_frame=self.codec.samples_per_frame * output.out_rate // self.codec.sample_rate))
-            while True:
-                item = await out_q.get()
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    raise item
-                if item.HasField("audio") and first_audio is None:
+            async for item in self.relay.stream(req, output, resolved.first_chunk_frames, resolved.chunk_frames,
+                                                request.return_codes):
+                if first_audio is None and item.HasField("audio"):
                     first_audio = time.monotonic()
                     metrics.TTFA_SECONDS.observe(first_audio - req.t_accepted)
                 yield item
-            await feeder  # surfaces a failure the reader could not see
             now = time.monotonic()
             ms = lambda t: (t - req.t_accepted) * 1e3 if t else 0.0  # noqa: E731
             metrics.REQUESTS.labels("ok").inc()
@@ -182,55 +167,6 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 prompt_rows=req.prompt_len, cached_prompt_rows=0))
         finally:
             self.scheduler.abort(req)
-            for t in (feeder, reader):
-                t.cancel()
-            call.cancel()
-            replica.open_streams -= 1
-
-    async def _feed(self, req: Request, call, out_q: asyncio.Queue, return_codes: bool, resolved) -> None:
-        """Scheduler events → vocoder stream (and code chunks to the client)."""
-        try:
-            await call.write(vocoder_pb2.DecodeRequest(start=vocoder_pb2.DecodeStart(
-                stream_id=str(req.id), first_chunk_frames=resolved.first_chunk_frames,
-                chunk_frames=resolved.chunk_frames, codebooks=self.cfg.n_vq)))
-            while True:
-                event = await req.events.get()
-                if isinstance(event, FrameEvent):
-                    codes = event.row[None, 1:]
-                    await call.write(vocoder_pb2.DecodeRequest(frames=rows_matrix(codes)))
-                    if return_codes:
-                        out_q.put_nowait(tts_pb2.SynthesizeResponse(codes=tts_pb2.CodesChunk(
-                            first_frame=event.index, codes=rows_matrix(codes))))
-                elif isinstance(event, FinishEvent):
-                    await call.write(vocoder_pb2.DecodeRequest(end=True))
-                    await call.done_writing()
-                    return
-                elif isinstance(event, ErrorEvent):
-                    raise SynthesisFailed(grpc.StatusCode.INTERNAL, event.message)
-        except grpc.aio.AioRpcError as e:
-            out_q.put_nowait(SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder stream failed: {e.details()}"))
-        except SynthesisFailed as e:
-            out_q.put_nowait(e)
-
-    async def _read(self, call, output: AudioOutput, out_q: asyncio.Queue) -> None:
-        """Vocoder PCM → client chunks, in order; None marks the end."""
-        try:
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                pcm = np.frombuffer(resp.pcm, dtype="<f4").reshape(-1, self.codec.channels)
-                chunk = output.convert(pcm)
-                if chunk is not None:
-                    out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=chunk))
-            tail = output.flush()
-            if tail is not None:
-                out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=tail))
-            out_q.put_nowait(None)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                out_q.put_nowait(SynthesisFailed(grpc.StatusCode.UNAVAILABLE,
-                                                 f"vocoder stream failed: {e.details()}"))
 
     # ---- models and voices ---------------------------------------------------------
     async def ListModels(self, request, context):

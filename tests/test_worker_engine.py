@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from chorus.prompt import build_prompt_rows
 from chorus.tokenizer import load_tokenizer
