@@ -7,7 +7,19 @@ upstream state-dict names, so a checkpoint loads by name.
 
 Dtype policy: every tensor computes in the model dtype (bf16 for serving,
 float32/float64 for CPU parity tests); logits are promoted to ≥ fp32 before
-sampling; RoPE tables are built in fp32 as upstream does, then cast.
+sampling; RMSNorm normalises in ≥ fp32 and casts before the weight multiply;
+local attention scores/softmax run in ≥ fp32. RoPE inv_freq is computed on the
+CPU in fp32 (fp32 exponent, fp32 power), angles pos·inv_freq in fp32, then
+cos/sin are cast to the activation dtype; the tables are fp32 buffers that
+follow the module's device but never its dtype (`model.to(torch.bfloat16)`
+must not round inv_freq).
+
+Fidelity notes (spec §3): backbone RoPE is half-split (NeoX) after QK-norm;
+the local transformer's is interleaved (GPT-J) on all head dims, with each
+product rounded before the sum; ln_f runs once after the last local block; the
+stop head reads local position 0 and audio head k local position k (tied to
+Eaudio_k); code k is fed back at local position k+1 and the last code never;
+sampler positions are n·(n_vq+1) + channel (13n + channel for v1.5).
 """
 
 from __future__ import annotations
@@ -29,9 +41,37 @@ def _promote(x: Tensor) -> Tensor:
 
 
 def rope_inv_freq(base: float, dim: int) -> Tensor:
-    """inv_freq[i] = 1 / base^(2i/dim), with an fp32 exponent and fp32 power (spec §3.2.3)."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-    return 1.0 / torch.tensor(base, dtype=torch.float32).pow(exponent)
+    """inv_freq[i] = 1 / base^(2i/dim) for i < dim/2, with an fp32 exponent and an
+    fp32 power, computed on the CPU as upstream does (spec §3.2.3). A float64
+    table rounded to fp32 differs by one ulp in about a third of the entries."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    return 1.0 / (float(base) ** exponent)
+
+
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table created zeroed (weights come from a checkpoint or
+    init_random_weights). Skips nn.Embedding's normal_ init, whose first call on
+    the meta device costs seconds of one-time setup."""
+    return nn.Embedding(rows, dim, _weight=torch.zeros(rows, dim))
+
+
+class _Fp32Tables(nn.Module):
+    """Holds RoPE tables as non-persistent fp32 buffers that follow the module's
+    device but never its dtype: `model.to(torch.bfloat16)` would otherwise round
+    inv_freq to bf16 and move every angle. The tables are rebuilt from the CPU
+    fp32 originals after every `_apply` (`.to`, `.cuda`, `.half`, `to_empty`)."""
+
+    def _register_tables(self, **tables: Tensor) -> None:
+        self._table_src = {name: t.to(torch.float32) for name, t in tables.items()}
+        device = torch.empty(0).device  # the construction device (e.g. under `with torch.device("meta")`)
+        for name, t in self._table_src.items():
+            self.register_buffer(name, t.to(device, copy=True), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, src in self._table_src.items():
+            setattr(self, name, src.to(getattr(self, name).device))
+        return self
 
 
 # ---------------------------------------------------------------------------
@@ -106,19 +146,23 @@ class Qwen3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3Backbone(nn.Module):
+class Qwen3Backbone(_Fp32Tables):
     def __init__(self, cfg: BackboneConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_theta, cfg.head_dim), persistent=False)
+        self._register_tables(inv_freq=rope_inv_freq(cfg.rope_theta, cfg.head_dim))
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, head_dim/2]: angle = pos * inv_freq in fp32, then cast to the activation dtype."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, x: Tensor, batch: AttentionBatch, backend: AttentionBackend) -> Tensor:
         """x: [N, hidden] packed tokens of every sequence in the step → final-norm hidden [N, hidden]."""
-        angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, batch, backend)
         return self.norm(x)
@@ -148,8 +192,10 @@ class LocalAttention(nn.Module):
             q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
         cache[0] = torch.cat([cache[0], k[:, :, None]], dim=2)
         cache[1] = torch.cat([cache[1], v[:, :, None]], dim=2)
-        scores = torch.einsum("bhd,bhpd->bhp", q, cache[0]) * (self.head_dim ** -0.5)
-        probs = torch.softmax(_promote(scores), dim=-1).to(x.dtype)
+        # Scores and softmax in >= fp32 (as flash/SDPA kernels keep them); probabilities are cast
+        # back to the activation dtype for the weighted sum of V. No-ops in fp32/fp64.
+        scores = torch.einsum("bhd,bhpd->bhp", _promote(q), _promote(cache[0])) * (self.head_dim ** -0.5)
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)
         o = torch.einsum("bhp,bhpd->bhd", probs, cache[1])
         return self.c_proj(o.reshape(b, hdim))
 
@@ -177,7 +223,7 @@ class LocalBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class LocalTransformer(nn.Module):
+class LocalTransformer(_Fp32Tables):
     def __init__(self, cfg: LocalConfig, positions: int):
         super().__init__()
         self.cfg = cfg
@@ -185,11 +231,12 @@ class LocalTransformer(nn.Module):
         self.h = nn.ModuleList(LocalBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         if not self.use_rope:
-            self.wpe = nn.Embedding(positions, cfg.n_embd)
+            self.wpe = _embedding(positions, cfg.n_embd)
+        # ang[p, i] = p * inv_freq[i] in fp32; dims 2i and 2i+1 share angle i (interleaved).
         inv = rope_inv_freq(cfg.rope_base, cfg.head_dim)
-        angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos_table", angles.cos().repeat_interleave(2, dim=-1), persistent=False)
-        self.register_buffer("sin_table", angles.sin().repeat_interleave(2, dim=-1), persistent=False)
+        angles = torch.arange(positions, dtype=torch.float32, device="cpu")[:, None] * inv[None, :]
+        self._register_tables(cos_table=angles.cos().repeat_interleave(2, dim=-1),
+                              sin_table=angles.sin().repeat_interleave(2, dim=-1))
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> list[list[Tensor]]:
         empty = torch.empty(batch, self.cfg.n_head, 0, self.cfg.head_dim, dtype=dtype, device=device)
@@ -234,12 +281,14 @@ class MossTTSLocal(nn.Module):
         self.transformer = Qwen3Backbone(cfg.backbone)
         self.local_transformer = LocalTransformer(cfg.local, positions=cfg.n_vq + 1)
         self.audio_embeddings = nn.ModuleList(
-            nn.Embedding(cfg.audio_vocab_size, cfg.hidden_size) for _ in range(cfg.n_vq))
+            _embedding(size, cfg.hidden_size) for size in cfg.codebook_sizes)
         self.local_text_lm_head = nn.Linear(cfg.hidden_size, 2, bias=False)
 
     # -- §3.1 --------------------------------------------------------------
     def embed_rows(self, rows: Tensor) -> Tensor:
-        """rows: int [T, 1 + n_vq] → [T, hidden]. Pad code embeds to exactly zero."""
+        """rows: int [T, 1 + n_vq] → [T, hidden]. Pad code embeds to exactly zero, never
+        indexing a table (it is out of range); the text channel is never masked, so a
+        pad row embeds to exactly Etext[text_id]."""
         e = self.transformer.embed_tokens(rows[:, 0])
         pad = self.cfg.audio_pad_code
         for k, table in enumerate(self.audio_embeddings):  # order text, c0..c11 matters in bf16
@@ -270,12 +319,13 @@ class MossTTSLocal(nn.Module):
         stop = stop & (sp.generation_step >= sp.min_frames)
         codes = []
         for k, table in enumerate(self.audio_embeddings):
-            logits = _promote(l @ table.weight.T)  # tied head
+            logits = _promote(F.linear(l, table.weight))  # head k is tied to Eaudio_k, reads local position k
             if sp.presence is not None:
-                logits = apply_repetition_penalty(logits, sp.presence[:, k], sp.audio_penalty)
+                presence = sp.presence[:, k, :logits.shape[-1]]
+                logits = apply_repetition_penalty(logits, presence, sp.audio_penalty)
             c = sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base + k + 1)
             codes.append(c)
-            if k + 1 < self.cfg.n_vq:
+            if k + 1 < self.cfg.n_vq:  # code k is fed back at local position k+1; the last never is
                 l = lt.step(table(c), k + 1, cache)
         return torch.stack(codes, dim=1), stop
 
@@ -286,16 +336,24 @@ class MossTTSLocal(nn.Module):
 
 
 def init_random_weights(model: MossTTSLocal, seed: int) -> None:
-    """Deterministic random weights (tiny presets and `--load-format dummy`)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Deterministic random weights (tiny presets and `--load-format dummy`),
+    generated on the parameters' own device (fast on CUDA; a given seed gives
+    the same weights on every CPU, and on every GPU of a kind, but the CPU and
+    CUDA generators differ)."""
+    gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
+            if p.device not in gens:
+                gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            gen = gens[p.device]
+            dt = torch.float32 if p.device.type == "cpu" else p.dtype
+            randn = torch.randn(p.shape, generator=gen, device=p.device, dtype=dt)
             if name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight")):
-                vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                vals = randn.mul_(0.1).add_(1.0)
             elif name.endswith("bias"):
-                vals = 0.02 * torch.randn(p.shape, generator=gen)
+                vals = randn.mul_(0.02)
             elif "embed" in name:
-                vals = torch.randn(p.shape, generator=gen) * 0.5
+                vals = randn.mul_(0.5)
             else:
-                vals = torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5)
-            p.copy_(vals.to(p.dtype))
+                vals = randn.div_(p.shape[-1] ** 0.5)
+            p.copy_(vals)
