@@ -44,6 +44,8 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.steps = 0
+        self.prefill_rows = 0
+        self.decode_rows = 0
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
@@ -67,6 +69,7 @@ class Engine:
                 self.pool.record_history(state.row, rows[max(0, state.prompt_length - first_pos):, 1:])
             state.kv_slots.extend(item.kv_slots)
             embeds.append(self.model.embed_rows(rows))
+            self.prefill_rows += rows.shape[0]
             spans.append(SequenceSpan(list(state.kv_slots), rows.shape[0]))
             if item.last_chunk:
                 sample_at.append(len(spans) - 1)
@@ -80,6 +83,7 @@ class Engine:
                 continue
             state.kv_slots.append(item.kv_slot)
             embeds.append(self.pool.feedback[state.row][None])
+            self.decode_rows += 1
             spans.append(SequenceSpan(list(state.kv_slots), 1))
             sample_at.append(len(spans) - 1)
             samplers.append((item.request_id, state))

@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> None:
             elif kind == "stats":
                 reply.stats.active_requests = len(engine.pool)
                 reply.stats.steps = engine.steps
+                reply.stats.prefill_rows = engine.prefill_rows
+                reply.stats.decode_rows = engine.decode_rows
             elif kind == "step":
                 try:
                     reply.journal.CopyFrom(engine.execute(cmd.step))

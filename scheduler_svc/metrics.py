@@ -6,7 +6,7 @@ REGISTRY = CollectorRegistry()
 
 QUEUE_DEPTH = Gauge("chorus_queue_depth", "Requests waiting for admission", registry=REGISTRY)
 RUNNING = Gauge("chorus_running_requests", "Requests admitted (prefilling or decoding)", registry=REGISTRY)
-KV_USED = Gauge("chorus_kv_slots_used", "KV slots held by requests", registry=REGISTRY)
+KV_USED = Gauge("chorus_kv_slots_used", "KV slots held by running requests (not the cache)", registry=REGISTRY)
 KV_TOTAL = Gauge("chorus_kv_slots_total", "KV slot capacity of the worker", registry=REGISTRY)
 FRAMES = Counter("chorus_frames_generated", "Audio frames generated", registry=REGISTRY)
 REQUESTS = Counter("chorus_requests", "Synthesize calls by outcome", ["outcome"], registry=REGISTRY)
@@ -16,3 +16,11 @@ STEP_SECONDS = Histogram("chorus_step_seconds", "Worker step round-trip time", r
 TTFA_SECONDS = Histogram("chorus_time_to_first_audio_seconds", "Accepted to first audio chunk sent",
                          registry=REGISTRY, buckets=(.02, .05, .1, .2, .3, .5, 1, 2, 5, 10))
 ACTIVE_STREAMS = Gauge("chorus_active_streams", "Synthesize calls in progress", registry=REGISTRY)
+KV_CACHED = Gauge("chorus_kv_slots_cached", "KV slots held by the radix cache", registry=REGISTRY)
+KV_FREE = Gauge("chorus_kv_slots_free", "KV slots free", registry=REGISTRY)
+RADIX_HIT_ROWS = Counter("chorus_radix_hit_rows", "Prompt rows served from the radix cache", registry=REGISTRY)
+RADIX_HIT_RATE = Gauge("chorus_radix_hit_rate", "Radix cache hit rate (rows hit / rows queried)",
+                       registry=REGISTRY)
+RETRACTIONS = Counter("chorus_retractions", "Requests retracted under KV pressure", registry=REGISTRY)
+LOOKAHEAD_STEPS = Counter("chorus_lookahead_steps", "Steps sent before the previous journal returned",
+                          registry=REGISTRY)

@@ -1,10 +1,21 @@
 """Request lifecycle and continuous batching.
 
-One asyncio task turns the waiting queue and the running set into a
-StepPlan per step, sends it to the worker, and applies the journal: each
-sampled row goes to its request's event queue, stops and budgets finish
-requests, and finished or aborted requests are released on the worker in
-the next plan. Every generated row is kept on the request until it ends.
+One asyncio task turns the waiting queue and the running set into StepPlans,
+sends them to the worker, and applies the journals: each sampled row goes to
+its request's event queue, stops and budgets finish requests, and finished,
+aborted or retracted requests are released on the worker in the next plan.
+
+KV: every row of a request lives in one slot. A prefix may come from the
+radix cache (locked while the request runs); the rest is the request's own,
+allocated a page at a time as it grows. When a decode step cannot get a page,
+the cache is evicted first, then requests are retracted (fewest frames first):
+their rows go back to the cache, and they re-prefill prompt + output later and
+resume at the same frame. Seeded sampling depends only on (seed, frame,
+channel), so none of this changes a request's frames.
+
+Lookahead: with it on, the next plan is sent before the previous journal
+returns; a request that stopped in step N is skipped by the worker in N+1, and
+its late results are discarded here.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import numpy as np
 from chorus.v1 import common_pb2, worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.kv_allocator import KVSlotAllocator
+from scheduler_svc.radix_cache import RadixCache, RadixNode
+from scheduler_svc.row_keys import prompt_row_key, prompt_row_keys
 from scheduler_svc.worker_client import WorkerClient
 
 log = logging.getLogger("chorus.scheduler")
@@ -54,17 +67,27 @@ class ErrorEvent:
     message: str
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared as objects, never by value
 class Request:
     prompt_rows: np.ndarray            # [T, 1 + n_vq] int32
     sampling: worker_pb2.SamplingConfig
     max_frames: int
     id: int = 0
     phase: Phase = Phase.WAITING
-    kv_slots: list[int] = field(default_factory=list)
-    prefilled: int = 0                 # prompt rows sent to the worker so far
     frames: list[np.ndarray] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # radix key of every row: prompt, then frames
+    # KV of the current admission
+    kv_slots: list[int] = field(default_factory=list)  # slot of row p at index p (+ spare tail)
+    prefix_node: RadixNode | None = None  # locked radix match
+    cached_len: int = 0                # rows served by the cache (slots owned by the cache)
+    prefill_len: int = 0               # rows to prefill in this admission
+    rows_sent: int = 0                 # rows whose KV write has been planned
+    rows_written: int = 0              # rows whose KV write has been journaled
+    frames_planned: int = 0            # frames the worker will have sampled once in-flight steps land
     holds_worker_state: bool = False
+    # reporting
+    cached_prompt_rows: int = 0
+    retractions: int = 0
     finish_reason: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_accepted: float = field(default_factory=time.monotonic)
@@ -74,24 +97,57 @@ class Request:
     def prompt_len(self) -> int:
         return self.prompt_rows.shape[0]
 
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the sequence prompt + frames."""
+        t = self.prompt_len
+        parts = []
+        if start < t:
+            parts.append(self.prompt_rows[start:min(stop, t)])
+        if stop > t:
+            parts.append(np.stack(self.frames[max(start, t) - t:stop - t]))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
 
 def rows_matrix(rows: np.ndarray) -> common_pb2.IntMatrix:
     arr = np.ascontiguousarray(rows, dtype="<i4")
     return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
 
 
+@dataclass
+class SchedulerConfig:
+    max_queue: int = 256
+    max_running: int = 64
+    prefill_chunk: int = 512       # prompt rows per step, all requests together; 0 = unlimited
+    page_size: int = 1
+    radix_cache: bool = True
+    lookahead: bool = True
+    lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
+    cache_key: str = ""            # model/codec identity: requests under other keys never share KV
+
+
+@dataclass
+class _InFlight:
+    plan: worker_pb2.StepPlan
+    future: asyncio.Future
+    writes: dict[int, int]         # request id -> rows whose KV this plan writes
+
+
+class _NeedsDrain(Exception):
+    """KV is short and only retraction would help: wait for in-flight steps first."""
+
+
 class Scheduler:
-    def __init__(self, worker: WorkerClient, hello: worker_pb2.Hello, *, max_queue: int = 256,
-                 max_running: int | None = None, prefill_chunk: int = 512):
+    def __init__(self, worker: WorkerClient, hello: worker_pb2.Hello, config: SchedulerConfig):
         self.worker = worker
         self.hello = hello
-        self.kv = KVSlotAllocator(hello.kv_slots)
-        self.max_queue = max_queue
-        self.max_running = min(max_running or hello.max_batch, hello.max_batch)
-        self.prefill_chunk = prefill_chunk
+        self.config = config
+        self.kv = KVSlotAllocator(hello.kv_slots, config.page_size)
+        self.cache = RadixCache(self.kv)
+        self.max_running = min(config.max_running, hello.max_batch)
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}   # admitted: prefilling or decoding
+        self.running: dict[int, Request] = {}
         self.pending_release: list[int] = []
+        self.inflight: deque[_InFlight] = deque()
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -106,136 +162,268 @@ class Scheduler:
             self._task.cancel()
 
     def submit(self, req: Request) -> Request:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry later")
         req.id = next(self._ids)
+        req.keys = prompt_row_keys(req.prompt_rows).tolist()
         self.waiting.append(req)
-        metrics.QUEUE_DEPTH.set(len(self.waiting))
+        self._update_gauges()
         self._wakeup.set()
         return req
 
     def abort(self, req: Request) -> None:
-        """Client went away: drop the request wherever it is; idempotent."""
+        """The client went away: drop the request wherever it is. Idempotent."""
         if req.phase is Phase.DONE:
             return
         if req.phase is Phase.WAITING:
             self.waiting.remove(req)
             req.phase = Phase.DONE
-            metrics.QUEUE_DEPTH.set(len(self.waiting))
+            self._update_gauges()
             return
         self._finish(req, None)
         metrics.ABORTED.inc()
 
-    def kv_budget(self, prompt_len: int, max_frames: int) -> int:
-        """Rows a request occupies at most: the prompt plus every fed-back frame."""
-        return prompt_len + max_frames - 1
+    def fits(self, prompt_len: int) -> bool:
+        """Whether a prompt could ever be admitted (with the whole cache free)."""
+        return self.kv.pages_for(prompt_len + 1) <= self.kv.num_pages
 
     # ---- the loop --------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            plan = self._build_plan()
-            if not (plan.prefill or plan.decode or plan.release):
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            in_plan = [self.running[i.request_id] for i in plan.prefill if i.request_id in self.running]
-            in_plan += [self.running[i.request_id] for i in plan.decode if i.request_id in self.running]
-            t0 = time.monotonic()
             try:
-                journal = await self.worker.step(plan)
-            except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
-                log.error("worker step failed: %s", e)
-                for req in in_plan:
-                    self._fail(req, f"worker unavailable: {e}")
-                continue
-            metrics.STEP_SECONDS.observe(time.monotonic() - t0)
-            if journal.error:
-                log.error("step %d failed on the worker: %s", plan.step_id, journal.error)
-                for req in in_plan:
-                    self._fail(req, f"worker step failed: {journal.error}", released=True)
-                continue
-            self._apply(journal)
+                await self._iterate()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a scheduler bug must not silently hang every client
+                log.exception("scheduler loop failed; failing the running requests")
+                for req in list(self.running.values()):
+                    self._finish(req, None)
+                    req.events.put_nowait(ErrorEvent("internal scheduler error; see the scheduler log"))
+                await asyncio.sleep(0.1)
 
-    def _build_plan(self) -> worker_pb2.StepPlan:
-        plan = worker_pb2.StepPlan(step_id=next(self._step_ids), release=self.pending_release)
-        self.pending_release = []
-        for req in self.running.values():
-            if req.phase is Phase.DECODE:
-                slot = req.kv_slots[req.prompt_len + len(req.frames) - 1]
-                plan.decode.add(request_id=req.id, kv_slot=slot)
+    async def _iterate(self) -> None:
+        """One turn: send a plan if the pipeline has room, then wait for a journal or for work."""
+        depth = 2 if self.config.lookahead else 1
+        sent = False
+        if len(self.inflight) < depth:
+            try:
+                sent = self._send(self._build_plan())
+            except _NeedsDrain:
+                pass
+        if sent and len(self.inflight) < depth and self._lookahead_eligible():
+            return  # overlap: build step N+1 while step N runs
+        if self.inflight:
+            await self._receive(self.inflight.popleft())
+        elif not sent:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _lookahead_eligible(self) -> bool:
+        last = self.inflight[-1].plan
+        return len(last.decode) + len(last.prefill) <= self.config.lookahead_max_batch and bool(self.running)
+
+    def _send(self, built: tuple[worker_pb2.StepPlan, dict[int, int]] | None) -> bool:
+        if built is None:
+            return False
+        plan, writes = built
+        if self.inflight:
+            metrics.LOOKAHEAD_STEPS.inc()
+        fut = asyncio.ensure_future(self.worker.step(plan))
+        self.inflight.append(_InFlight(plan, fut, writes))
+        return True
+
+    async def _receive(self, step: _InFlight) -> None:
+        t0 = time.monotonic()
+        try:
+            journal = await step.future
+        except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
+            log.error("worker step failed: %s", e)
+            self._fail_step(step, f"worker unavailable: {e}")
+            return
+        metrics.STEP_SECONDS.observe(time.monotonic() - t0)
+        if journal.error:
+            log.error("step %d failed on the worker: %s", step.plan.step_id, journal.error)
+            self._fail_step(step, f"worker step failed: {journal.error}")
+            return
+        self._apply(journal, step.writes)
+
+    # ---- planning --------------------------------------------------------------
+    def _build_plan(self) -> tuple[worker_pb2.StepPlan, dict[int, int]] | None:
+        decoders = [r for r in self.running.values()
+                    if r.phase is Phase.DECODE or (r.phase is Phase.PREFILL and r.rows_sent == r.prefill_len)]
+        decoders = [r for r in decoders if 0 < r.frames_planned < r.max_frames]
+        self._reserve_decode_pages(decoders)
+        plan = worker_pb2.StepPlan(step_id=next(self._step_ids))
+        writes: dict[int, int] = {}
+        for req in decoders:
+            pos = req.rows_sent
+            if pos >= len(req.kv_slots):
+                req.kv_slots += self.kv.alloc(1)
+            plan.decode.add(request_id=req.id, kv_slot=req.kv_slots[pos])
+            req.rows_sent += 1
+            req.frames_planned += 1
+            writes[req.id] = 1
         self._admit()
-        budget = self.prefill_chunk
+        budget = self.config.prefill_chunk or 1 << 30
         for req in self.running.values():
-            if req.phase is not Phase.PREFILL or budget <= 0 or req.prefilled >= req.prompt_len:
+            if req.phase is not Phase.PREFILL or req.rows_sent >= req.prefill_len or budget <= 0:
                 continue
-            start = req.prefilled
-            n = min(budget, req.prompt_len - start)
-            item = plan.prefill.add(request_id=req.id, first_chunk=start == 0,
-                                    last_chunk=start + n == req.prompt_len,
+            start = req.rows_sent
+            n = min(budget, req.prefill_len - start)
+            first = start == req.cached_len
+            item = plan.prefill.add(request_id=req.id, first_chunk=first, last_chunk=start + n == req.prefill_len,
                                     generation_step=len(req.frames))
-            item.rows.CopyFrom(rows_matrix(req.prompt_rows[start:start + n]))
+            item.rows.CopyFrom(rows_matrix(req.rows(start, start + n)))
             item.kv_slots.extend(req.kv_slots[start:start + n])
-            if start == 0:
+            if first:
+                item.prefix_slots.extend(req.kv_slots[:start])
                 item.sampling.CopyFrom(req.sampling)
                 item.prompt_length = req.prompt_len
-            req.prefilled += n
+            req.rows_sent += n
+            writes[req.id] = n
+            if item.last_chunk:
+                req.frames_planned += 1
             budget -= n
             if req.t_scheduled is None:
                 req.t_scheduled = time.monotonic()
-        return plan
+        plan.release.extend(self.pending_release)
+        self.pending_release = []
+        self._update_gauges()
+        if not (plan.prefill or plan.decode or plan.release):
+            return None
+        return plan, writes
+
+    def _reserve_decode_pages(self, decoders: list[Request]) -> None:
+        """Make room for every decoder that needs a new page this step: evict the
+        cache, then (with nothing in flight) retract the requests with fewest frames."""
+        need = sum(1 for r in decoders if r.rows_sent >= len(r.kv_slots)) * self.kv.page_size
+        if self.kv.free_slots >= need or self.cache.ensure_free(need):
+            return
+        if self.inflight:
+            raise _NeedsDrain
+        victims = sorted(self.running.values(), key=lambda r: (len(r.frames), -r.id))
+        while self.kv.free_slots < need and victims:
+            victim = victims.pop(0)
+            if victim in decoders and victim.rows_sent >= len(victim.kv_slots):
+                need -= self.kv.page_size
+            if victim in decoders:
+                decoders.remove(victim)
+            self._retract(victim)
+            self.cache.ensure_free(need)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            need = self.kv_budget(req.prompt_len, req.max_frames)
-            if need > self.kv.free_slots:
-                break  # FIFO: wait for running requests to free slots
+            total = req.prompt_len + len(req.frames)
+            match = None
+            if self.config.radix_cache:
+                # Never match the last row: its hidden state is what samples the next frame.
+                match = self.cache.match_prefix(req.keys[:total - 1], self.config.cache_key)
+                self.cache.lock(match.node)  # before any eviction below can take it
+            cached = match.length if match else 0
+            # Keep a page per running request in reserve so admission never starves decodes.
+            reserve = len(self.running) * self.kv.page_size
+            fits = self.cache.ensure_free(total - cached + reserve) or (
+                not self.running and not self.inflight and self.cache.ensure_free(total - cached))
+            if not fits:
+                if match:
+                    self.cache.unlock(match.node)
+                break  # FIFO: wait for running requests to finish or be retracted
             self.waiting.popleft()
-            req.kv_slots = self.kv.alloc(need)
+            req.prefix_node = match.node if match else None
+            req.kv_slots = (match.slots if match else []) + self.kv.alloc(total - cached)
+            req.cached_len = req.rows_sent = req.rows_written = cached
+            req.prefill_len = total
+            req.frames_planned = len(req.frames)
+            if req.retractions == 0:
+                req.cached_prompt_rows = cached
+                metrics.RADIX_HIT_ROWS.inc(cached)
             req.phase = Phase.PREFILL
             req.holds_worker_state = True
             self.running[req.id] = req
-        metrics.QUEUE_DEPTH.set(len(self.waiting))
-        metrics.RUNNING.set(len(self.running))
-        metrics.KV_USED.set(self.kv.used_slots)
 
-    def _apply(self, journal: worker_pb2.Journal) -> None:
+    # ---- journals --------------------------------------------------------------
+    def _apply(self, journal: worker_pb2.Journal, writes: dict[int, int]) -> None:
+        for rid, n in writes.items():
+            req = self.running.get(rid)
+            if req is not None:
+                req.rows_written += n
         if journal.request_ids:
             rows = np.frombuffer(journal.rows.data, dtype="<i4").reshape(journal.rows.rows, journal.rows.cols)
         for i, rid in enumerate(journal.request_ids):
             req = self.running.get(rid)
-            if req is None or req.phase is Phase.DONE:
-                continue  # aborted while the step ran
+            if req is None or journal.generation_steps[i] != len(req.frames):
+                continue  # finished or aborted while the step ran, or a frame past its end
             if journal.stopped[i]:
                 self._finish(req, "stop")
                 continue
             req.phase = Phase.DECODE
             row = rows[i].copy()
             req.frames.append(row)
+            req.keys.append(prompt_row_key(row))
             req.events.put_nowait(FrameEvent(len(req.frames) - 1, row))
             metrics.FRAMES.inc()
             if len(req.frames) >= req.max_frames:
                 self._finish(req, "max_frames")
 
-    def _finish(self, req: Request, reason: str | None) -> None:
-        req.phase = Phase.DONE
+    # ---- ending ----------------------------------------------------------------
+    def _release_kv(self, req: Request) -> None:
+        """Give the request's KV back: written rows to the radix cache (so a
+        re-prefill or a request with the same prefix can reuse them), the rest
+        to the allocator; then unlock its matched prefix."""
+        m, n = req.cached_len, req.rows_written
+        own = req.kv_slots[m:]
+        if self.config.radix_cache and n > m:
+            p = self.cache.insert(req.keys[:n], req.kv_slots[:n], self.config.cache_key)
+            whole = n - n % self.kv.page_size
+            if p > m:
+                self.kv.free(req.kv_slots[m:p])  # someone cached these rows first: ours are duplicates
+            own = req.kv_slots[max(whole, m):]
+        if own:
+            self.kv.free(own)
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.kv_slots, req.prefix_node = [], None
+        req.cached_len = req.rows_sent = req.rows_written = 0
+
+    def _drop_from_worker(self, req: Request) -> None:
         self.running.pop(req.id, None)
         if req.holds_worker_state:
             self.pending_release.append(req.id)
             req.holds_worker_state = False
-            self._wakeup.set()
-        if req.kv_slots:
-            self.kv.free(req.kv_slots)
-            req.kv_slots = []
-        metrics.RUNNING.set(len(self.running))
-        metrics.KV_USED.set(self.kv.used_slots)
+        self._release_kv(req)
+        self._wakeup.set()
+
+    def _finish(self, req: Request, reason: str | None) -> None:
+        req.phase = Phase.DONE
+        self._drop_from_worker(req)
+        self._update_gauges()
         if reason is not None:
             req.finish_reason = reason
             req.events.put_nowait(FinishEvent(reason))
-        self._wakeup.set()
 
-    def _fail(self, req: Request, message: str, released: bool = False) -> None:
-        if released:
-            req.holds_worker_state = False
-        self._finish(req, None)
-        req.events.put_nowait(ErrorEvent(message))
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV and queue it first to re-prefill prompt + output."""
+        log.info("retracting request %d at frame %d (KV full)", req.id, len(req.frames))
+        metrics.RETRACTIONS.inc()
+        req.retractions += 1
+        self._drop_from_worker(req)
+        req.phase = Phase.WAITING
+        req.frames_planned = len(req.frames)
+        self.waiting.appendleft(req)
+
+    def _fail_step(self, step: _InFlight, message: str) -> None:
+        ids = [i.request_id for i in step.plan.prefill] + [i.request_id for i in step.plan.decode]
+        for rid in ids:
+            req = self.running.get(rid)
+            if req is not None:
+                self._finish(req, None)
+                req.events.put_nowait(ErrorEvent(message))
+
+    def _update_gauges(self) -> None:
+        metrics.QUEUE_DEPTH.set(len(self.waiting))
+        metrics.RUNNING.set(len(self.running))
+        metrics.KV_USED.set(self.kv.used_slots - self.cache.cached_slots)
+        metrics.KV_CACHED.set(self.cache.cached_slots)
+        metrics.KV_FREE.set(self.kv.free_slots)
+        metrics.RADIX_HIT_RATE.set(self.cache.hit_rate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import signal
@@ -30,7 +31,7 @@ from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import QueueFull, Request, Scheduler
+from scheduler_svc.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from scheduler_svc.validation import InvalidRequest, Limits, validate
 from scheduler_svc.vocoder_client import VocoderPool
 from scheduler_svc.worker_client import WorkerClient
@@ -133,9 +134,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         if rows.shape[0] + resolved.max_frames > hello.max_context:
             raise InvalidRequest(f"prompt ({rows.shape[0]} rows) + max_frames ({resolved.max_frames}) exceeds the "
                                  f"context limit {hello.max_context}; lower max_frames or shorten the text")
-        if self.scheduler.kv_budget(rows.shape[0], resolved.max_frames) > hello.kv_slots:
-            raise InvalidRequest(f"prompt + max_frames needs more KV rows than the worker has ({hello.kv_slots}); "
-                                 "lower max_frames")
+        if not self.scheduler.fits(rows.shape[0]):
+            raise InvalidRequest(f"the prompt ({rows.shape[0]} rows) does not fit the worker's KV cache "
+                                 f"({hello.kv_slots} rows); shorten the text or the references")
         try:
             req = self.scheduler.submit(Request(prompt_rows=rows, sampling=resolved.sampling,
                                                 max_frames=resolved.max_frames))
@@ -164,7 +165,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 frames=len(req.frames), audio_seconds=len(req.frames) * self.codec.samples_per_frame
                 / self.codec.sample_rate, finish_reason=FINISH_REASONS.get(req.finish_reason, 0),
                 queue_ms=ms(req.t_scheduled), first_audio_ms=ms(first_audio), total_ms=ms(now),
-                prompt_rows=req.prompt_len, cached_prompt_rows=0))
+                prompt_rows=req.prompt_len, cached_prompt_rows=req.cached_prompt_rows))
         finally:
             self.scheduler.abort(req)
 
@@ -211,7 +212,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond this get RESOURCE_EXHAUSTED")
     p.add_argument("--max-running", type=int, default=0,
                    help="max requests decoding at once (0 = the worker's max batch)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows prefilled per step, all requests")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt rows prefilled per step over all requests (chunked prefill; 0 = whole prompts)")
+    p.add_argument("--page-size", type=int, default=1, help="KV rows per allocator page (1 for the torch backend)")
+    p.add_argument("--no-radix-cache", dest="radix_cache", action="store_false",
+                   help="do not reuse KV of shared prefixes (voice references, retracted requests)")
+    p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
+                   help="wait for each step's journal before sending the next")
+    p.add_argument("--lookahead-max-batch", type=int, default=256,
+                   help="decode batches larger than this wait for their journal instead of overlapping")
     p.add_argument("--max-text-chars", type=int, default=5000, help="longest accepted text")
     p.add_argument("--max-frames", type=int, default=4096, help="cap on max_frames (80 ms each)")
     p.add_argument("--first-chunk-frames", type=int, default=5, help="default frames in the first audio chunk")
@@ -227,8 +236,11 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("waiting for the vocoder at %s", vocoders.replicas[0].address)
     codec = await vocoders.info(timeout=600)
     tokenizer = load_tokenizer(args.tokenizer)
-    scheduler = Scheduler(worker, hello, max_queue=args.max_queue, max_running=args.max_running or None,
-                          prefill_chunk=args.prefill_chunk)
+    cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
+    scheduler = Scheduler(worker, hello, SchedulerConfig(
+        max_queue=args.max_queue, max_running=args.max_running or hello.max_batch,
+        prefill_chunk=args.prefill_chunk, page_size=args.page_size, radix_cache=args.radix_cache,
+        lookahead=args.lookahead, lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key))
     scheduler.start()
     metrics.KV_TOTAL.set(hello.kv_slots)
     limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,

@@ -3,18 +3,17 @@
 
 import io
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import channel, synthesize
-from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
+from helpers import seeded_request, wait_until_idle
 
 SAMPLES_PER_FRAME = 3840
 
@@ -24,10 +23,7 @@ def stub(cluster):
     return tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
 
 
-def request(text="Hello from the test suite.", seed=1, frames=12, **kw):
-    req = tts_pb2.SynthesizeRequest(text=text, language="English", min_frames=frames, max_frames=frames, **kw)
-    req.sampling.seed = seed
-    return req
+request = seeded_request
 
 
 def test_health_and_models(cluster, stub):
@@ -125,31 +121,6 @@ def test_voice_reference_audio_is_encoded_and_used(stub):
     assert r.summary.prompt_rows > synthesize(stub, request(frames=5), timeout=120).summary.prompt_rows
 
 
-def _metric(cluster, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
-def _worker_active(cluster) -> int:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.service("worker").address)
-    sock.send(worker_pb2.WorkerCommand(stats=worker_pb2.StatsRequest()).SerializeToString())
-    assert sock.poll(10000)
-    event = worker_pb2.WorkerEvent.FromString(sock.recv())
-    sock.close()
-    return event.stats.active_requests
-
-
-def _vocoder_active(cluster) -> int:
-    stub = vocoder_pb2_grpc.VocoderStub(channel(cluster.service("vocoder").address))
-    return stub.Info(vocoder_pb2.VocoderInfoRequest()).active_streams
-
-
 def test_cancelled_stream_leaves_nothing_held(cluster, stub):
     for cancel_after in (0, 1, 3):
         call = stub.Synthesize(request(frames=400, seed=cancel_after), timeout=120)
@@ -160,13 +131,31 @@ def test_cancelled_stream_leaves_nothing_held(cluster, stub):
             if seen >= cancel_after and not resp.HasField("header"):
                 break
         call.cancel()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        held = (_metric(cluster, "chorus_kv_slots_used"), _metric(cluster, "chorus_running_requests"),
-                _worker_active(cluster), _vocoder_active(cluster))
-        if held == (0, 0, 0, 0):
-            break
-        time.sleep(0.2)
+    held = wait_until_idle(cluster)
     assert held == (0, 0, 0, 0), f"kv used, running, worker states, vocoder streams = {held}"
     # and it still serves
+    assert synthesize(stub, request(frames=3), timeout=60).summary.frames == 3
+
+
+def test_random_cancellations_leave_nothing_held(cluster, stub):
+    """200 calls cancelled at random points (queued, prefilling, mid-lookahead, draining audio)."""
+    rng = np.random.default_rng(7)
+    plans = [(int(rng.integers(1, 60)), int(rng.integers(0, 4)), float(rng.uniform(0, 0.05)), i)
+             for i in range(200)]
+
+    def one(plan):
+        frames, after, delay, seed = plan
+        call = stub.Synthesize(request(text=f"Cancellation number {seed}.", seed=seed, frames=frames), timeout=60)
+        try:
+            for n, _ in enumerate(call):
+                if n >= after:
+                    break
+            time.sleep(delay)
+        except grpc.RpcError:
+            pass
+        call.cancel()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, plans))
+    assert wait_until_idle(cluster) == (0, 0, 0, 0)
     assert synthesize(stub, request(frames=3), timeout=60).summary.frames == 3

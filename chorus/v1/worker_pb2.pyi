@@ -118,12 +118,16 @@ class Hello(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("active_requests", "steps")
+    __slots__ = ("active_requests", "steps", "prefill_rows", "decode_rows")
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     active_requests: int
     steps: int
-    def __init__(self, active_requests: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    prefill_rows: int
+    decode_rows: int
+    def __init__(self, active_requests: _Optional[int] = ..., steps: _Optional[int] = ..., prefill_rows: _Optional[int] = ..., decode_rows: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

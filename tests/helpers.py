@@ -1,0 +1,75 @@
+"""Shared pieces of the end-to-end tests: starting clusters and reading the
+services' own debug surfaces (scheduler /metrics, worker stats, vocoder Info)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import zmq
+
+from chorus.client import channel
+from chorus.launcher import Cluster
+from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_cluster(worker_args=(), scheduler_args=(), **kw) -> Cluster:
+    """A Cluster whose scheduler serves /metrics on a free port (cluster.metrics_port)."""
+    port = free_port()
+    c = Cluster(worker_args=list(worker_args), scheduler_args=["--metrics-port", str(port), *scheduler_args], **kw)
+    c.metrics_port = port
+    return c
+
+
+def metric(cluster: Cluster, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def worker_stats(cluster: Cluster) -> worker_pb2.WorkerStats:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.service("worker").address)
+    try:
+        sock.send(worker_pb2.WorkerCommand(stats=worker_pb2.StatsRequest()).SerializeToString())
+        assert sock.poll(10000), "worker did not answer a stats request"
+        return worker_pb2.WorkerEvent.FromString(sock.recv()).stats
+    finally:
+        sock.close()
+
+
+def vocoder_active(cluster: Cluster) -> int:
+    stub = vocoder_pb2_grpc.VocoderStub(channel(cluster.service("vocoder").address))
+    return stub.Info(vocoder_pb2.VocoderInfoRequest()).active_streams
+
+
+def held_resources(cluster: Cluster) -> tuple:
+    """(KV slots held by requests, running requests, worker decode states, vocoder streams)."""
+    return (metric(cluster, "chorus_kv_slots_used"), metric(cluster, "chorus_running_requests"),
+            worker_stats(cluster).active_requests, vocoder_active(cluster))
+
+
+def wait_until_idle(cluster: Cluster, timeout: float = 20.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while True:
+        held = held_resources(cluster)
+        if held == (0, 0, 0, 0) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
+def seeded_request(text: str = "Hello from the test suite.", seed: int = 1, frames: int = 12,
+                   **kw) -> tts_pb2.SynthesizeRequest:
+    req = tts_pb2.SynthesizeRequest(text=text, language="English", min_frames=frames, max_frames=frames, **kw)
+    req.sampling.seed = seed
+    return req

@@ -1,0 +1,94 @@
+"""The determinism contract, through the real services in float64 on CPU: a
+seeded request yields the same frames alone or batched, with lookahead on or
+off, with any prefill chunking, cold or radix-warm, retracted or not."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from chorus.client import channel, synthesize
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
+from helpers import make_cluster, metric, wait_until_idle, worker_stats
+
+WORKER = ["--dtype", "float64", "--max-batch", "8"]
+VOICE = np.random.default_rng(0).integers(0, 1024, size=(20, 12), dtype=np.int32)
+
+
+def workload() -> list[tts_pb2.SynthesizeRequest]:
+    """Three seeded requests; the stop head is free after min_frames, so stops are exercised too."""
+    out = []
+    for i, text in enumerate(["The quick brown fox jumps over the lazy dog.", "Chorus keeps every frame.",
+                              "One more sentence, spoken with a cloned voice."]):
+        req = tts_pb2.SynthesizeRequest(text=text, language="English", min_frames=14, max_frames=30,
+                                        return_codes=True)
+        req.sampling.seed = 100 + i
+        if i == 2:
+            req.references.add(codes=common_pb2.IntMatrix(rows=VOICE.shape[0], cols=12, data=VOICE.tobytes()))
+        out.append(req)
+    return out
+
+
+def run(cluster, concurrent: bool) -> list[np.ndarray]:
+    stub = tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
+    reqs = workload()
+    if concurrent:
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            results = list(pool.map(lambda r: synthesize(stub, r, timeout=120), reqs))
+    else:
+        results = [synthesize(stub, r, timeout=120) for r in reqs]
+    for r in results:
+        assert r.summary.frames == len(r.code_frames()) >= 14
+    return [r.code_frames() for r in results]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """Each request alone, no lookahead, whole-prompt prefill, no radix cache."""
+    with make_cluster(WORKER, ["--no-lookahead", "--prefill-chunk", "0", "--no-radix-cache"]) as c:
+        return run(c, concurrent=False)
+
+
+def assert_same(frames, baseline):
+    for got, want in zip(frames, baseline):
+        assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("scheduler_args", [
+    ["--no-lookahead", "--prefill-chunk", "0"],
+    ["--prefill-chunk", "0"],            # lookahead on (the default)
+    ["--prefill-chunk", "1"],
+    ["--prefill-chunk", "7"],
+    ["--prefill-chunk", "64"],
+], ids=["batched", "lookahead", "chunk1", "chunk7", "chunk64"])
+def test_batched_variants_equal_alone(baseline, scheduler_args):
+    with make_cluster(WORKER, scheduler_args) as c:
+        assert_same(run(c, concurrent=True), baseline)
+        assert wait_until_idle(c) == (0, 0, 0, 0)
+
+
+def test_radix_warm_equals_cold_and_prefills_only_the_rest(baseline):
+    with make_cluster(WORKER) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        clone = workload()[2]
+        cold = synthesize(stub, clone, timeout=120)
+        before = worker_stats(c).prefill_rows
+        warm = synthesize(stub, clone, timeout=120)
+        prefilled = worker_stats(c).prefill_rows - before
+        assert cold.summary.cached_prompt_rows == 0
+        assert warm.summary.cached_prompt_rows > VOICE.shape[0]  # the reference rows came from the cache
+        assert prefilled == warm.summary.prompt_rows - warm.summary.cached_prompt_rows
+        assert np.array_equal(cold.code_frames(), baseline[2]) and np.array_equal(warm.code_frames(), baseline[2])
+        other = workload()[0]
+        other.references.add(codes=clone.references[0].codes)  # same voice, other text: shares the prefix
+        shared = synthesize(stub, other, timeout=120)
+        assert shared.summary.cached_prompt_rows > VOICE.shape[0]
+        assert metric(c, "chorus_radix_hit_rows_total") > 0
+
+
+def test_forced_retraction_equals_unretracted(baseline):
+    # Room for the three prompts but not for their 30 frames each: decode must retract.
+    with make_cluster(WORKER + ["--kv-slots", "260"], ["--max-running", "8"]) as c:
+        assert_same(run(c, concurrent=True), baseline)
+        assert metric(c, "chorus_retractions_total") > 0
+        assert wait_until_idle(c) == (0, 0, 0, 0)
