@@ -2,16 +2,25 @@
 
 The scheduler owns the KV slot allocator; the worker owns the KV tensors
 and is told, per step, where each new token's K/V goes (`write_slots`) and
-which slots each sequence attends to. A backend turns that into attention.
-`TorchPagedAttention` is the reference (CPU and GPU); a flashinfer backend
-with the same interface serves on CUDA.
+which slots each sequence attends to. A step is described once, in CSR form
+(`AttentionBatch`); each backend turns that into its own plan in `begin()`,
+once per step, and then serves every layer's `attend()`.
+
+- `TorchPagedAttention`: the reference (CPU and GPU), padded batched math.
+- `FlashInferPagedAttention`: CUDA, flashinfer paged decode (tensor cores)
+  for pure-decode steps and paged prefill for mixed steps.
+
+Both keep K/V as [layers, slots, kv_heads, head_dim]; a slot is a page of one
+row, so the same slot ids work for both.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,7 +29,7 @@ from torch import Tensor
 class SequenceSpan:
     """One sequence in a step: its new tokens are the last `num_new` of `kv_slots`."""
 
-    kv_slots: Sequence[int]  # every slot the sequence attends to, in position order
+    kv_slots: Sequence[int] | np.ndarray  # every slot the sequence attends to, in position order
     num_new: int
 
 
@@ -28,55 +37,53 @@ class SequenceSpan:
 class AttentionBatch:
     """Everything a backend needs for one forward over packed tokens."""
 
-    positions: Tensor      # [N] int64, backbone position of each packed token
-    write_slots: Tensor    # [N] int64, KV slot each token's K/V is written to
-    query_index: Tensor    # [S, Qmax] int64 into the packed tokens (padding: 0)
-    query_valid: Tensor    # [S, Qmax] bool
-    kv_index: Tensor       # [S, Lmax] int64 slot ids (padding: 0)
-    attend: Tensor         # [S, Qmax, Lmax] bool, causal within each sequence
+    positions: Tensor      # [N] int64 (device), backbone position of each packed token
+    write_slots: Tensor    # [N] int64 (device), KV slot each token's K/V is written to
+    qo_indptr: Tensor      # [S+1] int32 (host): sequence s owns packed tokens [qo[s], qo[s+1])
+    kv_indptr: Tensor      # [S+1] int32 (host)
+    kv_indices: Tensor     # [nnz] int32 (host): slots of sequence s are kv_indices[kv[s]:kv[s+1]]
+
+    @property
+    def num_sequences(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def decode_only(self) -> bool:
+        return int(self.qo_indptr[-1]) == self.num_sequences
 
     @staticmethod
     def build(spans: Sequence[SequenceSpan], device: torch.device) -> "AttentionBatch":
         """Packed order = spans in order, each contributing its num_new tokens."""
-        s = len(spans)
-        q_max = max(sp.num_new for sp in spans)
-        l_max = max(len(sp.kv_slots) for sp in spans)
-        query_index = torch.zeros(s, q_max, dtype=torch.int64)
-        query_valid = torch.zeros(s, q_max, dtype=torch.bool)
-        kv_index = torch.zeros(s, l_max, dtype=torch.int64)
-        attend = torch.zeros(s, q_max, l_max, dtype=torch.bool)
-        positions, write_slots = [], []
-        offset = 0
-        for i, sp in enumerate(spans):
-            length, new = len(sp.kv_slots), sp.num_new
-            first_pos = length - new
-            query_index[i, :new] = torch.arange(offset, offset + new)
-            query_valid[i, :new] = True
-            kv_index[i, :length] = torch.as_tensor(sp.kv_slots, dtype=torch.int64)
-            q_pos = torch.arange(first_pos, length)[:, None]
-            attend[i, :new, :length] = torch.arange(length)[None, :] <= q_pos
-            positions.append(torch.arange(first_pos, length))
-            write_slots.append(torch.as_tensor(sp.kv_slots[first_pos:], dtype=torch.int64))
-            offset += new
+        q_lens = np.fromiter((sp.num_new for sp in spans), dtype=np.int64, count=len(spans))
+        kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=len(spans))
+        kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int64) for sp in spans])
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
+        # positions of the new tokens: the last q_len of each sequence's [0, kv_len)
+        seq_of = np.repeat(np.arange(len(spans)), q_lens)
+        q_indptr = np.concatenate([[0], np.cumsum(q_lens)])
+        within = np.arange(q_indptr[-1]) - q_indptr[seq_of]
+        positions = (kv_lens - q_lens)[seq_of] + within
+        write_slots = kv_indices[kv_indptr[seq_of] + positions]
         return AttentionBatch(
-            positions=torch.cat(positions).to(device),
-            write_slots=torch.cat(write_slots).to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            kv_index=kv_index.to(device),
-            attend=attend.to(device),
+            positions=torch.from_numpy(positions).to(device, non_blocking=True),
+            write_slots=torch.from_numpy(write_slots).to(device, non_blocking=True),
+            qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
+            kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
+            kv_indices=torch.from_numpy(kv_indices.astype(np.int32)),
         )
 
 
 class AttentionBackend(Protocol):
+    def begin(self, batch: AttentionBatch) -> None:
+        """Plan the step (once, before the first layer)."""
+        ...
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
         """Write k, v [N, n_kv, d] to the cache, return attention output [N, n_heads, d]."""
         ...
 
 
-class TorchPagedAttention:
-    """Reference backend: a slot-indexed KV cache and padded batched SDPA math."""
-
+class _SlotCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
@@ -88,20 +95,93 @@ class TorchPagedAttention:
     def num_slots(self) -> int:
         return self.k_cache.shape[1]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
+    def write(self, layer: int, k: Tensor, v: Tensor, batch: AttentionBatch) -> None:
         self.k_cache[layer, batch.write_slots] = k
         self.v_cache[layer, batch.write_slots] = v
-        keys = self.k_cache[layer][batch.kv_index]      # [S, L, n_kv, d]
-        values = self.v_cache[layer][batch.kv_index]
+
+
+class TorchPagedAttention(_SlotCache):
+    """Reference backend: gathers each sequence's slots into a padded batch."""
+
+    def begin(self, batch: AttentionBatch) -> None:
+        dev = self.k_cache.device
+        qo, kv = batch.qo_indptr.long(), batch.kv_indptr.long()
+        q_lens, kv_lens = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
+        i = torch.arange(int(q_lens.max()))[None, :]
+        j = torch.arange(int(kv_lens.max()))[None, :]
+        self._q_valid = (i < q_lens[:, None]).to(dev)
+        self._q_index = (qo[:-1, None] + i).clamp(max=int(qo[-1]) - 1).to(dev)
+        kv_valid = j < kv_lens[:, None]
+        flat = (kv[:-1, None] + j).clamp(max=max(int(kv[-1]) - 1, 0))
+        self._kv_index = torch.where(kv_valid, batch.kv_indices.long()[flat], 0).to(dev)
+        q_pos = (kv_lens - q_lens)[:, None, None] + i[:, :, None]          # [S, Q, 1]
+        self._attend = ((j[:, None, :] <= q_pos) & kv_valid[:, None, :]).to(dev)  # [S, Q, L], causal
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
+        self.write(layer, k, v, batch)
+        keys = self.k_cache[layer][self._kv_index]      # [S, L, n_kv, d]
+        values = self.v_cache[layer][self._kv_index]
         group = q.shape[1] // k.shape[1]
         keys = keys.repeat_interleave(group, dim=2)     # GQA: query head h uses kv head h // group
         values = values.repeat_interleave(group, dim=2)
-        queries = q[batch.query_index]                  # [S, Q, H, d]
-        scores = torch.einsum("sqhd,slhd->shql", queries, keys) * self.scale
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        scores = scores.masked_fill(~batch.attend[:, None], float("-inf"))
+        acc = torch.promote_types(q.dtype, torch.float32)  # scores in >= fp32, as the fused kernels do
+        queries = q[self._q_index]                      # [S, Q, H, d]
+        scores = torch.einsum("sqhd,slhd->shql", queries.to(acc), keys.to(acc)) * self.scale
+        scores = scores.masked_fill(~self._attend[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
         out = torch.einsum("shql,slhd->sqhd", probs, values)
         result = torch.empty_like(q)
-        result[batch.query_index[batch.query_valid]] = out[batch.query_valid]
+        result[self._q_index[self._q_valid]] = out[self._q_valid]
         return result
+
+
+class FlashInferPagedAttention(_SlotCache):
+    """CUDA backend over the same slot cache, viewed as pages of one row (NHD)."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
+                 dtype: torch.dtype, device: torch.device, workspace_bytes: int = 256 << 20):
+        import flashinfer  # CUDA-only dependency, imported lazily
+
+        super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.active = self.decode_wrapper
+
+    def plan_decode(self, wrapper, kv_indptr: Tensor, kv_indices: Tensor) -> None:
+        ones = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
+        wrapper.plan(kv_indptr, kv_indices, ones, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+                     q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+
+    def begin(self, batch: AttentionBatch) -> None:
+        if batch.decode_only:
+            self.plan_decode(self.decode_wrapper, batch.kv_indptr, batch.kv_indices)
+            self.active = self.decode_wrapper
+        else:
+            ones = torch.ones(batch.num_sequences, dtype=torch.int32)
+            self.prefill_wrapper.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, ones,
+                                      self.num_qo_heads, self.num_kv_heads, self.head_dim, 1, causal=True,
+                                      q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+            self.active = self.prefill_wrapper
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
+        self.write(layer, k, v, batch)
+        pages = (self.k_cache[layer].unsqueeze(1), self.v_cache[layer].unsqueeze(1))  # [slots, 1, n_kv, d]
+        return self.active.run(q.contiguous(), pages)
+
+
+def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 num_qo_heads: int, dtype: torch.dtype, device: torch.device):
+    """'auto' = flashinfer on CUDA when installed, else the torch reference."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            if importlib.util.find_spec("flashinfer") is not None:
+                name = "flashinfer"
+    if name == "flashinfer":
+        return FlashInferPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, num_qo_heads, dtype, device)
+    if name == "torch":
+        return TorchPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+    raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")

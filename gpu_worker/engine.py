@@ -1,6 +1,11 @@
 """Executes one StepPlan: releases, prefill chunks and decode steps packed
 into a single backbone forward, then one batched frame decode for every
-request that samples this step. Returns the step's Journal."""
+request that samples this step. Returns the step's Journal.
+
+A pure-decode step on CUDA replays a captured graph (gpu_worker/cuda_graphs);
+everything else runs eagerly through the same functions. The only host sync
+per step is the one copy of the journal tensor.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch
 
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import common_pb2, worker_pb2
-from gpu_worker.attention import AttentionBatch, SequenceSpan, TorchPagedAttention
+from gpu_worker.attention import AttentionBatch, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
 from gpu_worker.state_pool import DecodeStatePool
 
@@ -30,19 +35,38 @@ class StepError(RuntimeError):
     """A plan the worker cannot execute (a scheduler bug or a lost message)."""
 
 
+def sample_and_commit(model: MossTTSLocal, pool: DecodeStatePool, hidden: torch.Tensor, rows: torch.Tensor,
+                      with_presence: bool) -> torch.Tensor:
+    """Frame decode for pool rows `rows` from backbone hidden [B, H]; updates the pool.
+    Returns [B, row_width + 2]: the sampled row, the stop flag, and n (frames before)."""
+    sp = pool.sampling(rows, with_presence)
+    codes, stop = model.decode_frame(hidden, sp)
+    frame_rows = model.frame_rows(codes)
+    pool.commit(rows, codes, stop, model.embed_rows(frame_rows))
+    return torch.cat([frame_rows, stop[:, None].to(frame_rows.dtype), sp.generation_step[:, None]], dim=1)
+
+
 class Engine:
-    def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int):
+    def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
+                 attention: str = "auto", cuda_graphs: bool = True):
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         bb = self.cfg.backbone
-        self.kv = TorchPagedAttention(bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
-                                      bb.head_dim, self.dtype, self.device)
+        self.kv = make_backend(attention, bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
+                               bb.head_dim, bb.num_attention_heads, self.dtype, self.device)
+        # The last slot is the worker's scratch row (padding targets); the scheduler never sees it.
+        self.scratch_slot = num_kv_slots - 1
+        self.kv_capacity = num_kv_slots - 1
         self.pool = DecodeStatePool(max_batch, self.cfg.hidden_size, self.cfg.n_vq,
-                                    self.cfg.audio_vocab_size, self.dtype, self.device)
+                                    max(self.cfg.codebook_sizes), self.dtype, self.device)
         self.max_batch = max_batch
         self.max_context = max_context
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and type(self.kv).__name__ == "FlashInferPagedAttention":
+            from gpu_worker.cuda_graphs import GraphedDecode
+            self.graphs = GraphedDecode(self)
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
@@ -54,6 +78,7 @@ class Engine:
             self.pool.release(rid)
         embeds, spans, samplers, skipped = [], [], [], []
         sample_at: list[int] = []  # indices into spans whose last token samples a frame
+        decode_rows: list[int] = []
         for item in plan.prefill:
             if item.first_chunk:
                 state = self.pool.acquire(item.request_id, item.sampling, item.generation_step,
@@ -70,7 +95,7 @@ class Engine:
             state.kv_slots.extend(item.kv_slots)
             embeds.append(self.model.embed_rows(rows))
             self.prefill_rows += rows.shape[0]
-            spans.append(SequenceSpan(list(state.kv_slots), rows.shape[0]))
+            spans.append(SequenceSpan(state.kv_slots.view(), rows.shape[0]))
             if item.last_chunk:
                 sample_at.append(len(spans) - 1)
                 samplers.append((item.request_id, state))
@@ -82,34 +107,41 @@ class Engine:
                 skipped.append(item.request_id)
                 continue
             state.kv_slots.append(item.kv_slot)
-            embeds.append(self.pool.feedback[state.row][None])
-            self.decode_rows += 1
-            spans.append(SequenceSpan(list(state.kv_slots), 1))
+            decode_rows.append(state.row)
+            spans.append(SequenceSpan(state.kv_slots.view(), 1))
             sample_at.append(len(spans) - 1)
             samplers.append((item.request_id, state))
+        self.decode_rows += len(decode_rows)
         journal = worker_pb2.Journal(step_id=plan.step_id, skipped=skipped)
         if spans:
-            batch = AttentionBatch.build(spans, self.device)
-            hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
-            if samplers:
-                ends = np.cumsum([sp.num_new for sp in spans]) - 1
-                last = torch.as_tensor(ends[sample_at], device=self.device)
-                self._decode_frames(hidden[last], samplers, journal)
+            rows_list = [s.row for _, s in samplers]
+            if not embeds and self.graphs is not None and self.graphs.fits(len(spans)):
+                out = self.graphs.run(decode_rows, spans)
+            else:
+                if decode_rows:
+                    embeds.append(self.pool.feedback[torch.as_tensor(decode_rows, device=self.device)])
+                batch = AttentionBatch.build(spans, self.device)
+                self.kv.begin(batch)
+                hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
+                out = None
+                if samplers:  # a step of non-final prefill chunks samples nothing
+                    ends = np.cumsum([sp.num_new for sp in spans]) - 1
+                    last = torch.as_tensor(ends[sample_at], device=self.device)
+                    rows_t = torch.as_tensor(rows_list, dtype=torch.int64, device=self.device)
+                    out = sample_and_commit(self.model, self.pool, hidden[last], rows_t,
+                                            self.pool.any_penalised(rows_list))
+            if out is not None:
+                self._journal(out[:len(samplers)].cpu(), samplers, journal)
         self.steps += 1
         journal.step_ms = (time.perf_counter() - t0) * 1e3
         return journal
 
-    def _decode_frames(self, hidden: torch.Tensor, samplers: list, journal: worker_pb2.Journal) -> None:
-        rows = torch.as_tensor([s.row for _, s in samplers], device=self.device)
-        sp = self.pool.sampling(rows)
-        codes, stop = self.model.decode_frame(hidden, sp)
-        frame_rows = self.model.frame_rows(codes)
-        feedback = self.model.embed_rows(frame_rows)
-        self.pool.commit(rows, codes, stop, feedback)
-        stop_list = stop.tolist()  # the step's one host sync: the journal goes to the host anyway
+    def _journal(self, out: torch.Tensor, samplers: list, journal: worker_pb2.Journal) -> None:
+        width = self.cfg.row_width
+        stop_list = out[:, width].bool().tolist()
         for (rid, state), stopped in zip(samplers, stop_list):
             state.stopped = stopped
         journal.request_ids.extend(rid for rid, _ in samplers)
-        journal.rows.CopyFrom(tensor_to_matrix(frame_rows))
+        journal.rows.CopyFrom(tensor_to_matrix(out[:, :width]))
         journal.stopped.extend(stop_list)
-        journal.generation_steps.extend(sp.generation_step.tolist())
+        journal.generation_steps.extend(out[:, width + 1].tolist())

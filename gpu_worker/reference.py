@@ -46,6 +46,9 @@ class ContiguousKVAttention:
     def __len__(self) -> int:
         return self.k[0].shape[0]
 
+    def begin(self, batch: AttentionBatch) -> None:
+        """Nothing to plan: one sequence, contiguous."""
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
         start = self.k[layer].shape[0]
         pos = batch.positions
@@ -68,10 +71,10 @@ class ContiguousKVAttention:
 
 def _plain_batch(positions: Tensor) -> AttentionBatch:
     """An AttentionBatch carrying only positions (the contiguous backend reads nothing else)."""
-    none = torch.zeros(1, 0, dtype=torch.int64, device=positions.device)
-    return AttentionBatch(positions=positions, write_slots=positions, query_index=none,
-                          query_valid=none.bool(), kv_index=none,
-                          attend=torch.zeros(1, 0, 0, dtype=torch.bool, device=positions.device))
+    n = positions.numel()
+    csr = torch.tensor([0, n], dtype=torch.int32)
+    return AttentionBatch(positions=positions, write_slots=positions, qo_indptr=csr, kv_indptr=csr,
+                          kv_indices=torch.arange(n, dtype=torch.int32))
 
 
 _FIELDS = ("text_temperature", "text_top_k", "text_top_p", "audio_temperature", "audio_top_k", "audio_top_p")

@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
     p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="attention backend: auto = flashinfer on CUDA when installed, else the torch reference")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on CUDA (for debugging; graphs are much faster)")
+    p.add_argument("--no-capture-at-start", dest="capture_graphs", action="store_false",
+                   help="capture each batch bucket's graph on first use instead of at startup")
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -55,10 +61,14 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
-    engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context)
+    engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
+                    attention=args.attention, cuda_graphs=args.cuda_graphs)
+    if engine.graphs is not None and args.capture_graphs:
+        print("capturing CUDA graphs for decode batches up to", args.max_batch, flush=True)
+        engine.graphs.capture_all()
     hello = worker_pb2.Hello(
         model_name=model.cfg.name, architecture="moss_tts_local", model_config_json=model.cfg.to_json(),
-        kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
+        kv_slots=engine.kv_capacity, max_batch=args.max_batch, max_context=args.max_context,
         device=str(engine.device), dtype=args.dtype, pid=os.getpid())
 
     ctx = zmq.Context()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,10 +23,38 @@ class PoolExhausted(RuntimeError):
     pass
 
 
+class SlotList:
+    """A request's KV slots in position order, in a growable int32 array: a step
+    hands attention a view, so building a batch's page table is one concatenate."""
+
+    def __init__(self, capacity: int = 256):
+        self._buf = np.empty(capacity, dtype=np.int32)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def extend(self, slots) -> None:
+        slots = np.asarray(slots, dtype=np.int32)
+        end = self._n + slots.size
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size), dtype=np.int32)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:end] = slots
+        self._n = end
+
+    def append(self, slot: int) -> None:
+        self.extend((slot,))
+
+    def view(self) -> np.ndarray:
+        return self._buf[:self._n]
+
+
 @dataclass
 class RequestState:
     row: int
-    kv_slots: list[int] = field(default_factory=list)
+    kv_slots: SlotList = field(default_factory=SlotList)
     prompt_length: int = 0
     stopped: bool = False
 
@@ -49,6 +78,7 @@ class DecodeStatePool:
         self.generation_step = torch.zeros(rows, **i64)
         self.min_frames = torch.zeros(rows, **i64)
         self.presence = torch.zeros(rows, n_vq, audio_vocab, dtype=torch.bool, device=device)
+        self.penalised = [False] * rows
         self._free = list(range(capacity - 1, -1, -1))
         self.requests: dict[int, RequestState] = {}
 
@@ -68,7 +98,9 @@ class DecodeStatePool:
         self.audio_temperature[r] = sampling.audio_temperature
         self.audio_top_p[r] = sampling.audio_top_p
         self.audio_top_k[r] = sampling.audio_top_k
-        self.audio_penalty[r] = sampling.audio_repetition_penalty or 1.0
+        penalty = sampling.audio_repetition_penalty or 1.0
+        self.audio_penalty[r] = penalty
+        self.penalised[r] = penalty != 1.0  # host mirror: deciding the penalty path needs no device sync
         self.seed[r] = sampling.seed
         self.min_frames[r] = sampling.min_frames
         self.generation_step[r] = generation_step
@@ -91,15 +123,16 @@ class DecodeStatePool:
             raise KeyError(f"request {request_id} has no decode state (not prefilled, or released)")
         return state
 
-    def sampling(self, rows: Tensor) -> FrameSampling:
-        penalised = self.audio_penalty[rows] != 1.0
+    def sampling(self, rows: Tensor, with_presence: bool) -> FrameSampling:
+        """Gather a batch's parameters. with_presence=False skips the penalty history
+        (exact when no row has a penalty: a penalty of 1 is a bit-exact no-op)."""
         return FrameSampling(
             text_temperature=self.text_temperature[rows], text_top_k=self.text_top_k[rows],
             text_top_p=self.text_top_p[rows], audio_temperature=self.audio_temperature[rows],
             audio_top_k=self.audio_top_k[rows], audio_top_p=self.audio_top_p[rows],
             audio_penalty=self.audio_penalty[rows], seed=self.seed[rows],
             generation_step=self.generation_step[rows], min_frames=self.min_frames[rows],
-            presence=self.presence[rows] if bool(penalised.any()) else None,
+            presence=self.presence[rows] if with_presence else None,
         )
 
     def record_history(self, row: int, codes: Tensor) -> None:
@@ -109,10 +142,21 @@ class DecodeStatePool:
             self.presence[row, k.reshape(-1), codes.reshape(-1)] = True
 
     def commit(self, rows: Tensor, codes: Tensor, stop: Tensor, feedback: Tensor) -> None:
-        """After a frame: advance n, store the feedback embedding, extend the history."""
+        """After a frame: advance n, store the feedback embedding, extend the history.
+        Written with masks, not boolean indexing, so it never syncs with the host
+        and can live inside a CUDA graph. Rows must be distinct (padding rows all
+        point at the spare row, whose contents do not matter)."""
         keep = ~stop
-        r, c = rows[keep], codes[keep]
-        self.generation_step[r] += 1
-        self.feedback[r] = feedback[keep]
-        k = torch.arange(c.shape[1], device=c.device).expand_as(c)
-        self.presence[r[:, None].expand_as(c), k, c] = True
+        self.generation_step[rows] = self.generation_step[rows] + keep.to(torch.int64)
+        self.feedback[rows] = torch.where(keep[:, None], feedback, self.feedback[rows])
+        k = torch.arange(codes.shape[1], device=codes.device)[None, :].expand_as(codes)
+        r = rows[:, None].expand_as(codes)
+        self.presence[r, k, codes] = self.presence[r, k, codes] | keep[:, None]
+
+    @property
+    def spare_row(self) -> int:
+        """A row never handed out: the target of padding rows in graphed batches."""
+        return self.capacity
+
+    def any_penalised(self, rows: list[int]) -> bool:
+        return any(self.penalised[r] for r in rows)

@@ -114,7 +114,7 @@ def test_real_size_shapes_on_meta():
     e = model.embed_rows(rows)
     assert tuple(e.shape) == (t, 2560)
     be = ShapeBackend()
-    hidden = model.backbone(e, AttentionBatch(torch.arange(t, device="meta"), *[None] * 5), be)
+    hidden = model.backbone(e, AttentionBatch(torch.arange(t, device="meta"), *[None] * 4), be)
     assert be.shapes[0] == ((t, 32, 128), (t, 8, 128), (t, 8, 128)) and len(be.shapes) == 36
     assert seen["o_proj_in"] == (t, 4096)
     assert tuple(hidden.shape) == (t, 2560)

@@ -1,0 +1,120 @@
+"""GPU parity checks for the worker (run on the H200; output committed under
+benchmarks/results/). Not a CI test: CI has no GPU.
+
+1. flashinfer vs the torch reference backend: backbone hidden states of a
+   mixed prefill+decode batch agree to bf16 tolerance.
+2. Graphed vs eager decode (flashinfer both): the same seeded requests give
+   identical frames at equal batch size.
+
+    python benchmarks/gpu_checks.py --out results/gpu_checks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+from chorus.v1 import worker_pb2
+from gpu_worker.attention import AttentionBatch, SequenceSpan, FlashInferPagedAttention, TorchPagedAttention
+from gpu_worker.engine import Engine
+from gpu_worker.loader import build_model
+from scheduler_svc.scheduler import rows_matrix
+
+
+def backend_parity(model, device) -> dict:
+    bb = model.cfg.backbone
+    args = (bb.num_hidden_layers, 4096, bb.num_key_value_heads, bb.head_dim)
+    ref = TorchPagedAttention(*args, torch.bfloat16, device)
+    fi = FlashInferPagedAttention(*args, bb.num_attention_heads, torch.bfloat16, device)
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, spans in {
+        "prefill": [SequenceSpan(list(range(0, 300)), 300), SequenceSpan(list(range(300, 400)), 100)],
+        "decode": [SequenceSpan(list(range(0, 301)), 1), SequenceSpan(list(range(300, 401)), 1)],
+        "mixed": [SequenceSpan(list(range(0, 302)), 1), SequenceSpan(list(range(1000, 1050)), 50)],
+    }.items():
+        n = sum(s.num_new for s in spans)
+        rows = torch.from_numpy(np.concatenate([
+            rng.integers(0, 151000, (n, 1)), rng.integers(0, 1024, (n, model.cfg.n_vq))], 1)).to(device)
+        x = model.embed_rows(rows)
+        batch = AttentionBatch.build(spans, device)
+        results = []
+        for backend in (ref, fi):
+            backend.begin(batch)
+            results.append(model.backbone(x, batch, backend).float())
+        diff = (results[0] - results[1]).abs()
+        rel = (diff.norm() / results[0].norm()).item()
+        out[name] = {"max_abs": diff.max().item(), "rel_l2": rel, "ok": rel < 2e-2}
+        print(f"backend parity {name}: max abs {diff.max().item():.4g}, rel L2 {rel:.3g}", flush=True)
+    return out
+
+
+def run_requests(engine: Engine, prompts: list[np.ndarray], steps: int) -> list[list[list[int]]]:
+    sampling = worker_pb2.SamplingConfig(text_temperature=1, text_top_p=1, text_top_k=50, audio_temperature=1.7,
+                                         audio_top_p=0.8, audio_top_k=25, audio_repetition_penalty=1.0,
+                                         seed=11, min_frames=1 << 30)
+    slot = 0
+    plan = worker_pb2.StepPlan(step_id=1)
+    for rid, rows in enumerate(prompts, 1):
+        item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=len(rows))
+        item.rows.CopyFrom(rows_matrix(rows))
+        item.kv_slots.extend(range(slot, slot + len(rows)))
+        slot += len(rows)
+        item.sampling.CopyFrom(sampling)
+        item.sampling.seed = 1000 + rid
+    frames = [[] for _ in prompts]
+    for step in range(steps):
+        journal = engine.execute(plan)
+        rows = np.frombuffer(journal.rows.data, "<i4").reshape(journal.rows.rows, journal.rows.cols)
+        for i, rid in enumerate(journal.request_ids):
+            frames[rid - 1].append(rows[i].tolist())
+        plan = worker_pb2.StepPlan(step_id=step + 2)
+        for rid in range(1, len(prompts) + 1):
+            plan.decode.add(request_id=rid, kv_slot=slot)
+            slot += 1
+    plan = worker_pb2.StepPlan(step_id=0, release=range(1, len(prompts) + 1))
+    engine.execute(plan)
+    return frames
+
+
+def graph_parity(model) -> dict:
+    rng = np.random.default_rng(1)
+    out = {}
+    eager = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=False)
+    graphed = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True)
+    for bs in (4, 3):
+        prompts = [np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
+                   for n in rng.integers(40, 120, bs)]
+        a = run_requests(eager, prompts, 24)
+        b = run_requests(graphed, prompts, 24)
+        same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))
+        total = sum(len(f) for f in a)
+        out[f"bs{bs}"] = {"identical_frames": same, "frames": total, "bucket": graphed.graphs.bucket(bs)}
+        print(f"graphed vs eager bs {bs} (bucket {graphed.graphs.bucket(bs)}): {same}/{total} frames identical",
+              flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="full")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    model = build_model(preset=args.preset, load_format="dummy", dtype="bfloat16", device="cuda")
+    with torch.inference_mode():
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "backend_parity": backend_parity(model, device)}
+    report["graph_parity"] = graph_parity(model)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""`chorus bench worker`: in-process microbenchmark of the gpu_worker engine.
+
+Drives the real Engine with real StepPlans (no sockets): prefill time per
+row, then decode-step time (backbone + frame decode, graphed on CUDA) against
+batch size and context length, and frame decode alone. Each point is printed
+beside its physical floor on the device: bytes moved over memory bandwidth
+and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
+
+    chorus bench worker --device cuda --preset full --batches 1,32,64,256 --contexts 300,1000
+    chorus bench worker --preset tiny --device cpu --batches 1,4 --contexts 64 --steps 5   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from chorus.v1 import worker_pb2
+from gpu_worker.engine import Engine, sample_and_commit
+from gpu_worker.loader import DTYPES, build_model
+from scheduler_svc.scheduler import rows_matrix
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint dir (its config.json sets the shapes)")
+    p.add_argument("--preset", default="full", choices=["tiny", "full"], help="shapes when --model is not given")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"], help="dummy = random weights")
+    p.add_argument("--device", default="cuda", help="torch device")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
+    p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per point")
+    p.add_argument("--prefill-requests", type=int, default=16, help="requests per prefill step")
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
+    p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
+    p.add_argument("--out", metavar="JSON", help="write the results here")
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.batches = [int(x) for x in args.batches.split(",")]
+        self.contexts = [int(x) for x in args.contexts.split(",")]
+        t0 = time.perf_counter()
+        self.model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
+                                 dtype=args.dtype, device=args.device, seed=0)
+        self.cfg = self.model.cfg
+        max_b = max(self.batches)
+        # every request holds its context plus one row per decode step of every point it joins
+        growth = (args.steps + args.warmup) * len(self.batches)
+        slots = max_b * (max(self.contexts) + growth + 1) + 2
+        self.engine = Engine(self.model, num_kv_slots=slots, max_batch=max_b, max_context=1 << 20,
+                             attention=args.attention, cuda_graphs=args.cuda_graphs)
+        self.device = self.engine.device
+        self.next_slot = 0
+        self.step_id = 0
+        self.rng = np.random.default_rng(0)
+        print(f"model {self.cfg.name} built in {time.perf_counter() - t0:.1f}s on {self.device} "
+              f"({args.dtype}, attention {type(self.engine.kv).__name__}, graphs {self.engine.graphs is not None})",
+              flush=True)
+
+    # ---- floors ----------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must read: every weight but the text embedding table."""
+        skip = self.model.transformer.embed_tokens.weight
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p is not skip)
+
+    def step_floor(self, bs: int, ctx: int) -> tuple[float, float]:
+        bb = self.cfg.backbone
+        elem = torch.finfo(self.engine.dtype).bits // 8
+        kv_bytes = bs * ctx * bb.num_hidden_layers * 2 * bb.num_key_value_heads * bb.head_dim * elem
+        params = self.weight_bytes() / elem
+        # backbone + local transformer (12 positions per frame) + heads, and attention over ctx
+        local = sum(p.numel() for p in self.model.local_transformer.parameters())
+        flops = 2 * bs * (params - local) + 2 * bs * local * self.cfg.n_vq
+        flops += 4 * bs * ctx * bb.num_hidden_layers * bb.num_attention_heads * bb.head_dim
+        return (self.weight_bytes() + kv_bytes) / self.args.bandwidth, flops / self.args.flops
+
+    # ---- plans -----------------------------------------------------------------
+    def _slots(self, n: int) -> list[int]:
+        s = list(range(self.next_slot, self.next_slot + n))
+        self.next_slot += n
+        return s
+
+    def _plan(self) -> worker_pb2.StepPlan:
+        self.step_id += 1
+        return worker_pb2.StepPlan(step_id=self.step_id)
+
+    def prefill(self, ids: list[int], ctx: int) -> float:
+        """Prefill `ids` with random ctx-row prompts; returns seconds per row."""
+        sampling = worker_pb2.SamplingConfig(text_temperature=1, text_top_p=1, text_top_k=50,
+                                             audio_temperature=1.7, audio_top_p=0.8, audio_top_k=25,
+                                             audio_repetition_penalty=1.0, seed=7, min_frames=1 << 30)
+        t = 0.0
+        for i in range(0, len(ids), self.args.prefill_requests):
+            plan = self._plan()
+            for rid in ids[i:i + self.args.prefill_requests]:
+                rows = np.empty((ctx, self.cfg.row_width), dtype=np.int32)
+                rows[:, 0] = self.rng.integers(0, 151000, ctx)
+                rows[:, 1:] = self.rng.integers(0, self.cfg.audio_vocab_size, (ctx, self.cfg.n_vq))
+                item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=ctx)
+                item.rows.CopyFrom(rows_matrix(rows))
+                item.kv_slots.extend(self._slots(ctx))
+                item.sampling.CopyFrom(sampling)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.engine.execute(plan)
+            _sync(self.device)
+            t += time.perf_counter() - t0
+        return t / (len(ids) * ctx)
+
+    def decode(self, ids: list[int]) -> float:
+        """Median wall seconds of one decode step (plan in, journal out) for these requests."""
+        times = []
+        for i in range(self.args.warmup + self.args.steps):
+            plan = self._plan()
+            for rid, slot in zip(ids, self._slots(len(ids))):
+                plan.decode.add(request_id=rid, kv_slot=slot)
+            t0 = time.perf_counter()
+            journal = self.engine.execute(plan)  # ends with the journal's device→host copy
+            dt = time.perf_counter() - t0
+            if len(journal.request_ids) != len(ids):
+                raise RuntimeError(f"expected {len(ids)} frames, got {len(journal.request_ids)}")
+            if i >= self.args.warmup:
+                times.append(dt)
+        return float(np.median(times))
+
+    def frame_decode(self, bs: int) -> float:
+        """Frame decode alone (12 local steps + 13 samples + commit), graphed on CUDA."""
+        rows = torch.arange(bs, device=self.device)
+        hidden = torch.randn(bs, self.cfg.hidden_size, device=self.device, dtype=self.engine.dtype)
+        fn = lambda: sample_and_commit(self.model, self.engine.pool, hidden, rows, True)  # noqa: E731
+        with torch.inference_mode():
+            for _ in range(2):
+                fn()
+            if self.device.type == "cuda" and self.args.cuda_graphs:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                fn = g.replay
+            _sync(self.device)
+            t0 = time.perf_counter()
+            for _ in range(self.args.steps):
+                fn()
+            _sync(self.device)
+        return (time.perf_counter() - t0) / self.args.steps
+
+    def release(self, ids: list[int]) -> None:
+        plan = self._plan()
+        plan.release.extend(ids)
+        self.engine.execute(plan)
+        self.next_slot = 0
+
+    def run(self) -> dict:
+        max_b = max(self.batches)
+        result = {"points": [], "frame_decode": [], "prefill": []}
+        print(f"weights read per step: {self.weight_bytes() / 1e9:.2f} GB", flush=True)
+        if self.engine.graphs is not None:
+            t0 = time.perf_counter()
+            self.engine.graphs.capture_all(self.batches)
+            print(f"captured decode graphs for {self.batches} in {time.perf_counter() - t0:.1f}s", flush=True)
+        for ctx in self.contexts:
+            ids = list(range(1, max_b + 1))
+            per_row = self.prefill(ids, ctx)
+            result["prefill"].append({"context": ctx, "requests": max_b, "ms_per_row": per_row * 1e3,
+                                      "rows_per_s": 1 / per_row})
+            print(f"prefill ctx {ctx}: {per_row * 1e6:.1f} us/row ({1 / per_row:,.0f} rows/s)", flush=True)
+            print(f"{'bs':>5} {'ctx':>5} {'step ms':>8} {'frames/s':>10} {'floor ms':>9} {'ratio':>6}", flush=True)
+            for bs in self.batches:
+                step = self.decode(ids[:bs])
+                mem, comp = self.step_floor(bs, ctx)
+                floor = max(mem, comp)
+                point = {"batch": bs, "context": ctx, "step_ms": step * 1e3, "frames_per_s": bs / step,
+                         "floor_ms": floor * 1e3, "floor_bytes_ms": mem * 1e3, "floor_flops_ms": comp * 1e3,
+                         "ratio_to_floor": step / floor}
+                result["points"].append(point)
+                print(f"{bs:>5} {ctx:>5} {step * 1e3:>8.2f} {bs / step:>10,.0f} {floor * 1e3:>9.2f} "
+                      f"{step / floor:>6.2f}", flush=True)
+            self.release(ids)
+        for bs in self.batches:
+            t = self.frame_decode(bs)
+            result["frame_decode"].append({"batch": bs, "ms": t * 1e3})
+            print(f"frame decode bs {bs}: {t * 1e3:.3f} ms", flush=True)
+        return result
+
+
+def run(args: argparse.Namespace) -> None:
+    bench = Bench(args)
+    results = bench.run()
+    device = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else platform.processor()
+    report = {"benchmark": "worker", "command": " ".join(sys.argv), "git_revision": _git_revision(),
+              "device": device, "torch": torch.__version__, "dtype": args.dtype,
+              "attention": type(bench.engine.kv).__name__, "cuda_graphs": bench.engine.graphs is not None,
+              "floor": {"bandwidth_bytes_per_s": args.bandwidth, "flops_per_s": args.flops,
+                        "weight_bytes_per_step": bench.weight_bytes()},
+              **results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.out}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="chorus bench worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""One CUDA graph per batch-size bucket for a whole pure-decode step:
+gather feedback embeddings → backbone (flashinfer paged decode) → frame
+decode (12 local steps, 13 seeded samples) → pool commit → journal tensor.
+
+Launch overhead dominates a decode step (hundreds of small kernels), so the
+graph is what makes small batches fast. Inputs are copied into static
+buffers; the flashinfer decode wrapper of the bucket is re-planned with the
+step's page table before each replay (plan is host work, outside the graph).
+Padding rows read and write only the pool's spare row and the scratch KV slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import AttentionBatch, SequenceSpan
+
+log = logging.getLogger("chorus.worker")
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class _Graph:
+    size: int
+    graph: torch.cuda.CUDAGraph
+    wrapper: object
+    rows: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    out: torch.Tensor
+
+
+class GraphedDecode:
+    def __init__(self, engine):
+        self.engine = engine
+        cap = engine.max_batch
+        self.buckets = [b for b in BUCKETS if b < cap] + [cap]
+        self.graphs: dict[int, _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+
+    def fits(self, n: int) -> bool:
+        return n <= self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def capture_all(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture ahead of serving, largest first so smaller graphs reuse its memory."""
+        for b in sorted(set(sizes or self.buckets), reverse=True):
+            self._get(self.bucket(b))
+
+    def _get(self, b: int) -> _Graph:
+        g = self.graphs.get(b)
+        if g is None:
+            g = self.graphs[b] = self._capture(b)
+        return g
+
+    def _capture(self, b: int) -> _Graph:
+        import flashinfer
+
+        e = self.engine
+        dev = e.device
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            e.kv.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(e.kv.num_slots, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=dev))
+        rows = torch.full((b,), e.pool.spare_row, dtype=torch.int64, device=dev)
+        positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        write_slots = torch.full((b,), e.scratch_slot, dtype=torch.int64, device=dev)
+        indptr = torch.arange(b + 1, dtype=torch.int32)
+        e.kv.plan_decode(wrapper, indptr, torch.full((b,), e.scratch_slot, dtype=torch.int32))
+        batch = AttentionBatch(positions=positions, write_slots=write_slots, qo_indptr=indptr,
+                               kv_indptr=indptr, kv_indices=torch.zeros(b, dtype=torch.int32))
+
+        def body() -> torch.Tensor:
+            from gpu_worker.engine import sample_and_commit
+
+            e.kv.active = wrapper
+            hidden = e.model.backbone(e.pool.feedback[rows], batch, e.kv)
+            # The penalty path is always on in the graph: a penalty of 1 is a bit-exact no-op.
+            return sample_and_commit(e.model, e.pool, hidden, rows, with_presence=True)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = body()
+        e.kv.active = e.kv.decode_wrapper
+        log.info("captured decode graph for batch %d", b)
+        return _Graph(b, graph, wrapper, rows, positions, write_slots, out)
+
+    def run(self, decode_rows: list[int], spans: Sequence[SequenceSpan]) -> torch.Tensor:
+        e = self.engine
+        n = len(spans)
+        g = self._get(self.bucket(n))
+        pad = g.size - n
+        kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=n)
+        kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int32) for sp in spans]
+                                    + [np.full(pad, e.scratch_slot, dtype=np.int32)])
+        indptr = np.concatenate([[0], np.cumsum(np.concatenate([kv_lens, np.ones(pad, np.int64)]))])
+        newest = kv_indices[indptr[1:n + 1] - 1]  # each request's new row is its last slot
+        host = np.stack([
+            np.concatenate([decode_rows, np.full(pad, e.pool.spare_row)]),
+            np.concatenate([kv_lens - 1, np.zeros(pad, np.int64)]),
+            np.concatenate([newest, np.full(pad, e.scratch_slot)]),
+        ]).astype(np.int64)
+        staged = torch.from_numpy(host).to(e.device, non_blocking=True)
+        g.rows.copy_(staged[0])
+        g.positions.copy_(staged[1])
+        g.write_slots.copy_(staged[2])
+        e.kv.plan_decode(g.wrapper, torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(kv_indices))
+        g.graph.replay()
+        return g.out
