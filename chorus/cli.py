@@ -4,6 +4,8 @@
   chorus up                   start all three services locally until Ctrl-C
   chorus say "text" -o a.wav  synthesize through a running scheduler
   chorus worker|scheduler|vocoder   run one service (what a Kubernetes pod runs)
+  chorus bench                load generator over the gRPC API (throughput, time to first audio)
+  chorus bench worker         in-process worker microbenchmark (step time against batch and context)
 
 Every command takes --help.
 """
@@ -159,6 +161,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "worker"]:  # the worker microbenchmark has flags of its own
+        from gpu_worker import bench as worker_bench
+        return worker_bench.main(argv[2:])
     parser = argparse.ArgumentParser(prog="chorus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -178,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server", default="127.0.0.1:50051", help="scheduler address HOST:PORT")
     _add_say_flags(p, "out.wav")
     p.set_defaults(func=cmd_say)
+
+    from chorus.bench import add_bench_parser
+    add_bench_parser(sub)
 
     _service_parsers(sub)
     args = parser.parse_args(argv)

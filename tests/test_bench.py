@@ -1,0 +1,117 @@
+"""chorus bench: a smoke run of the load generator against the real services
+(tiny model, CPU), plus its metric arithmetic on hand-made records."""
+
+import json
+
+import pytest
+
+from chorus import bench
+from chorus.cli import main as cli_main
+
+
+def _run(cluster, tmp_path, *flags):
+    out = tmp_path / "results.json"
+    args = bench.parse_args(["--server", cluster.address, "--warmup", "0", "--no-progress", "--seed", "7",
+                             "--out", str(out), *flags])
+    returned = bench.run_bench(args)
+    data = json.loads(out.read_text())
+    assert data["levels"] == json.loads(json.dumps(returned["levels"]))
+    return data
+
+
+def test_w1_closed_loop_sweep_writes_json_and_plot(cluster, tmp_path):
+    flags = ["--workload", "W1", "--concurrency", "1,2", "--frames", "4", "--requests", "2"]
+    try:
+        import matplotlib  # noqa: F401
+        flags += ["--plot", str(tmp_path / "results.png")]
+    except ImportError:
+        pass
+    data = _run(cluster, tmp_path, *flags)
+
+    assert data["schema"] == bench.SCHEMA and data["complete"] is True
+    assert data["config"]["concurrency"] == [1, 2] and data["config"]["seed"] == 7
+    assert data["config"]["workloads"]["W1"]["frames"] == 4
+    assert data["server"]["address"] == cluster.address and data["server"]["models"][0]["codebooks"] == 12
+    assert "revision" in data["git"] and data["host"]["cpu_count"] >= 1
+
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv in data["levels"]:
+        assert lv["workload"] == "W1" and lv["mode"] == "closed"
+        assert lv["requests"] == 2 and lv["completed"] == 2 and lv["errors"] == 0 and lv["first_error"] is None
+        for key in ("req_per_s", "audio_s_per_s", "frames_per_s", "window_s"):
+            assert lv[key] > 0, key
+        for q in ("p50", "p95", "p99"):
+            assert lv["ttfa_ms"][q] > 0
+        assert lv["rtf"]["p50"] > 0 and lv["rtf"]["p99"] >= lv["rtf"]["p50"]
+        assert lv["ttfa_ms"]["p99"] >= lv["ttfa_ms"]["p50"]
+
+    records = data["records"]
+    assert len(records) == 4 and all(r["measured"] for r in records)
+    assert len({r["seed"] for r in records}) == 4  # every request has its own seed
+    for r in records:
+        assert r["error"] is None and r["frames"] == 4 and r["frames_requested"] == 4
+        assert r["audio_s"] == pytest.approx(4 * 0.08)
+        assert 0 < r["ttfa_ms"] <= r["total_ms"] and r["rtf"] == pytest.approx(r["total_ms"] / 1e3 / r["audio_s"])
+        assert r["chunks"] == len(r["gaps_ms"]) + 1 >= 1
+        assert r["cached_prompt_rows"] is not None and r["prompt_rows"] > 0
+    assert {r["level"] for r in records} == {0, 1}
+    if "--plot" in flags:
+        assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_w2_repeated_voices_hit_the_radix_cache(cluster, tmp_path):
+    # Two voices over four sequential requests: at least two requests reuse a
+    # voice whose prompt rows an earlier, finished request left in the cache.
+    data = _run(cluster, tmp_path, "--workload", "W2", "--concurrency", "1", "--frames", "3", "--requests", "4",
+                "--voices", "2")
+    (lv,) = data["levels"]
+    assert lv["errors"] == 0 and lv["completed"] == 4
+    records = sorted(data["records"], key=lambda r: r["t_send_s"])
+    seen, first, repeat = set(), [], []
+    for r in records:
+        assert r["voice"] in (0, 1)
+        (repeat if r["voice"] in seen else first).append(r["cached_prompt_rows"])
+        seen.add(r["voice"])
+    assert len(repeat) >= 2
+    # The reference (63 rows) sits before the text, so a repeat reuses it all.
+    assert min(repeat) > bench.VOICE_FRAMES and min(repeat) > max(first)
+    assert lv["cached_prompt_rows"]["total"] > 0
+
+
+def test_open_loop_poisson_arrivals(cluster, tmp_path):
+    data = _run(cluster, tmp_path, "--workload", "W1", "--rate", "20", "--frames", "3", "--requests", "3")
+    (lv,) = data["levels"]
+    assert lv["mode"] == "open" and lv["rate"] == 20 and lv["concurrency"] is None
+    assert lv["requests"] == 3 and lv["errors"] == 0 and lv["audio_s_per_s"] > 0
+
+
+def test_level_metrics_windows_and_percentiles():
+    def rec(t_send, chunk_times, measured=True, error=None):
+        return {"measured": measured, "error": error, "t_send_s": t_send, "t_end_s": chunk_times[-1],
+                "ttfa_ms": (chunk_times[0] - t_send) * 1e3, "total_ms": (chunk_times[-1] - t_send) * 1e3,
+                "rtf": 1.0, "gaps_ms": [(b - a) * 1e3 for a, b in zip(chunk_times, chunk_times[1:])],
+                "max_gap_ms": None, "server_queue_ms": 1.0, "server_first_audio_ms": 1.0, "prompt_rows": 10,
+                "cached_prompt_rows": 4, "sample_rate": 100, "samples_per_frame": 10,
+                "_chunks": [(t, 50) for t in chunk_times]}
+
+    records = [rec(0.0, [0.5, 1.5], measured=False),   # warm-up: its chunk at 1.5 s is in the window
+               rec(1.0, [1.2, 2.0]), rec(1.5, [1.9, 3.5]),  # the second one's last chunk is past the window
+               {**rec(2.0, [2.0]), "error": "UNAVAILABLE: gone", "_chunks": []}]
+    m = bench.level_metrics(records, (1.0, 3.0))
+    assert m["requests"] == 3 and m["completed"] == 2 and m["errors"] == 1 and m["warmup_requests"] == 1
+    assert m["first_error"] == "UNAVAILABLE: gone"
+    # chunks inside [1, 3]: 1.5, 1.2, 2.0, 1.9 -> 4 x 50 samples = 2 s of audio, 20 frames over 2 s
+    assert m["audio_s_per_s"] == pytest.approx(1.0) and m["frames_per_s"] == pytest.approx(10.0)
+    assert m["req_per_s"] == pytest.approx(1.0)  # warm-up's end (1.5) and 2.0 are inside; 3.5 is not
+    assert m["ttfa_ms"]["p50"] == pytest.approx(300.0) and m["chunk_gap_ms"]["max"] == pytest.approx(1600.0)
+    assert bench.percentile([1, 2, 3, 4], 50) == 2.5 and bench.percentile([], 99) is None
+
+
+def test_bench_is_a_cli_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--concurrency", "--rate", "--launch", "--worker-arg", "--frames", "--out", "--plot"):
+        assert flag in text
+    assert text.count("chorus bench --") >= 2  # the examples
