@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Vocoder (MOSS-Audio-Tokenizer decode) benchmark: CodecSession streaming,
+first-chunk latency and offline decode, against the physical floor.
+
+    python benchmarks/vocoder_bench.py --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
+    python benchmarks/vocoder_bench.py --preset tiny --device cpu                      # smoke test
+
+Weights are random (build_codec), which costs exactly what real ones do.
+Measures, each as the median of N timed runs after warm-up, with
+torch.cuda.synchronize() around every run:
+
+  streaming   S streams x steady T-frame steps (default 25 = 2 s) in one
+              batched CodecSession step, CUDA-graphed (and eager for the
+              smallest and largest S): seconds of audio per second;
+  first_chunk one stream, one 5-frame step: latency in ms (PCM on the host), graphed and eager;
+  offline     codec.decode of S utterances x 100 frames in one call.
+
+The floor for each case is max(FLOPs / peak FLOP/s, bytes / peak bandwidth):
+FLOPs from spec §6 (2(4d^2 + 2 d ff) + 4 d W per token and layer, plus the
+stage projections; about 160 GFLOP per second of audio for v2), bytes = the
+decoder weights once per step in the compute dtype plus, when streaming, the
+KV window of every stream read and written once.
+
+Results go to stdout as a table and to --out as JSON, rewritten after every
+section, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
+from vocoder_svc.session import CodecSession  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float64": torch.float64}
+
+
+def log(msg: str) -> None:
+    print(f"[vocoder-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the cost model (§6) ---------------------------------------------------------------------------
+
+def cost_model(codec) -> dict:
+    """FLOPs per second of audio (window full), decoder parameters, KV bytes per element."""
+    cfg = codec.config
+    rate = cfg.frame_rate
+    stages, total = [], 0.0
+    for m in codec.decoder:
+        if isinstance(m, PatchedPretransform):
+            rate *= m.patch_size
+            continue
+        assert isinstance(m, ProjectedTransformer)
+        s = m.cfg
+        d, ff, w = s.d_model, s.dim_feedforward, m.window
+        per_token = s.num_layers * (2 * (4 * d * d + 2 * d * ff) + 4 * d * w)
+        per_token += 2 * s.input_dimension * d + 2 * d * s.output_dimension
+        flops = rate * per_token
+        stages.append({"rate_hz": rate, "window": w, "d_model": d, "layers": s.num_layers,
+                       "gflop_per_audio_s": flops / 1e9})
+        total += flops
+    params = sum(p.numel() for p in codec.decoder.parameters())
+    kv_elems = sum(2 * m.cfg.num_layers * m.window * m.cfg.d_model for m in codec.decoder
+                   if isinstance(m, ProjectedTransformer))
+    return {"flop_per_audio_s": total, "gflop_per_audio_s": total / 1e9, "stages": stages,
+            "decoder_params": params, "kv_elems_per_stream": kv_elems}
+
+
+def floor_s(model: dict, audio_s: float, streams: int, elt: int, streaming: bool, peak_flops: float,
+            peak_bw: float) -> dict:
+    flops = audio_s * model["flop_per_audio_s"]
+    nbytes = model["decoder_params"] * elt + (2 * streams * model["kv_elems_per_stream"] * elt if streaming else 0)
+    t_flop, t_bw = flops / peak_flops, nbytes / peak_bw
+    return {"flop": flops, "bytes": nbytes, "t_flop_ms": t_flop * 1e3, "t_bytes_ms": t_bw * 1e3,
+            "floor_ms": max(t_flop, t_bw) * 1e3, "bound": "compute" if t_flop >= t_bw else "bandwidth"}
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+
+def timed(fn, iters: int, warmup: int, sync) -> dict:
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
+            "iters": iters}
+
+
+def git_revision(override: str | None = None) -> dict:
+    def git(*a: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() if r.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    rev = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    return {"commit": rev or override, "given": override, "dirty": None if status is None else bool(status)}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cpus)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                    help="compute dtype (weights are built in it; the quantizer stays fp32)")
+    ap.add_argument("--n-q", type=int, default=12, help="codebooks per frame (MOSS-TTS Local: 12)")
+    ap.add_argument("--streams", default=None,
+                    help="stream counts for streaming and offline (default 1,8,16,32,64; CPU 1,4)")
+    ap.add_argument("--chunk", type=int, default=25, help="steady streaming step, frames")
+    ap.add_argument("--first-chunk", type=int, default=5, help="first-chunk step, frames")
+    ap.add_argument("--offline-frames", type=int, default=None, help="default 100 (CPU 20)")
+    ap.add_argument("--iters", type=int, default=None, help="timed runs per case (default 10 GPU, 2 CPU)")
+    ap.add_argument("--latency-iters", type=int, default=None, help="timed first-chunk runs (default 30 GPU, 3 CPU)")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
+    ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
+    ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--git-rev", default=os.environ.get("CHORUS_GIT_REV"),
+                    help="revision to record when the tree has no .git (env CHORUS_GIT_REV)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    cuda = device.type == "cuda"
+    iters = args.iters or (10 if cuda else 2)
+    lat_iters = args.latency_iters or (30 if cuda else 3)
+    streams = sorted({int(s) for s in (args.streams or ("1,8,16,32,64" if cuda else "1,4")).split(",") if s.strip()})
+    if args.offline_frames is None:
+        args.offline_frames = 100 if cuda else 20
+    max_streams = streams[-1]
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    graphs = cuda and not args.no_graphs
+
+    res: dict = {"status": "running", "preset": args.preset, "device": device_name(device),
+                 "device_type": device.type, "dtype": args.dtype, "torch": torch.__version__,
+                 "cuda": torch.version.cuda, "git": git_revision(args.git_rev), "python": platform.python_version(),
+                 "args": vars(args), "graphs": graphs, "streaming": [], "first_chunk": {}, "offline": [],
+                 "checks": {}, "errors": []}
+    t_start = time.perf_counter()
+
+    def save() -> None:
+        res["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+        if cuda:
+            res["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+
+    def section(name: str, fn) -> None:
+        log(f"--- {name}")
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - record it, keep the rest of the run
+            log(f"{name} FAILED: {e!r}")
+            res["errors"].append({"section": name, "error": repr(e), "trace": traceback.format_exc()[-4000:]})
+        save()
+
+    log(f"device {res['device']}, torch {torch.__version__}, cuda {torch.version.cuda}, preset {args.preset}, "
+        f"dtype {args.dtype}, streams {streams}, chunk {args.chunk}, first {args.first_chunk}, graphs {graphs}")
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    codec = build_codec(PRESETS[args.preset](), seed=args.seed, dtype=dtype, device=device)
+    sync()
+    res["build_s"] = round(time.perf_counter() - t0, 2)
+    model = cost_model(codec)
+    elt = torch.empty((), dtype=dtype).element_size()
+    fr = codec.config.frame_rate
+    res["floor"] = {"peak_tflops": args.peak_tflops, "peak_tbps": args.peak_tbps,
+                    "gflop_per_audio_s": model["gflop_per_audio_s"], "stages": model["stages"],
+                    "decoder_params": model["decoder_params"],
+                    "weight_bytes_per_step": model["decoder_params"] * elt,
+                    "kv_bytes_per_stream": model["kv_elems_per_stream"] * elt}
+    log(f"built in {res['build_s']} s: decoder {model['decoder_params'] / 1e6:.1f} M params, "
+        f"{model['gflop_per_audio_s']:.1f} GFLOP per audio second, "
+        f"weights {model['decoder_params'] * elt / 1e9:.3f} GB/step, KV {model['kv_elems_per_stream'] * elt / 1e6:.1f} "
+        f"MB/stream")
+    peak_f, peak_b = args.peak_tflops * 1e12, args.peak_tbps * 1e12
+
+    session = CodecSession(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
+                           graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [])
+    res["session"] = {"slots": session.slots, "buckets": list(session.buckets), "scratch_rows": session.scratch,
+                      "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype)}
+    save()
+    gen = torch.Generator().manual_seed(args.seed + 1)
+
+    def codes(b: int, t: int) -> torch.Tensor:
+        return torch.randint(0, codec.codebook_size, (args.n_q, b, t), generator=gen)
+
+    def stream_case(n: int, t: int, graphed: bool, n_iters: int, to_cpu: bool = False) -> dict:
+        slots = [session.acquire() for _ in range(n)]
+        try:
+            chunk = codes(n, t)
+            batch = {s: chunk[:, i] for i, s in enumerate(slots)}
+            last = {}
+
+            def run() -> None:
+                last["out"] = session.step(batch, eager=not graphed, to_cpu=to_cpu)
+
+            r = timed(run, n_iters, warmup=2, sync=sync)
+            used = session.last_step_graphed
+            finite = all(bool(torch.isfinite(v).all()) for v in last["out"].values())
+        finally:
+            for s in slots:
+                session.release(s)
+        audio = n * t / fr
+        fl = floor_s(model, audio, n, elt, True, peak_f, peak_b)
+        r.update({"streams": n, "frames": t, "bucket": session.bucket_for(n), "graphed": used, "to_cpu": to_cpu,
+                  "audio_s_per_step": audio, "audio_s_per_s": audio / (r["median_ms"] / 1e3),
+                  "rtf": (r["median_ms"] / 1e3) / audio, "finite": finite, "floor": fl,
+                  "efficiency": fl["floor_ms"] / r["median_ms"]})
+        log(f"stream n={n:3d} T={t:3d} {'graph' if used else 'eager'}{' +D2H' if to_cpu else ''}: "
+            f"{r['median_ms']:8.2f} ms/step  {r['audio_s_per_s']:9.1f} audio s/s  floor {fl['floor_ms']:.2f} ms "
+            f"({fl['bound']})  eff {r['efficiency'] * 100:.1f}%")
+        return r
+
+    # ---- checks first: cheap, and they say whether the numbers mean anything ----
+    def checks() -> None:
+        c = res["checks"]
+        x = codes(1, 3 * args.first_chunk)
+        ref = codec.decode(x)[0].float()
+        out = session.decode_stream(x[:, 0], [args.first_chunk] * 3,
+                                    step=lambda b: session.step(b, eager=True)).float()
+        diff = (out - ref).abs().max().item()
+        c["session_vs_offline"] = {"frames": x.shape[2], "max_abs_diff": diff, "max_abs_ref": ref.abs().max().item(),
+                                   "rel_max_abs_diff": diff / max(1e-30, ref.abs().max().item()),
+                                   "rel_l2": ((out - ref).norm() / ref.norm()).item(),
+                                   "note": "session (residual fp32 when bf16) vs codec.decode in the codec dtype"}
+        log(f"check session vs offline: rel max abs diff {c['session_vs_offline']['rel_max_abs_diff']:.2e}, "
+            f"rel l2 {c['session_vs_offline']['rel_l2']:.2e}")
+        # batch independence: stream 0 next to other streams with other codes, same bucket -> same bytes
+        n = min(3, max_streams)
+        if n >= 2:
+            x0, x1 = codes(n, args.first_chunk), codes(n, args.first_chunk)
+            sl = [session.acquire() for _ in range(n)]
+            try:
+                a = session.step({s: x0[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
+                for s in sl:
+                    session.reset(s)
+                b = session.step({s: (x0 if i == 0 else x1)[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
+                session.reset(sl[0])
+                alone = session.step({sl[0]: x0[:, 0]}, eager=True)[sl[0]]
+            finally:
+                for s in sl:
+                    session.release(s)
+            c["batch_independence_same_bucket_bitwise"] = bool(torch.equal(a, b))
+            c["alone_vs_batched_max_abs_diff"] = (a.float() - alone.float()).abs().max().item()
+            log(f"check batch independence (bucket {session.bucket_for(n)}): bitwise "
+                f"{c['batch_independence_same_bucket_bitwise']}; alone (bucket 1) vs batched max abs diff "
+                f"{c['alone_vs_batched_max_abs_diff']:.3e}")
+
+    section("checks", checks)
+
+    def latency_eager() -> None:
+        res["first_chunk"]["eager"] = stream_case(1, args.first_chunk, False, lat_iters, to_cpu=True)
+
+    section("first-chunk latency (eager)", latency_eager)
+
+    def offline() -> None:
+        for n in streams:
+            x = codes(n, args.offline_frames)
+            xd = x.to(device)
+            last = {}
+
+            def run() -> None:
+                last["out"] = codec.decode(xd)
+
+            r = timed(run, max(1, min(iters, 3)), warmup=1, sync=sync)
+            audio = n * args.offline_frames / fr
+            fl = floor_s(model, audio, n, elt, False, peak_f, peak_b)
+            r.update({"streams": n, "frames": args.offline_frames, "audio_s": audio,
+                      "audio_s_per_s": audio / (r["median_ms"] / 1e3), "finite": bool(torch.isfinite(last["out"]).all()),
+                      "floor": fl, "efficiency": fl["floor_ms"] / r["median_ms"]})
+            last.clear()
+            res["offline"].append(r)
+            log(f"offline n={n:3d} x {args.offline_frames} frames: {r['median_ms']:8.2f} ms  "
+                f"{r['audio_s_per_s']:9.1f} audio s/s  floor {fl['floor_ms']:.2f} ms  eff {r['efficiency'] * 100:.1f}%")
+            save()
+
+    section("offline decode", offline)
+
+    def streaming_eager() -> None:
+        for n in sorted({streams[0], max_streams}):
+            r = stream_case(n, args.chunk, False, max(1, iters // 2))
+            res["streaming"].append(r)
+            save()
+
+    section("streaming (eager)", streaming_eager)
+
+    if graphs:
+        def capture() -> None:
+            t = time.perf_counter()
+            buckets = sorted({session.bucket_for(n) for n in streams}, reverse=True)
+            session.capture(buckets=buckets, frames=[args.chunk])
+            session.capture(buckets=[1], frames=[args.first_chunk])
+            sync()
+            res["capture"] = {"graphs": [list(k) for k in session.captured], "seconds": round(time.perf_counter() - t, 2),
+                              "disabled": session.graphs_disabled}
+            log(f"captured {len(session.captured)} graphs in {res['capture']['seconds']} s"
+                + (f"; DISABLED: {session.graphs_disabled}" if session.graphs_disabled else ""))
+
+        section("graph capture", capture)
+
+        def latency_graphed() -> None:
+            res["first_chunk"]["graphed"] = stream_case(1, args.first_chunk, True, lat_iters, to_cpu=True)
+
+        section("first-chunk latency (graphed)", latency_graphed)
+
+        def streaming_graphed() -> None:
+            for n in streams:
+                res["streaming"].append(stream_case(n, args.chunk, True, iters))
+                save()
+            res["streaming"].append(stream_case(max_streams, args.chunk, True, max(1, iters // 2), to_cpu=True))
+
+        section("streaming (graphed)", streaming_graphed)
+
+        def graph_parity() -> None:
+            # the same codes through a graphed and an eager step from identical (fresh) states
+            x = codes(1, args.first_chunk + args.chunk)
+            parts = [args.first_chunk, args.chunk]
+            g = session.decode_stream(x[:, 0], parts)
+            e = session.decode_stream(x[:, 0], parts, step=lambda b: session.step(b, eager=True))
+            res["checks"]["graph_vs_eager_bitwise"] = bool(torch.equal(g, e))
+            res["checks"]["graph_vs_eager_max_abs_diff"] = (g.float() - e.float()).abs().max().item()
+            log(f"check graph vs eager: bitwise {res['checks']['graph_vs_eager_bitwise']}, max abs diff "
+                f"{res['checks']['graph_vs_eager_max_abs_diff']:.3e}")
+
+        section("graph parity", graph_parity)
+
+    # ---- summary table ----
+    rows = [("case", "streams", "T", "path", "ms", "audio s/s", "floor ms", "eff %")]
+    for name, r in ([("first-chunk", v) for v in res["first_chunk"].values()]
+                    + [("streaming", r) for r in res["streaming"]]):
+        rows.append((name, r["streams"], r["frames"], ("graph" if r["graphed"] else "eager") + ("+D2H" if r["to_cpu"] else ""),
+                     f"{r['median_ms']:.2f}", f"{r['audio_s_per_s']:.1f}", f"{r['floor']['floor_ms']:.2f}",
+                     f"{r['efficiency'] * 100:.1f}"))
+    for r in res["offline"]:
+        rows.append(("offline", r["streams"], r["frames"], "eager", f"{r['median_ms']:.2f}",
+                     f"{r['audio_s_per_s']:.1f}", f"{r['floor']['floor_ms']:.2f}", f"{r['efficiency'] * 100:.1f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    print("\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows), flush=True)
+    res["status"] = "ok" if not res["errors"] else "partial"
+    save()
+    log(f"done in {res['elapsed_s']} s, status {res['status']}" + (f", json {args.out}" if args.out else ""))
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,559 @@
+"""CodecSession: slot-based batched streaming decode for the MOSS-Audio-Tokenizer
+codec, with CUDA graphs per (batch bucket, frames) on GPU.
+
+Many streams are decoded together in one batched step. The session owns all
+streaming state in preallocated device buffers, so every tensor a step
+touches has a shape fixed by (bucket, T) and the step can be captured once in
+a CUDA graph and replayed with new inputs. On CPU (and for any (bucket, T)
+without a graph) the very same step function runs eagerly.
+
+Math: exactly the codec's (vocoder_svc/codec.py, spec §3, §4), reusing its
+weights and its RoPE/mask helpers:
+
+    quantizer gather-sum (fp32) -> per Transformer stage: in_proj, layers
+    (pre-norm LN, fused QKV, interleaved-pair RoPE at absolute positions,
+    windowed causal attention over cache + chunk, LayerScale residuals,
+    erf-GELU FFN), out_proj -> patch up -> ... -> de-interleave.
+
+State (§4.1), per row (a row is a slot or a scratch row):
+
+* ``frames[row]``: code frames this stream has consumed. Every stage's token
+  offset is ``frames * tokens_per_frame(stage)``, so one counter is the whole
+  position state.
+* per stage and layer, ``k[l], v[l]``: ``[rows, H, W, D]``, the rotated keys
+  and the values of the last W tokens in chronological order (cache, never a
+  ring). Their positions are implied by the offset: entry j holds position
+  ``offset - W + j``; a negative position means "empty" and is masked (§3.3),
+  so a fresh or released stream is just ``frames = 0`` (stale K/V behind a
+  negative position is never attended to; buffers start zeroed so it is
+  always finite).
+
+One step for a bucket of B rows and T frames (all shapes static):
+
+    rows   = [slot ids of the participants..., scratch rows for padding]
+    f      = where(valid, frames[rows], 0)            # padding = fresh stream
+    pos    = f*m + [-W, ..., T*m - 1]                   # cache + chunk positions
+    mask   = codec.window_mask(pos[W:], pos, W)         # once per stage (built as band & exists)
+    per layer: kc = cat(k[l][rows], k_new); o = SDPA(q, kc, vc, mask)
+               k[l][rows] = kc[:, :, -W:]               # index_copy_, same for v
+    frames[rows] = f + T
+
+Padding rows read and write only scratch rows (one per padding position, so
+writes never collide; there are as many scratch rows as the largest bucket,
+which graph warm-up needs, so KV memory is 2 x slots when slots is the largest
+bucket), hence they never change a slot's state, and their
+inputs (codes 0, fresh positions) never depend on anything else. Every op is
+row-wise, so a stream's result depends only on its own codes and state and
+on the step's shapes (bucket, T): decoded alone or next to others in the same
+bucket it is bit-identical. (Across different buckets the GEMM shapes differ,
+and a GPU may then pick other kernels: expect ~1e-6 in fp32.)
+
+Precision: ``compute_dtype`` bf16/fp16 follows the reference's autocast
+policy (§3.7) without autocast's per-step weight casts: GEMM weights are cast
+once, GEMMs, the KV cache and SDPA run in bf16, while the quantizer (fp32),
+LayerNorm, RoPE and the residual stream stay in fp32. With compute dtype
+equal to the codec dtype (fp32/fp64) the session uses the codec's own tensors
+and its result equals ``codec.decode`` up to rounding.
+
+CUDA graphs: one per (bucket, T), captured lazily on first use (for T in
+``graph_frames``) or up front with ``capture()``, largest first, into one
+shared memory pool. Warm-up and capture run on scratch rows only, so
+capturing while streams are live is safe. Replay copies codes, row ids and
+the valid mask into the graph's static input buffers. A (bucket, T) without a
+graph runs eagerly with the same bucket (same GEMM shapes). A capture or
+replay failure disables graphs for the session (``graphs_disabled`` says
+why). Frames are never padded: padding would advance the causal state.
+
+Calls are serialised by a lock, so a server may call from several threads
+(all on the same CUDA stream). Results are returned as fresh tensors, never
+views of graph memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vocoder_svc.codec import (LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer,
+                               apply_rope)
+
+HALF = (torch.bfloat16, torch.float16)
+# Positions go through fp32 for RoPE (§3.3), exact only below 2**24.
+MAX_POSITION = 1 << 24
+
+
+def default_buckets(slots: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, ... up to `slots`, plus `slots` itself."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    out.append(slots)
+    return tuple(out)
+
+
+def rope_freq(head_dim: int, max_period: float, device: torch.device) -> Tensor:
+    """freq[i] of §3.3, computed exactly as codec.rope_cos_sin does (same ops, same device)."""
+    c = -2.0 * math.log(max_period) / head_dim
+    i = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
+    return torch.exp(i * torch.tensor(c, dtype=torch.float32, device=device))
+
+
+def chunk_window_mask(offset: Tensor, window: int, tk: int) -> Tensor:
+    """Boolean [B, Tk, W+Tk]: codec.window_mask(pos_q, pos_k, W) for keys (cache of W, then the chunk).
+
+    Key index i holds position offset - W + i and query j sits at key index W + j, so the codec's
+    mask is a static band (0 <= W + j - i < W) and a per-row "exists" cut (position >= 0, i.e.
+    i >= W - offset), built without [B, Tk, W+Tk] integer temporaries."""
+    idx = torch.arange(window + tk, device=offset.device)
+    rel = idx[window:].unsqueeze(1) - idx.unsqueeze(0)  # [Tk, W+Tk]
+    band = (rel >= 0) & (rel < window)
+    exists = idx.unsqueeze(0) >= (window - offset).unsqueeze(1)  # [B, W+Tk]
+    return band.unsqueeze(0) & exists.unsqueeze(1)
+
+
+@dataclass
+class _Layer:
+    ln1_w: Tensor
+    ln1_b: Tensor
+    wqkv: Tensor
+    wo: Tensor
+    s1: Tensor | None
+    ln2_w: Tensor
+    ln2_b: Tensor
+    w1: Tensor
+    w2: Tensor
+    s2: Tensor | None
+
+
+@dataclass
+class _Stage:
+    """One decoder Transformer stage: weights, window and its per-row KV buffers."""
+
+    index: int  # decoder module index
+    mult: int  # tokens of this stage per code frame
+    window: int
+    heads: int
+    head_dim: int
+    d_model: int
+    w_in: Tensor | None
+    w_out: Tensor | None
+    layers: list[_Layer]
+    freq: Tensor  # [D/2] fp32
+    k: list[Tensor]  # per layer [rows, H, W, D]
+    v: list[Tensor]
+
+
+@dataclass
+class _Graph:
+    """A captured (bucket, T) step and its static inputs/output."""
+
+    replay: Callable[[], None]  # CUDAGraph.replay, or an eager re-run in emulation mode
+    codes: Tensor  # [n_q, B, T] long
+    rows: Tensor  # [B] long
+    valid: Tensor  # [B] bool
+    out: Tensor  # [B, C, T*hop]
+
+
+class CodecSession:
+    """Slot-based batched streaming decoder (see the module docstring).
+
+    codec: a MossAudioTokenizer (its weights are shared, not copied, unless
+        compute_dtype differs from the codec's dtype).
+    slots: concurrent streams.
+    n_q: codebooks per frame (fixed for the session; 12 for MOSS-TTS Local).
+    compute_dtype: None = the codec's dtype; torch.bfloat16 for the fast GPU path.
+    buckets: allowed batch sizes (default 1, 2, 4, ..., slots); the largest must be >= slots.
+    graphs: True / False / None (= on for CUDA devices), or "emulate": run the
+        graph bookkeeping (static buffers, scratch-row warm-up) with an eager
+        "replay"; for CPU tests of that path.
+    graph_frames: the T values that get graphs (lazily on first use); default 1..25.
+    """
+
+    def __init__(self, codec: MossAudioTokenizer, slots: int = 16, n_q: int | None = None,
+                 compute_dtype: torch.dtype | None = None, buckets: Iterable[int] | None = None,
+                 graphs: bool | str | None = None, graph_frames: Iterable[int] | None = None,
+                 warmup: int = 2):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.codec = codec
+        self.config = codec.config
+        self.device = codec.device
+        self.slots = slots
+        self.n_q = codec.num_codebooks if n_q is None else int(n_q)
+        if not 1 <= self.n_q <= codec.num_codebooks:
+            raise ValueError(f"n_q must be in 1..{codec.num_codebooks}, got {self.n_q}")
+        codec_dtype = codec.dtype
+        self.compute_dtype = codec_dtype if compute_dtype is None else compute_dtype
+        # Residual stream / norms / output: fp32 under a half compute dtype (autocast policy), else the same.
+        self.residual_dtype = torch.float32 if self.compute_dtype in HALF else self.compute_dtype
+        self.buckets = tuple(sorted(set(default_buckets(slots) if buckets is None else (int(b) for b in buckets))))
+        if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] < slots:
+            raise ValueError(f"buckets {self.buckets} must be positive and reach slots={slots}")
+        self.scratch = self.buckets[-1]  # scratch rows [slots, slots + scratch): padding and warm-up
+        self.rows = slots + self.scratch
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        if graphs is True and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (use graphs='emulate' to test the path on CPU)")
+        self.graph_mode: str | None = "emulate" if graphs == "emulate" else ("cuda" if graphs else None)
+        self.graph_frames = frozenset(range(1, 26) if graph_frames is None else (int(t) for t in graph_frames))
+        self.warmup = warmup
+        self.graphs_disabled: str | None = None
+        self.last_step_graphed = False
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self._keep: list[object] = []  # the CUDAGraph objects behind the replay methods
+        self._lock = threading.RLock()
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._active: set[int] = set()
+        self._frames_host = [0] * slots
+        with torch.inference_mode():
+            self._build()
+
+    # ---- construction -------------------------------------------------------------
+    def _build(self) -> None:
+        codec, dev, cd, rd = self.codec, self.device, self.compute_dtype, self.residual_dtype
+
+        def gemm(w: Tensor | None) -> Tensor | None:
+            return None if w is None else w.detach().to(device=dev, dtype=cd)
+
+        def vec(w: Tensor) -> Tensor:
+            return w.detach().to(device=dev, dtype=rd)
+
+        q = codec.quantizer
+        k = self.config.quantizer.codebook_size
+        # The folded decode table of §3.2 for the first n_q codebooks: row i*K + c = Out_i(codebook_i[c]),
+        # computed with the codec's own 1x1 convolution weights (fp32; fp64 for fp64 codecs).
+        rows = []
+        for lfq in list(q.quantizers)[: self.n_q]:
+            cb = lfq.codebook.weight.detach()
+            rows.append(cb if lfq.out_proj is None else
+                        F.conv1d(cb.t().unsqueeze(0), lfq.out_proj.weight, lfq.out_proj.bias)[0].t())
+        self._table = torch.cat(rows, dim=0).contiguous()  # [n_q*K, rvq]
+        self._q_offsets = (torch.arange(self.n_q, device=dev) * k).view(self.n_q, 1, 1)
+        if q.output_proj is None:
+            self._q_out_w = self._q_out_b = None
+        else:
+            self._q_out_w = q.output_proj.weight[:, :, 0]
+            self._q_out_b = q.output_proj.bias
+        self._plan: list[tuple[str, object]] = []  # ("patch", h) or ("stage", _Stage)
+        mult = 1
+        for i, m in enumerate(codec.decoder):
+            if isinstance(m, PatchedPretransform):
+                self._plan.append(("patch", m.patch_size))
+                mult *= m.patch_size
+                continue
+            assert isinstance(m, ProjectedTransformer)
+            s = m.cfg
+            layers = []
+            for layer in m.transformer.layers:
+                attn = layer.self_attn
+                wqkv = attn.in_proj.weight if hasattr(attn, "in_proj") else attn.in_projs[0].weight
+                wo = attn.out_proj.weight if hasattr(attn, "out_proj") else attn.out_projs[0].weight
+                if hasattr(layer, "ffn"):
+                    w1, w2 = layer.ffn[0].weight, layer.ffn[2].weight
+                else:
+                    w1, w2 = layer.linear1.weight, layer.linear2.weight
+                s1 = vec(layer.layer_scale_1.scale) if isinstance(layer.layer_scale_1, LayerScale) else None
+                s2 = vec(layer.layer_scale_2.scale) if isinstance(layer.layer_scale_2, LayerScale) else None
+                layers.append(_Layer(vec(layer.norm1.weight), vec(layer.norm1.bias), gemm(wqkv), gemm(wo), s1,
+                                     vec(layer.norm2.weight), vec(layer.norm2.bias), gemm(w1), gemm(w2), s2))
+            shape = (self.rows, s.num_heads, m.window, s.head_dim)
+            stage = _Stage(index=i, mult=mult, window=m.window, heads=s.num_heads, head_dim=s.head_dim,
+                           d_model=s.d_model,
+                           w_in=gemm(None if m.input_proj is None else m.input_proj.weight),
+                           w_out=gemm(None if m.output_proj is None else m.output_proj.weight),
+                           layers=layers, freq=rope_freq(s.head_dim, s.max_period, dev),
+                           k=[torch.zeros(shape, dtype=cd, device=dev) for _ in layers],
+                           v=[torch.zeros(shape, dtype=cd, device=dev) for _ in layers])
+            self._plan.append(("stage", stage))
+        self._max_mult = mult
+        self._frames = torch.zeros(self.rows, dtype=torch.long, device=dev)
+
+    # ---- facts ------------------------------------------------------------------------
+    @property
+    def hop(self) -> int:
+        return self.config.hop
+
+    @property
+    def channels(self) -> int:
+        return self.config.channels
+
+    def state_nbytes(self) -> int:
+        """Bytes of KV state (slots and scratch rows)."""
+        return sum(t.numel() * t.element_size() for kind, st in self._plan if kind == "stage"
+                   for t in (*st.k, *st.v)) + self._frames.numel() * 8
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} streams exceed the largest bucket {self.buckets[-1]}")
+
+    def frames_decoded(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._frames_host[slot]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    # ---- slots --------------------------------------------------------------------------
+    def acquire(self) -> int:
+        """A free slot holding a fresh stream. RuntimeError when all are taken."""
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {self.slots} codec session slots are in use")
+            slot = self._free.pop()
+            self._reset(slot)
+            self._active.add(slot)
+            return slot
+
+    def release(self, slot: int) -> None:
+        """Free a slot; the next stream to get it starts fresh."""
+        with self._lock:
+            self._check_slot(slot)
+            self._reset(slot)
+            self._active.discard(slot)
+            self._free.append(slot)
+
+    def reset(self, slot: int) -> None:
+        """Restart the stream in `slot` (e.g. a new segment after a pad frame)."""
+        with self._lock:
+            self._check_slot(slot)
+            self._reset(slot)
+
+    def _reset(self, slot: int) -> None:
+        # frames = 0 makes every cached position negative, i.e. empty (see the module docstring).
+        with torch.inference_mode():
+            self._frames[slot] = 0
+        self._frames_host[slot] = 0
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._active:
+            raise ValueError(f"slot {slot} is not acquired")
+
+    # ---- the step function (eager on CPU, captured on CUDA) -----------------------------------
+    def _forward(self, codes: Tensor, rows: Tensor, valid: Tensor) -> Tensor:
+        """codes [n_q, B, T] long, rows [B] long (distinct), valid [B] bool -> pcm [B, C, T*hop].
+
+        Reads and advances the state of `rows`; invalid rows start from a fresh
+        state and must be scratch rows. No host syncs, no data-dependent shapes."""
+        cd, rd = self.compute_dtype, self.residual_dtype
+        n_q, bsz, t = codes.shape
+        frames = torch.where(valid, self._frames.index_select(0, rows), 0)  # [B]
+        # Quantizer (§3.2): gather-sum of the folded table, then the output projection, in fp32.
+        z = F.embedding(codes + self._q_offsets, self._table).sum(dim=0)  # [B, T, rvq]
+        x = z if self._q_out_w is None else F.linear(z, self._q_out_w, self._q_out_b)  # [B, T, 768] token-major
+        for kind, item in self._plan:
+            if kind == "patch":
+                # §3.4 in token-major layout: [B, L, C*h] -> [B, L*h, C], out[t*h+j, c] = in[t, c*h+j].
+                h = item
+                b, length, ch = x.shape
+                x = x.reshape(b, length, ch // h, h).transpose(2, 3).reshape(b, length * h, ch // h)
+                continue
+            st: _Stage = item
+            tk, w, hd, nh, d = t * st.mult, st.window, st.head_dim, st.heads, st.d_model
+            offset = frames * st.mult  # [B]
+            pos_q = offset.unsqueeze(1) + torch.arange(tk, device=codes.device)  # [B, Tk] absolute positions
+            allowed = chunk_window_mask(offset, w, tk).unsqueeze(1)  # [B, 1, Tk, W+Tk]
+            # Additive mask in the compute dtype, built once per stage; its row stride is padded
+            # to a multiple of 16 elements so the fused attention kernels take it without a copy.
+            kp = -(-(w + tk) // 16) * 16
+            mask = torch.full((bsz, 1, tk, kp), float("-inf"), dtype=cd, device=codes.device)[..., :w + tk]
+            mask.masked_fill_(allowed, 0.0)
+            angle = pos_q.to(torch.float32).unsqueeze(-1) * st.freq  # §3.3 fp32 recipe
+            cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)  # [B, 1, Tk, D/2]
+            y = x.to(rd) if st.w_in is None else F.linear(x.to(cd), st.w_in).to(rd)  # [B, Tk, d]
+            for li, lay in enumerate(st.layers):
+                a = F.layer_norm(y, (d,), lay.ln1_w, lay.ln1_b, LN_EPS).to(cd)
+                qkv = F.linear(a, lay.wqkv).reshape(bsz, tk, 3, nh, hd).permute(2, 0, 3, 1, 4)
+                q, k, v = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]
+                kc = torch.cat((st.k[li].index_select(0, rows), k), dim=2)  # [B, H, W+Tk, D] chronological
+                vc = torch.cat((st.v[li].index_select(0, rows), v), dim=2)
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+                st.k[li].index_copy_(0, rows, kc[:, :, tk:])  # keep the last W entries
+                st.v[li].index_copy_(0, rows, vc[:, :, tk:])
+                o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
+                y = y + (o if lay.s1 is None else lay.s1 * o)
+                f = F.layer_norm(y, (d,), lay.ln2_w, lay.ln2_b, LN_EPS).to(cd)
+                f = F.linear(F.gelu(F.linear(f, lay.w1), approximate="none"), lay.w2)
+                y = y + (f if lay.s2 is None else lay.s2 * f)
+            x = y if st.w_out is None else F.linear(y.to(cd), st.w_out)
+        self._frames.index_copy_(0, rows, frames + t)
+        # §3.5: [B, C*M, 1] interleaved -> [B, C, M]
+        c = self.config.internal_channels
+        n = x.shape[1] * x.shape[2]
+        return x.to(rd).reshape(bsz, n // c, c).transpose(1, 2).contiguous()
+
+    def _run(self, codes: Tensor, rows: Tensor, valid: Tensor) -> Tensor:
+        """_forward under the attention-backend policy (used for eager steps, warm-up and capture)."""
+        with self._attention_backends():
+            return self._forward(codes, rows, valid)
+
+    def _attention_backends(self):
+        # On CUDA keep SDPA on kernels known to be capturable and deterministic in the forward pass
+        # (the additive mask rules out flash; memory-efficient takes it; fp64 falls back to math).
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    # ---- graphs ---------------------------------------------------------------------------------
+    def _static_inputs(self, bucket: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        dev = self.device
+        codes = torch.zeros(self.n_q, bucket, t, dtype=torch.long, device=dev)
+        rows = torch.arange(self.slots, self.slots + bucket, dtype=torch.long, device=dev)  # scratch rows
+        valid = torch.zeros(bucket, dtype=torch.bool, device=dev)
+        return codes, rows, valid
+
+    def _capture(self, bucket: int, t: int) -> _Graph:
+        codes, rows, valid = self._static_inputs(bucket, t)
+        if self.graph_mode == "emulate":
+            for _ in range(self.warmup):  # the same scratch-row warm-up the CUDA path does
+                self._run(codes, rows, valid)
+            out = self._run(codes, rows, valid)
+
+            def replay(gr_out: Tensor = out) -> None:
+                gr_out.copy_(self._run(codes, rows, valid))
+
+            return _Graph(replay, codes, rows, valid, out)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):  # scratch rows only: live slots are untouched
+                self._run(codes, rows, valid)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._run(codes, rows, valid)
+        self._keep.append(graph)
+        return _Graph(graph.replay, codes, rows, valid, out)
+
+    def capture(self, buckets: Iterable[int] | None = None, frames: Iterable[int] | None = None) -> int:
+        """Capture graphs for every (bucket, T) given (default: all buckets x graph_frames), largest
+        first so the shared pool is sized once. Returns how many are captured now in total."""
+        if self.graph_mode is None or self.graphs_disabled:
+            return 0
+        buckets = self.buckets if buckets is None else tuple(self.bucket_for(int(b)) for b in buckets)
+        frames = sorted(self.graph_frames) if frames is None else [int(t) for t in frames]
+        with self._lock, torch.inference_mode():
+            for b, t in sorted({(b, t) for b in buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0])):
+                if (b, t) not in self._graphs:
+                    try:
+                        self._graphs[(b, t)] = self._capture(b, t)
+                    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+                        self.graphs_disabled = f"capture of (bucket {b}, T {t}) failed: {e!r}"
+                        self._graphs.clear()
+                        self._keep.clear()
+                        return 0
+        return len(self._graphs)
+
+    def _graph_for(self, bucket: int, t: int) -> _Graph | None:
+        if self.graph_mode is None or self.graphs_disabled:
+            return None
+        if (bucket, t) not in self._graphs and t in self.graph_frames:
+            self.capture([bucket], [t])  # lazily, on first use
+        return self._graphs.get((bucket, t))
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self, codes: Mapping[int, Tensor], to_cpu: bool = False, eager: bool = False) -> dict[int, Tensor]:
+        """Decode T new frames for each slot: {slot: codes [n_q, T]} -> {slot: pcm [C, T*hop]}.
+
+        Every participant must have the same T (> 0). The batch is padded to a
+        bucket with scratch rows. to_cpu: return CPU tensors (one device-to-host
+        copy); otherwise device tensors that do not alias graph memory.
+        eager: skip graphs for this step (tests, parity checks)."""
+        if not codes:
+            return {}
+        with self._lock, torch.inference_mode():
+            slots = list(codes)
+            for s in slots:
+                self._check_slot(s)
+            batch = self._batch_codes([codes[s] for s in slots])  # [n_q, n, T] long (on its own device)
+            n, t = len(slots), batch.shape[2]
+            if t == 0:
+                raise ValueError("a step needs at least one frame")
+            for s in slots:
+                if (self._frames_host[s] + t) * self._max_mult > MAX_POSITION:
+                    raise ValueError(f"slot {s}: stream longer than the {MAX_POSITION // self._max_mult} frames "
+                                     f"whose positions are exact in fp32")
+            bucket = self.bucket_for(n)
+            pad = bucket - n
+            if pad:
+                batch = torch.cat((batch, batch.new_zeros(self.n_q, pad, t)), dim=1)
+            rows = torch.tensor(slots + list(range(self.slots, self.slots + pad)), dtype=torch.long)
+            valid = torch.tensor([True] * n + [False] * pad)
+            gr = None if eager else self._graph_for(bucket, t)
+            out = None
+            if gr is not None:
+                try:
+                    gr.codes.copy_(batch)
+                    gr.rows.copy_(rows)
+                    gr.valid.copy_(valid)
+                    gr.replay()
+                    out = gr.out
+                except Exception as e:  # noqa: BLE001
+                    # A failed replay may have run partly; nothing is committed host-side, but device
+                    # state of these rows is unknown, so the step fails and graphs are switched off.
+                    self.graphs_disabled = f"replay of (bucket {bucket}, T {t}) failed: {e!r}"
+                    self._graphs.clear()
+                    self._keep.clear()
+                    raise
+            self.last_step_graphed = out is not None
+            if out is None:
+                dev = self.device
+                out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
+            out = out[:n]
+            out = out.to("cpu") if to_cpu else out.clone()
+            for s in slots:
+                self._frames_host[s] += t
+            return {s: out[i] for i, s in enumerate(slots)}
+
+    def _batch_codes(self, items: list[Tensor]) -> Tensor:
+        shapes = {tuple(c.shape) for c in items}
+        if len(shapes) != 1:
+            raise ValueError(f"all streams in a step need the same codes shape [n_q, T]; got {sorted(shapes)}")
+        shape = shapes.pop()
+        if len(shape) != 2 or shape[0] != self.n_q:
+            raise ValueError(f"codes must be [n_q={self.n_q}, T], got {list(shape)}")
+        for c in items:
+            if c.dtype.is_floating_point or c.dtype == torch.bool:
+                raise ValueError(f"codes must be integers, got {c.dtype}")
+        batch = torch.stack([c.to(items[0].device, torch.long) for c in items], dim=1)
+        if batch.numel():
+            lo, hi = int(batch.min()), int(batch.max())
+            if lo < 0 or hi >= self.config.quantizer.codebook_size:
+                raise ValueError(f"codes must lie in [0, {self.config.quantizer.codebook_size}); got [{lo}, {hi}]")
+        return batch
+
+    # ---- whole-utterance helper ---------------------------------------------------------------------
+    def decode_stream(self, codes: Tensor, parts: Iterable[int],
+                      step: Callable[[Mapping[int, Tensor]], dict[int, Tensor]] | None = None) -> Tensor:
+        """Decode codes [n_q, T] on a fresh slot in chunks `parts` (summing to T); returns [C, T*hop]."""
+        step = step or self.step
+        slot = self.acquire()
+        try:
+            outs, i = [], 0
+            for p in parts:
+                outs.append(step({slot: codes[:, i:i + p]})[slot])
+                i += p
+            if i != codes.shape[1]:
+                raise ValueError(f"parts sum to {i}, codes have {codes.shape[1]} frames")
+            return torch.cat(outs, dim=-1)
+        finally:
+            self.release(slot)
