@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from chorus.moss_config import MossTTSLocalConfig
-from chorus.prompt import build_prompt_rows
+from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, worker_pb2
 from scheduler_svc import metrics
@@ -97,6 +97,20 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             return await self._encode_audio(ref.audio, f"{field}.audio")
         raise InvalidRequest(f"{field} has no source: set audio, codes or voice_id")
 
+    def _duration_frames(self, request: tts_pb2.SynthesizeRequest) -> int | None:
+        """The prompt's `Tokens:` field: explicit frames, seconds (clamped around the
+        estimate, as the upstream app does), or the estimate itself."""
+        language = request.language or None
+        if request.duration_frames:
+            return request.duration_frames
+        if request.duration_seconds:
+            frame_rate = self.codec.sample_rate / self.codec.samples_per_frame
+            return clamp_duration_frames(max(1, round(request.duration_seconds * frame_rate)), request.text,
+                                         language)
+        if request.auto_duration:
+            return estimate_duration_frames(request.text, language)
+        return None
+
     async def _prompt_rows(self, request: tts_pb2.SynthesizeRequest) -> np.ndarray:
         refs = [await self._reference_codes(r, f"references[{i}]") for i, r in enumerate(request.references)]
         cont = None
@@ -105,7 +119,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         try:
             return build_prompt_rows(
                 self.cfg, self.tokenizer, request.text, language=request.language or None,
-                instruction=request.instructions or None, tokens=request.duration_frames or None,
+                instruction=request.instructions or None, tokens=self._duration_frames(request),
                 references=refs, continuation=cont,
                 continuation_transcript=request.continuation.transcript if cont is not None else None)
         except ValueError as e:

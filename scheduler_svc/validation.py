@@ -109,6 +109,11 @@ def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[
         raise InvalidRequest(f"min_frames must be in [0, max_frames={max_frames}], got {req.min_frames}")
     if not 0 <= req.duration_frames <= limits.max_frames_cap:
         raise InvalidRequest(f"duration_frames must be in [0, {limits.max_frames_cap}], got {req.duration_frames}")
+    if not (math.isfinite(req.duration_seconds) and 0 <= req.duration_seconds <= limits.max_frames_cap / 12.5):
+        raise InvalidRequest(f"duration_seconds must be in [0, {limits.max_frames_cap / 12.5:g}], "
+                             f"got {req.duration_seconds}")
+    if sum(map(bool, (req.duration_frames, req.duration_seconds, req.auto_duration))) > 1:
+        raise InvalidRequest("give at most one of duration_frames, duration_seconds and auto_duration")
     if req.format not in tts_pb2.OutputFormat.values():
         raise InvalidRequest(f"format {req.format} is unknown; use PCM16, FLOAT32 or WAV")
     if req.sample_rate and not 8000 <= req.sample_rate <= 192000:

@@ -159,3 +159,15 @@ def test_random_cancellations_leave_nothing_held(cluster, stub):
         list(pool.map(one, plans))
     assert wait_until_idle(cluster) == (0, 0, 0, 0)
     assert synthesize(stub, request(frames=3), timeout=60).summary.frames == 3
+
+
+def test_duration_hints_reach_the_prompt(stub):
+    plain = synthesize(stub, request(frames=3), timeout=60).summary.prompt_rows
+    # "None" is one token; Qwen splits numbers into digits. The text's estimate is 23 frames,
+    # so 2.0 s (25 frames) stays inside its 0.5x-1.5x band.
+    for kw, digits in ((dict(duration_frames=125), 3), (dict(duration_seconds=2.0), 2), (dict(auto_duration=True), 2)):
+        r = synthesize(stub, request(frames=3, **kw), timeout=60)
+        assert r.summary.prompt_rows == plain - 1 + digits, kw
+    with pytest.raises(grpc.RpcError) as e:
+        synthesize(stub, request(frames=3, duration_frames=10, duration_seconds=1.0), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most one" in e.value.details()

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from chorus.v1 import common_pb2 as chorus_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63horus/v1/tts.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x90\x01\n\x0eVoiceReference\x12%\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioDataH\x00\x12%\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12\x12\n\ntranscript\x18\x04 \x01(\tB\x08\n\x06source\"\x9c\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10text_temperature\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\ntext_top_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\ntext_top_k\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x61udio_temperature\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x18\n\x0b\x61udio_top_p\x18\n \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0b\x61udio_top_k\x18\x0b \x01(\x05H\n\x88\x01\x01\x12%\n\x18\x61udio_repetition_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_text_temperatureB\r\n\x0b_text_top_pB\r\n\x0b_text_top_kB\x14\n\x12_audio_temperatureB\x0e\n\x0c_audio_top_pB\x0e\n\x0c_audio_top_kB\x1b\n\x19_audio_repetition_penalty\"C\n\x0fStreamingPolicy\x12\x1a\n\x12\x66irst_chunk_frames\x18\x01 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\"\xbd\x03\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x14\n\x0cinstructions\x18\x04 \x01(\t\x12-\n\nreferences\x18\x05 \x03(\x0b\x32\x19.chorus.v1.VoiceReference\x12/\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x19.chorus.v1.VoiceReference\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.chorus.v1.SamplingParams\x12\x12\n\nmax_frames\x18\x08 \x01(\x05\x12\x12\n\nmin_frames\x18\t \x01(\x05\x12\x17\n\x0f\x64uration_frames\x18\n \x01(\x05\x12\'\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x13\n\x0bsample_rate\x18\x0c \x01(\x05\x12-\n\tstreaming\x18\r \x01(\x0b\x32\x1a.chorus.v1.StreamingPolicy\x12\x14\n\x0creturn_codes\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\t\"\x9c\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\'\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x19\n\x11samples_per_frame\x18\x06 \x01(\x05\"E\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66irst_sample\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\"F\n\nCodesChunk\x12\x13\n\x0b\x66irst_frame\x18\x01 \x01(\x05\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\"\xd6\x01\n\x10SynthesisSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.chorus.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_audio_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x13\n\x0bprompt_rows\x18\x07 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x08 \x01(\x05\"\xc7\x01\n\x12SynthesizeResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.chorus.v1.StreamHeaderH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.chorus.v1.AudioChunkH\x00\x12&\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x15.chorus.v1.CodesChunkH\x00\x12.\n\x07summary\x18\x04 \x01(\x0b\x32\x1b.chorus.v1.SynthesisSummaryH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x11\n\tcodebooks\x18\x06 \x01(\x05\x12\x12\n\nmax_frames\x18\x07 \x01(\x05\x12\x12\n\nis_default\x18\x08 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.chorus.v1.ModelInfo\"_\n\x12\x43reateVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x12\n\ntranscript\x18\x03 \x01(\t\"=\n\x05Voice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x12\n\ntranscript\x18\x03 \x01(\t\"\x13\n\x11ListVoicesRequest\"6\n\x12ListVoicesResponse\x12 \n\x06voices\x18\x01 \x03(\x0b\x32\x10.chorus.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*N\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x07\n\x03WAV\x10\x03*G\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0e\n\nMAX_FRAMES\x10\x02\x32\xff\x02\n\x0cTextToSpeech\x12K\n\nSynthesize\x12\x1c.chorus.v1.SynthesizeRequest\x1a\x1d.chorus.v1.SynthesizeResponse0\x01\x12I\n\nListModels\x12\x1c.chorus.v1.ListModelsRequest\x1a\x1d.chorus.v1.ListModelsResponse\x12>\n\x0b\x43reateVoice\x12\x1d.chorus.v1.CreateVoiceRequest\x1a\x10.chorus.v1.Voice\x12I\n\nListVoices\x12\x1c.chorus.v1.ListVoicesRequest\x1a\x1d.chorus.v1.ListVoicesResponse\x12L\n\x0b\x44\x65leteVoice\x12\x1d.chorus.v1.DeleteVoiceRequest\x1a\x1e.chorus.v1.DeleteVoiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63horus/v1/tts.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x90\x01\n\x0eVoiceReference\x12%\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioDataH\x00\x12%\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12\x12\n\ntranscript\x18\x04 \x01(\tB\x08\n\x06source\"\x9c\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10text_temperature\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\ntext_top_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\ntext_top_k\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x61udio_temperature\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x18\n\x0b\x61udio_top_p\x18\n \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0b\x61udio_top_k\x18\x0b \x01(\x05H\n\x88\x01\x01\x12%\n\x18\x61udio_repetition_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_text_temperatureB\r\n\x0b_text_top_pB\r\n\x0b_text_top_kB\x14\n\x12_audio_temperatureB\x0e\n\x0c_audio_top_pB\x0e\n\x0c_audio_top_kB\x1b\n\x19_audio_repetition_penalty\"C\n\x0fStreamingPolicy\x12\x1a\n\x12\x66irst_chunk_frames\x18\x01 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\"\xee\x03\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x14\n\x0cinstructions\x18\x04 \x01(\t\x12-\n\nreferences\x18\x05 \x03(\x0b\x32\x19.chorus.v1.VoiceReference\x12/\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x19.chorus.v1.VoiceReference\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.chorus.v1.SamplingParams\x12\x12\n\nmax_frames\x18\x08 \x01(\x05\x12\x12\n\nmin_frames\x18\t \x01(\x05\x12\x17\n\x0f\x64uration_frames\x18\n \x01(\x05\x12\'\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x13\n\x0bsample_rate\x18\x0c \x01(\x05\x12-\n\tstreaming\x18\r \x01(\x0b\x32\x1a.chorus.v1.StreamingPolicy\x12\x14\n\x0creturn_codes\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x10 \x01(\x02\x12\x15\n\rauto_duration\x18\x11 \x01(\x08\"\x9c\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\'\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x19\n\x11samples_per_frame\x18\x06 \x01(\x05\"E\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66irst_sample\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\"F\n\nCodesChunk\x12\x13\n\x0b\x66irst_frame\x18\x01 \x01(\x05\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\"\xd6\x01\n\x10SynthesisSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.chorus.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_audio_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x13\n\x0bprompt_rows\x18\x07 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x08 \x01(\x05\"\xc7\x01\n\x12SynthesizeResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.chorus.v1.StreamHeaderH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.chorus.v1.AudioChunkH\x00\x12&\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x15.chorus.v1.CodesChunkH\x00\x12.\n\x07summary\x18\x04 \x01(\x0b\x32\x1b.chorus.v1.SynthesisSummaryH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x11\n\tcodebooks\x18\x06 \x01(\x05\x12\x12\n\nmax_frames\x18\x07 \x01(\x05\x12\x12\n\nis_default\x18\x08 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.chorus.v1.ModelInfo\"_\n\x12\x43reateVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x12\n\ntranscript\x18\x03 \x01(\t\"=\n\x05Voice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x12\n\ntranscript\x18\x03 \x01(\t\"\x13\n\x11ListVoicesRequest\"6\n\x12ListVoicesResponse\x12 \n\x06voices\x18\x01 \x03(\x0b\x32\x10.chorus.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*N\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x07\n\x03WAV\x10\x03*G\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0e\n\nMAX_FRAMES\x10\x02\x32\xff\x02\n\x0cTextToSpeech\x12K\n\nSynthesize\x12\x1c.chorus.v1.SynthesizeRequest\x1a\x1d.chorus.v1.SynthesizeResponse0\x01\x12I\n\nListModels\x12\x1c.chorus.v1.ListModelsRequest\x1a\x1d.chorus.v1.ListModelsResponse\x12>\n\x0b\x43reateVoice\x12\x1d.chorus.v1.CreateVoiceRequest\x1a\x10.chorus.v1.Voice\x12I\n\nListVoices\x12\x1c.chorus.v1.ListVoicesRequest\x1a\x1d.chorus.v1.ListVoicesResponse\x12L\n\x0b\x44\x65leteVoice\x12\x1d.chorus.v1.DeleteVoiceRequest\x1a\x1e.chorus.v1.DeleteVoiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chorus.v1.tts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTFORMAT']._serialized_start=2535
-  _globals['_OUTPUTFORMAT']._serialized_end=2613
-  _globals['_FINISHREASON']._serialized_start=2615
-  _globals['_FINISHREASON']._serialized_end=2686
+  _globals['_OUTPUTFORMAT']._serialized_start=2584
+  _globals['_OUTPUTFORMAT']._serialized_end=2662
+  _globals['_FINISHREASON']._serialized_start=2664
+  _globals['_FINISHREASON']._serialized_end=2735
   _globals['_VOICEREFERENCE']._serialized_start=59
   _globals['_VOICEREFERENCE']._serialized_end=203
   _globals['_SAMPLINGPARAMS']._serialized_start=206
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMINGPOLICY']._serialized_start=748
   _globals['_STREAMINGPOLICY']._serialized_end=815
   _globals['_SYNTHESIZEREQUEST']._serialized_start=818
-  _globals['_SYNTHESIZEREQUEST']._serialized_end=1263
-  _globals['_STREAMHEADER']._serialized_start=1266
-  _globals['_STREAMHEADER']._serialized_end=1422
-  _globals['_AUDIOCHUNK']._serialized_start=1424
-  _globals['_AUDIOCHUNK']._serialized_end=1493
-  _globals['_CODESCHUNK']._serialized_start=1495
-  _globals['_CODESCHUNK']._serialized_end=1565
-  _globals['_SYNTHESISSUMMARY']._serialized_start=1568
-  _globals['_SYNTHESISSUMMARY']._serialized_end=1782
-  _globals['_SYNTHESIZERESPONSE']._serialized_start=1785
-  _globals['_SYNTHESIZERESPONSE']._serialized_end=1984
-  _globals['_LISTMODELSREQUEST']._serialized_start=1986
-  _globals['_LISTMODELSREQUEST']._serialized_end=2005
-  _globals['_MODELINFO']._serialized_start=2008
-  _globals['_MODELINFO']._serialized_end=2173
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2175
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2233
-  _globals['_CREATEVOICEREQUEST']._serialized_start=2235
-  _globals['_CREATEVOICEREQUEST']._serialized_end=2330
-  _globals['_VOICE']._serialized_start=2332
-  _globals['_VOICE']._serialized_end=2393
-  _globals['_LISTVOICESREQUEST']._serialized_start=2395
-  _globals['_LISTVOICESREQUEST']._serialized_end=2414
-  _globals['_LISTVOICESRESPONSE']._serialized_start=2416
-  _globals['_LISTVOICESRESPONSE']._serialized_end=2470
-  _globals['_DELETEVOICEREQUEST']._serialized_start=2472
-  _globals['_DELETEVOICEREQUEST']._serialized_end=2510
-  _globals['_DELETEVOICERESPONSE']._serialized_start=2512
-  _globals['_DELETEVOICERESPONSE']._serialized_end=2533
-  _globals['_TEXTTOSPEECH']._serialized_start=2689
-  _globals['_TEXTTOSPEECH']._serialized_end=3072
+  _globals['_SYNTHESIZEREQUEST']._serialized_end=1312
+  _globals['_STREAMHEADER']._serialized_start=1315
+  _globals['_STREAMHEADER']._serialized_end=1471
+  _globals['_AUDIOCHUNK']._serialized_start=1473
+  _globals['_AUDIOCHUNK']._serialized_end=1542
+  _globals['_CODESCHUNK']._serialized_start=1544
+  _globals['_CODESCHUNK']._serialized_end=1614
+  _globals['_SYNTHESISSUMMARY']._serialized_start=1617
+  _globals['_SYNTHESISSUMMARY']._serialized_end=1831
+  _globals['_SYNTHESIZERESPONSE']._serialized_start=1834
+  _globals['_SYNTHESIZERESPONSE']._serialized_end=2033
+  _globals['_LISTMODELSREQUEST']._serialized_start=2035
+  _globals['_LISTMODELSREQUEST']._serialized_end=2054
+  _globals['_MODELINFO']._serialized_start=2057
+  _globals['_MODELINFO']._serialized_end=2222
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2224
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2282
+  _globals['_CREATEVOICEREQUEST']._serialized_start=2284
+  _globals['_CREATEVOICEREQUEST']._serialized_end=2379
+  _globals['_VOICE']._serialized_start=2381
+  _globals['_VOICE']._serialized_end=2442
+  _globals['_LISTVOICESREQUEST']._serialized_start=2444
+  _globals['_LISTVOICESREQUEST']._serialized_end=2463
+  _globals['_LISTVOICESRESPONSE']._serialized_start=2465
+  _globals['_LISTVOICESRESPONSE']._serialized_end=2519
+  _globals['_DELETEVOICEREQUEST']._serialized_start=2521
+  _globals['_DELETEVOICEREQUEST']._serialized_end=2559
+  _globals['_DELETEVOICERESPONSE']._serialized_start=2561
+  _globals['_DELETEVOICERESPONSE']._serialized_end=2582
+  _globals['_TEXTTOSPEECH']._serialized_start=2738
+  _globals['_TEXTTOSPEECH']._serialized_end=3121
 # @@protoc_insertion_point(module_scope)

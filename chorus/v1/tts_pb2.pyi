@@ -77,7 +77,7 @@ class StreamingPolicy(_message.Message):
     def __init__(self, first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ...) -> None: ...
 
 class SynthesizeRequest(_message.Message):
-    __slots__ = ("text", "model", "language", "instructions", "references", "continuation", "sampling", "max_frames", "min_frames", "duration_frames", "format", "sample_rate", "streaming", "return_codes", "request_id")
+    __slots__ = ("text", "model", "language", "instructions", "references", "continuation", "sampling", "max_frames", "min_frames", "duration_frames", "format", "sample_rate", "streaming", "return_codes", "request_id", "duration_seconds", "auto_duration")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class SynthesizeRequest(_message.Message):
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     RETURN_CODES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_DURATION_FIELD_NUMBER: _ClassVar[int]
     text: str
     model: str
     language: str
@@ -108,7 +110,9 @@ class SynthesizeRequest(_message.Message):
     streaming: StreamingPolicy
     return_codes: bool
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., instructions: _Optional[str] = ..., references: _Optional[_Iterable[_Union[VoiceReference, _Mapping]]] = ..., continuation: _Optional[_Union[VoiceReference, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., duration_frames: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., sample_rate: _Optional[int] = ..., streaming: _Optional[_Union[StreamingPolicy, _Mapping]] = ..., return_codes: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    duration_seconds: float
+    auto_duration: bool
+    def __init__(self, text: _Optional[str] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., instructions: _Optional[str] = ..., references: _Optional[_Iterable[_Union[VoiceReference, _Mapping]]] = ..., continuation: _Optional[_Union[VoiceReference, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., duration_frames: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., sample_rate: _Optional[int] = ..., streaming: _Optional[_Union[StreamingPolicy, _Mapping]] = ..., return_codes: _Optional[bool] = ..., request_id: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., auto_duration: _Optional[bool] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("request_id", "model", "sample_rate", "channels", "format", "samples_per_frame")
