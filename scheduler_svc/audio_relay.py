@@ -1,10 +1,26 @@
 """One request's audio path: generated rows → a vocoder Decode stream → PCM
 → the client's format. Yields SynthesizeResponse audio (and codes) chunks
-in order; raises SynthesisFailed when the request cannot be completed."""
+in order; raises SynthesisFailed when the request cannot be completed.
+
+Failover. The vocoder's chunking is a pure function of the start message and
+the frame count, and its decode is deterministic, so a stream can be rebuilt
+on any replica bit for bit. The relay keeps every code frame the request has
+produced (the same rows as `req.frames`, in order) and counts the native-rate
+samples per channel it has handed to the output converter. When a Decode call
+breaks (replica killed, drained, stuck, or an UNAVAILABLE / DEADLINE_EXCEEDED /
+CANCELLED / INTERNAL / UNKNOWN status), it marks that replica unhealthy in the
+pool, opens a new Decode call on another replica with the same start message,
+replays all frames so far and keeps feeding new ones, and drops the samples of
+the new stream that the client already has: the client's audio goes on at
+exactly the next sample, and the resampler / encoder sees every native sample
+once. After `max_failovers` broken streams the request fails with UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -13,7 +29,9 @@ import numpy as np
 from chorus.v1 import tts_pb2, vocoder_pb2
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, Request, rows_matrix
-from scheduler_svc.vocoder_client import VocoderPool
+from scheduler_svc.vocoder_client import REPLICA_FAILURE_CODES, NoReplica, VocoderPool, VocoderReplica
+
+log = logging.getLogger("chorus.scheduler")
 
 
 class SynthesisFailed(RuntimeError):
@@ -22,77 +40,266 @@ class SynthesisFailed(RuntimeError):
         self.code = code
 
 
+class _StreamBroke(Exception):
+    """A Decode call failed in a way another replica can fix."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class _Attempt:
+    """One Decode call on one replica."""
+
+    def __init__(self, number: int, replica: VocoderReplica, call):
+        self.number = number
+        self.replica = replica
+        self.call = call
+        self.tasks: list[asyncio.Task] = []
+        self.fed = 0              # frames written on this call
+        self.returned = 0         # frames the call has answered with PCM
+        self.end_sent = False
+        self.owed_since: float | None = None  # stall watchdog
+
+
+class _Session:
+    """The state of one request's relay, across however many Decode calls it takes."""
+
+    def __init__(self, relay: "AudioRelay", req: Request, output: AudioOutput, start: vocoder_pb2.DecodeStart,
+                 chunk_frames: int, return_codes: bool):
+        self.relay = relay
+        self.pool = relay.vocoders
+        self.req = req
+        self.output = output
+        self.start = start
+        self.chunk_frames = chunk_frames
+        self.return_codes = return_codes
+        self.channels = relay.codec.channels
+        self.codes: list[np.ndarray] = []   # [n_vq] code row of every frame seen so far (req.frames[:, 1:])
+        self.finished = False               # FinishEvent seen: no more frames
+        self.changed = asyncio.Event()      # new frames or the finish
+        self.sent_native = 0                # samples per channel handed to `output`
+        self.out_q: asyncio.Queue = asyncio.Queue()
+        self.attempt: _Attempt | None = None
+        self.failovers = 0
+        self.closed = False
+
+    # ---- scheduler events (one task for the whole request) ------------------------------------
+    async def pump(self) -> None:
+        while True:
+            event = await self.req.events.get()
+            if isinstance(event, FrameEvent):
+                codes = event.row[1:]
+                self.codes.append(codes)
+                if self.return_codes:
+                    self.out_q.put_nowait(tts_pb2.SynthesizeResponse(codes=tts_pb2.CodesChunk(
+                        first_frame=event.index, codes=rows_matrix(codes[None]))))
+                self.changed.set()
+            elif isinstance(event, FinishEvent):
+                self.finished = True
+                self.changed.set()
+                return
+            elif isinstance(event, ErrorEvent):
+                self.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.INTERNAL, event.message))
+                return
+
+    # ---- attempts --------------------------------------------------------------------------------
+    def begin(self, replica: VocoderReplica, delay: float = 0.0) -> None:
+        number = self.attempt.number + 1 if self.attempt else 0
+        self.pool.acquire(replica)
+        att = _Attempt(number, replica, replica.stub.Decode())
+        self.attempt = att
+        att.tasks = [asyncio.get_running_loop().create_task(self._write(att, delay)),
+                     asyncio.get_running_loop().create_task(self._read(att))]
+
+    def end(self, att: _Attempt) -> None:
+        current = asyncio.current_task()
+        for t in att.tasks:
+            if t is not current:
+                t.cancel()
+        att.call.cancel()
+        self.pool.release(att.replica)
+        att.tasks = []
+
+    def close(self) -> None:
+        self.closed = True
+        if self.attempt is not None and self.attempt.tasks:
+            self.end(self.attempt)
+
+    def _broke(self, att: _Attempt, code: grpc.StatusCode, details: str) -> None:
+        """Attempt `att` failed with `code`: fail over, or fail the request."""
+        if att is not self.attempt or self.closed or not att.tasks:
+            return  # an older call, already replaced
+        if code not in REPLICA_FAILURE_CODES:
+            self.end(att)
+            self.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.INTERNAL,
+                                                  f"vocoder {att.replica.address} rejected the stream: "
+                                                  f"{code.name}: {details}"))
+            return
+        why = f"{code.name}: {details}"
+        self.pool.mark_failed(att.replica, f"Decode: {why}")
+        self.end(att)
+        self.failovers += 1
+        if self.failovers > self.relay.max_failovers:
+            self.out_q.put_nowait(SynthesisFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"vocoder stream failed {self.failovers} times (last on {att.replica.address}: {why}); "
+                f"giving up after {self.relay.max_failovers} failovers"))
+            return
+        try:
+            replica = self.pool.pick(exclude=[att.replica])
+        except NoReplica as e:
+            self.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)))
+            return
+        # A replica still cooling down (the only one left) is tried again after a short pause.
+        delay = 0.0 if replica.available() else min(2.0, 0.25 * self.failovers)
+        log.warning("request %s: vocoder stream on %s broke (%s) at sample %d, frame %d/%d; replaying %d frames "
+                    "on %s (failover %d/%d)", self.req.id, att.replica.address, why, self.sent_native,
+                    att.returned, len(self.codes), len(self.codes), replica.address, self.failovers,
+                    self.relay.max_failovers)
+        self.begin(replica, delay)
+
+    def _fail_other(self, att: _Attempt, e: BaseException) -> None:
+        if att is not self.attempt or self.closed:
+            return
+        self.end(att)
+        self.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.INTERNAL, f"audio relay failed: {e!r}"))
+
+    # ---- frames → vocoder --------------------------------------------------------------------------
+    async def _write(self, att: _Attempt, delay: float) -> None:
+        call = att.call
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            await call.write(vocoder_pb2.DecodeRequest(start=self.start))
+            while True:
+                if att.fed < len(self.codes):
+                    # Everything not yet sent in one message (a replay sends the whole history at once);
+                    # the vocoder's chunking does not depend on how frames are split into messages.
+                    block = np.stack(self.codes[att.fed:])
+                    await call.write(vocoder_pb2.DecodeRequest(frames=rows_matrix(block)))
+                    att.fed += len(block)
+                elif self.finished:
+                    att.end_sent = True  # before the await: the reader may see the stream's end first
+                    await call.write(vocoder_pb2.DecodeRequest(end=True))
+                    await call.done_writing()
+                    return
+                else:
+                    self.changed.clear()
+                    await self.changed.wait()
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            self._broke(att, e.code(), e.details() or "")
+        except asyncio.InvalidStateError:
+            pass  # the call is over; the reader sees its status
+        except Exception as e:  # noqa: BLE001
+            self._fail_other(att, e)
+
+    # ---- vocoder → client ----------------------------------------------------------------------------
+    def _owed(self, att: _Attempt) -> bool:
+        """Does the vocoder owe PCM on this call (it has a whole chunk, or the tail after `end`)?"""
+        pending = att.fed - att.returned
+        return pending > 0 and (att.end_sent or (self.chunk_frames > 0 and pending >= self.chunk_frames))
+
+    async def _next(self, att: _Attempt):
+        """call.read(), failing with DEADLINE_EXCEEDED when the replica owes PCM for too long."""
+        stall = self.relay.stall_timeout
+        if not stall:
+            return await att.call.read()
+        read = asyncio.ensure_future(att.call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=min(1.0, stall))
+                if done:
+                    return read.result()
+                now = time.monotonic()
+                if not self._owed(att):
+                    att.owed_since = None
+                elif att.owed_since is None:
+                    att.owed_since = now
+                elif now - att.owed_since > stall:
+                    raise _StreamBroke(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no audio for {stall:.0f}s while {att.fed - att.returned} frames "
+                                       f"were due")
+        finally:
+            if not read.done():
+                read.cancel()
+
+    async def _read(self, att: _Attempt) -> None:
+        try:
+            while True:
+                resp = await self._next(att)
+                if resp is grpc.aio.EOF:
+                    break
+                att.owed_since = None
+                self._deliver(att, resp)
+            if not (self.finished and att.end_sent and att.returned == len(self.codes)):
+                raise _StreamBroke(grpc.StatusCode.UNKNOWN, f"the stream ended after {att.returned} of "
+                                                            f"{len(self.codes)} frames")
+            tail = self.output.flush()
+            if tail is not None:
+                self.out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=tail))
+            self.out_q.put_nowait(None)
+            self.pool.mark_healthy(att.replica)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            self._broke(att, e.code(), e.details() or "")
+        except _StreamBroke as e:
+            self._broke(att, e.code, str(e))
+        except Exception as e:  # noqa: BLE001
+            self._fail_other(att, e)
+
+    def _deliver(self, att: _Attempt, resp: vocoder_pb2.DecodeResponse) -> None:
+        """Hand the part of resp the client does not have yet to the output converter (no awaits here:
+        the sample count and the converter move together)."""
+        pcm = np.frombuffer(resp.pcm, dtype="<f4").reshape(-1, self.channels)
+        if pcm.shape[0] != resp.num_samples or resp.first_frame != att.returned:
+            raise _StreamBroke(grpc.StatusCode.INTERNAL,
+                               f"malformed chunk: frame {resp.first_frame} (expected {att.returned}), "
+                               f"{pcm.shape[0]} samples (header says {resp.num_samples})")
+        att.returned = resp.first_frame + resp.frames
+        first, n = resp.first_sample, pcm.shape[0]
+        if first > self.sent_native:
+            raise _StreamBroke(grpc.StatusCode.INTERNAL, f"chunk starts at sample {first} but the client has "
+                                                         f"only {self.sent_native}")
+        skip = self.sent_native - first  # replayed samples the client already has
+        if skip >= n:
+            return
+        self.sent_native = first + n
+        chunk = self.output.convert(pcm[skip:])
+        if chunk is not None:
+            self.out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=chunk))
+
+
 class AudioRelay:
-    def __init__(self, vocoders: VocoderPool, codec: vocoder_pb2.VocoderInfo, n_vq: int):
+    def __init__(self, vocoders: VocoderPool, codec: vocoder_pb2.VocoderInfo, n_vq: int, *,
+                 max_failovers: int = 3, stall_timeout: float = 30.0):
         self.vocoders = vocoders
         self.codec = codec
         self.n_vq = n_vq
+        self.max_failovers = max_failovers
+        self.stall_timeout = stall_timeout  # 0 = no watchdog
 
     async def stream(self, req: Request, output: AudioOutput, first_chunk_frames: int, chunk_frames: int,
                      return_codes: bool) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
-        replica = self.vocoders.pick()
-        replica.open_streams += 1
-        call = replica.stub.Decode()
-        out_q: asyncio.Queue = asyncio.Queue()
         start = vocoder_pb2.DecodeStart(stream_id=str(req.id), first_chunk_frames=first_chunk_frames,
                                         chunk_frames=chunk_frames, codebooks=self.n_vq)
-        feeder = asyncio.create_task(self._feed(req, call, start, out_q, return_codes))
-        reader = asyncio.create_task(self._read(call, output, out_q))
+        session = _Session(self, req, output, start, chunk_frames, return_codes)
+        try:
+            session.begin(self.vocoders.pick())
+        except NoReplica as e:
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        pump = asyncio.create_task(session.pump())
         try:
             while True:
-                item = await out_q.get()
+                item = await session.out_q.get()
                 if item is None:
                     break
                 if isinstance(item, Exception):
                     raise item
                 yield item
-            await feeder  # surfaces a failure the reader could not see
         finally:
-            for t in (feeder, reader):
-                t.cancel()
-            call.cancel()
-            replica.open_streams -= 1
-
-    async def _feed(self, req: Request, call, start: vocoder_pb2.DecodeStart, out_q: asyncio.Queue,
-                    return_codes: bool) -> None:
-        """Scheduler events → vocoder stream (and code chunks to the client)."""
-        try:
-            await call.write(vocoder_pb2.DecodeRequest(start=start))
-            while True:
-                event = await req.events.get()
-                if isinstance(event, FrameEvent):
-                    codes = event.row[None, 1:]
-                    await call.write(vocoder_pb2.DecodeRequest(frames=rows_matrix(codes)))
-                    if return_codes:
-                        out_q.put_nowait(tts_pb2.SynthesizeResponse(codes=tts_pb2.CodesChunk(
-                            first_frame=event.index, codes=rows_matrix(codes))))
-                elif isinstance(event, FinishEvent):
-                    await call.write(vocoder_pb2.DecodeRequest(end=True))
-                    await call.done_writing()
-                    return
-                elif isinstance(event, ErrorEvent):
-                    raise SynthesisFailed(grpc.StatusCode.INTERNAL, event.message)
-        except grpc.aio.AioRpcError as e:
-            out_q.put_nowait(SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder stream failed: {e.details()}"))
-        except SynthesisFailed as e:
-            out_q.put_nowait(e)
-
-    async def _read(self, call, output: AudioOutput, out_q: asyncio.Queue) -> None:
-        """Vocoder PCM → client chunks, in order; None marks the end."""
-        try:
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                pcm = np.frombuffer(resp.pcm, dtype="<f4").reshape(-1, self.codec.channels)
-                chunk = output.convert(pcm)
-                if chunk is not None:
-                    out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=chunk))
-            tail = output.flush()
-            if tail is not None:
-                out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=tail))
-            out_q.put_nowait(None)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                out_q.put_nowait(SynthesisFailed(grpc.StatusCode.UNAVAILABLE,
-                                                 f"vocoder stream failed: {e.details()}"))
+            pump.cancel()
+            session.close()

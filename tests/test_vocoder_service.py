@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import queue
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import build_codec, tiny_v2
+from vocoder_svc.server import DecodeWorker, Metrics, check_batch_invariance
 
 REPO = Path(__file__).resolve().parent.parent
 HOP = 3840
@@ -219,3 +221,139 @@ def test_concurrent_streams(server):
     solo = b"".join(r.pcm for r in stub.Decode(decode_requests(random_codes(12, 1), [12]), timeout=60))
     assert len(results) == 3 and results[1] == solo
     assert active_streams(server) == 0
+
+
+def _metric(server, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics_port']}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
+    assert m, f"{name} not exported"
+    return float(m.group(1))
+
+
+@pytest.fixture
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the service runs (--torch-threads 1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_batched_decode_is_batch_invariant_in_process(one_torch_thread):
+    """Steps of several streams that are due together run as one forward, and each stream's
+    PCM is byte-identical to decoding it alone (the default, batch-invariant mode)."""
+    model = build_codec(tiny_v2(), seed=SEED)
+    assert check_batch_invariance(model, 5, 25) is None
+    codes = [random_codes(16, seed) for seed in range(4)]
+    pattern = [5, 10, 1]
+
+    async def run(streams: list[int], worker: DecodeWorker) -> dict[int, bytes]:
+        states = {s: model.new_stream() for s in streams}
+        out = {s: b"" for s in streams}
+        i = 0
+        for n in pattern:
+            with worker._cond:  # re-entrant: hold the worker off until every stream's step is queued
+                futures = {s: worker.submit(states[s], codes[s][i:i + n]) for s in streams}
+            for s, f in futures.items():
+                out[s] += np.ascontiguousarray((await f).T).astype("<f4").tobytes()
+            i += n
+        return out
+
+    metrics = Metrics()
+    worker = DecodeWorker(model, metrics, max_batch=8)
+    try:
+        together = asyncio.run(run([0, 1, 2, 3], worker))
+        alone = {s: asyncio.run(run([s], worker))[s] for s in range(4)}
+        pair = asyncio.run(run([2, 0], worker))
+    finally:
+        worker.close()
+    assert together == alone
+    assert pair == {s: alone[s] for s in (2, 0)}
+    sample = metrics.registry.get_sample_value
+    assert sample("chorus_vocoder_decode_batch_streams_count") == 3 * (1 + 4 + 1)  # 3 steps x (4-batch, 4 solos, pair)
+    assert sample("chorus_vocoder_decode_batch_streams_sum") == 3 * (4 + 4 + 2)
+
+
+def test_concurrent_streams_are_byte_identical_and_batched(server):
+    stub = server["stub"]
+    steps_before = _metric(server, "chorus_vocoder_decode_batch_streams_count")
+    streams_before = _metric(server, "chorus_vocoder_decode_batch_streams_sum")
+    seconds_before = _metric(server, "chorus_vocoder_audio_seconds_total")
+    frames, n = 60, 6
+    results: dict[int, bytes] = {}
+    barrier = threading.Barrier(n)
+
+    def one(seed):
+        codes = random_codes(frames, seed)
+        barrier.wait()
+        results[seed] = b"".join(r.pcm for r in stub.Decode(decode_requests(codes, [1] * frames), timeout=60))
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = _metric(server, "chorus_vocoder_decode_batch_streams_count") - steps_before
+    streams = _metric(server, "chorus_vocoder_decode_batch_streams_sum") - streams_before
+    assert streams == n * 4  # chunks 5, 25, 25, 5 per stream
+    assert steps < streams, "no two streams were ever decoded in one step"
+    for seed in range(n):
+        solo = b"".join(r.pcm for r in stub.Decode(decode_requests(random_codes(frames, seed), [frames]),
+                                                  timeout=60))
+        assert results[seed] == solo
+    assert _metric(server, "chorus_vocoder_audio_seconds_total") - seconds_before == pytest.approx(
+        2 * n * frames * HOP / 48000)
+    assert active_streams(server) == 0
+
+
+def test_graceful_drain():
+    """SIGTERM: new calls are refused, an open stream still finishes within --grace, then exit 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", "0", "--preset", "tiny",
+         "--seed", str(SEED), "--grace", "20"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    try:
+        address, deadline = None, time.time() + 60
+        while address is None and time.time() < deadline and proc.poll() is None:
+            try:
+                if m := re.match(r"vocoder ready on (\S+)", lines.get(timeout=1)):
+                    address = m.group(1)
+            except queue.Empty:
+                pass
+        assert address, "vocoder did not start"
+        channel = grpc.insecure_channel(address)
+        stub = vocoder_pb2_grpc.VocoderStub(channel)
+        codes = random_codes(33, seed=5)
+        want = b"".join(r.pcm for r in stub.Decode(decode_requests(codes, [33]), timeout=60))
+
+        outbox: queue.Queue = queue.Queue()
+        call = stub.Decode(iter(outbox.get, None), timeout=60)
+        outbox.put(start())
+        outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(codes[:7])))
+        got = [next(call)]  # the stream is open and producing
+        t0 = time.time()
+        proc.terminate()
+        # New calls are refused once the drain has begun.
+        assert wait_for(lambda: _refused(stub), timeout=10)
+        outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(codes[7:])))
+        outbox.put(vocoder_pb2.DecodeRequest(end=True))
+        outbox.put(None)
+        got += list(call)
+        assert b"".join(r.pcm for r in got) == want  # the open stream finished normally
+        assert proc.wait(timeout=15) == 0
+        assert time.time() - t0 < 15  # it left once its last call ended, not after the full grace
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _refused(stub) -> bool:
+    try:
+        stub.Info(vocoder_pb2.VocoderInfoRequest(), timeout=2)
+    except grpc.RpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE
+    return False

@@ -22,8 +22,10 @@ partition of the frames.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -536,8 +538,46 @@ def windowed_attention(q: Tensor, k: Tensor, v: Tensor, pos_q: Tensor, pos_k: Te
 # Modules (§2): the attribute names are the checkpoint's tensor names
 # =============================================================================
 
+# Batch-invariant streaming (decode_step(batch_invariant=True)): a folded GEMM
+# over [B*T, in] picks its kernel and reduction order by B*T, and a reduction
+# over a [n_q, B, T, C] tensor vectorises by shape, so one stream's result
+# would move (~1e-6) with the number of streams sharing the forward. In this
+# mode every GEMM runs per stream (one bmm of B [T, in] x [in, out] products,
+# each shaped exactly as it would be alone) and the codebook sum is a fixed
+# sequence of element-wise adds. Attention, norms, RoPE and patching are
+# already per row. Set per thread, for the duration of one decode_step.
+_BATCH_INVARIANT = threading.local()
+
+
+def _batch_invariant() -> bool:
+    return getattr(_BATCH_INVARIANT, "on", False)
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    prev = _batch_invariant()
+    _BATCH_INVARIANT.on = on
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.on = prev
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same tensors, same names) that runs per stream in batch-invariant mode."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or not _batch_invariant():
+            return super().forward(x)
+        y = torch.bmm(x.contiguous(), self.weight.t().unsqueeze(0).expand(x.shape[0], -1, -1))
+        return y if self.bias is None else y + self.bias
+
+
+_invariant_mode = batch_invariant  # decode_step's argument shadows the name
+
+
 def _linear(cin: int, cout: int) -> nn.Linear:
-    return nn.Linear(cin, cout, bias=False)
+    return Linear(cin, cout, bias=False)
 
 
 @dataclass
@@ -699,6 +739,9 @@ class WNConv1x1(nn.Module):
         self.bias = nn.Parameter(torch.empty(cout))
 
     def forward(self, x: Tensor) -> Tensor:  # [B, cin, T] -> [B, cout, T]
+        if _batch_invariant():  # as rows [B, T, cin] x [cin, cout]: the shape the GEMMs above use
+            w = self.weight[:, :, 0].t().unsqueeze(0).expand(x.shape[0], -1, -1)
+            return (torch.bmm(x.transpose(1, 2).contiguous(), w) + self.bias).transpose(1, 2)
         return F.conv1d(x, self.weight, self.bias)
 
 
@@ -753,7 +796,13 @@ class ResidualLFQ(nn.Module):
         n_q = codes.shape[0]
         k = self.cfg.codebook_size
         offsets = (torch.arange(n_q, device=codes.device) * k).view(n_q, 1, 1)
-        z = F.embedding(codes + offsets, self.table()).sum(dim=0)  # [B, T, rvq]
+        rows = F.embedding(codes + offsets, self.table())  # [n_q, B, T, rvq]
+        if _batch_invariant():
+            z = rows[0].clone()
+            for i in range(1, n_q):
+                z += rows[i]
+        else:
+            z = rows.sum(dim=0)  # [B, T, rvq]
         return _apply(self.output_proj, z.transpose(1, 2))
 
     def decode_per_codebook(self, codes: Tensor) -> Tensor:
@@ -888,12 +937,17 @@ class MossAudioTokenizer(nn.Module):
                             if isinstance(m, ProjectedTransformer)})
 
     @torch.inference_mode()
-    def decode_step(self, states: StreamState | Sequence[StreamState], codes: Tensor) -> Tensor:
+    def decode_step(self, states: StreamState | Sequence[StreamState], codes: Tensor,
+                    batch_invariant: bool = False) -> Tensor:
         """Decode T new frames for each stream in `states` (one batch row each, same T).
 
         codes [n_q, B, T] with B = len(states) ([n_q, T] for one stream).
         Returns [B, C, T*hop] and advances every state; the states change
         only once the whole step has succeeded.
+
+        batch_invariant: every stream's output is bit-identical whatever else
+        shares the step (per-stream GEMMs, see `batch_invariant`); use it for
+        every step of a stream, batched or alone, to get the same bytes.
         """
         if isinstance(states, StreamState):
             states = [states]
@@ -906,7 +960,8 @@ class MossAudioTokenizer(nn.Module):
         if t == 0:
             return torch.zeros(len(states), self.channels, 0, dtype=self.dtype, device=self.device)
         caches = {i: _stack_caches([s.stages[i] for s in states]) for i in states[0].stages}
-        wav = self._decode(codes, caches)
+        with _invariant_mode(batch_invariant):
+            wav = self._decode(codes, caches)
         for i, batch in caches.items():
             _unstack_cache(batch, [s.stages[i] for s in states])
         for s in states:

@@ -6,10 +6,19 @@ frames): the first chunk is exactly first_chunk_frames frames, every later
 one exactly chunk_frames, and `end` flushes whatever remains. Arrival timing
 never matters, so the PCM is byte-identical run to run.
 
-Codec work runs on a worker thread, never on the asyncio loop. With
---max-batch-streams > 1 steps of different streams with the same frame count
-are decoded in one forward; that trades byte-exactness (GEMM shapes then
-depend on which streams happened to be due together) for throughput.
+Codec work runs on one worker thread, never on the asyncio loop. Steps of
+different streams that are due together with the same frame count are
+decoded in one batched forward (up to --max-batch-streams). By default the
+batch is batch-invariant (`--batch-mode invariant`): every GEMM runs per
+stream inside one bmm and the codebook sum has a fixed order, so a stream's
+PCM is bit-identical whatever else shares its step, and a stream replayed on
+another replica (scheduler failover) reproduces the same bytes. Startup
+checks this on the serving device and dtype (a solo stream against the same
+stream batched with others); if the check fails (e.g. --torch-threads > 1
+on CPU, where MKL splits a lone GEMM across threads) the service falls back
+to one stream per step and says so. `--batch-mode fast` folds the batch into
+plain GEMMs: a few percent faster, but a stream's output then moves at the
+~1e-6 level with whichever streams happened to be due together.
 
     python -m vocoder_svc.server --port 50053 --preset tiny
 """
@@ -54,6 +63,10 @@ class Metrics:
         self.decode_step_ms = Histogram(
             "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it)",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
+        self.decode_batch_streams = Histogram(
+            "chorus_vocoder_decode_batch_streams", "Streams decoded together in one step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        # audio-s/s is the rate of this counter: rate(chorus_vocoder_audio_seconds_total[1m])
         self.audio_seconds = Counter("chorus_vocoder_audio_seconds", "Seconds of audio decoded", registry=r)
         self.encode_cache_hits = Counter("chorus_vocoder_encode_cache_hits", "Encode requests served from cache",
                                          registry=r)
@@ -83,10 +96,12 @@ def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -
 class DecodeWorker:
     """One thread that runs decode steps in submission order. It takes the
     oldest pending step and, up to max_batch, later ones with the same
-    (frames, codebooks) from other streams, and decodes them in one forward."""
+    (frames, codebooks) from other streams, and decodes them in one forward
+    (batch-invariant unless invariant=False)."""
 
-    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1):
+    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1, invariant: bool = True):
         self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
+        self.invariant = invariant
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
         self._closed = False
@@ -130,9 +145,11 @@ class DecodeWorker:
             try:
                 codes = torch.from_numpy(np.stack([j.codes.T for j in group], axis=1).astype(np.int64))
                 t0 = time.perf_counter()
-                wav = self.codec.decode_step([j.state for j in group], codes)  # [B, C, T*hop]
+                wav = self.codec.decode_step([j.state for j in group], codes,  # [B, C, T*hop]
+                                             batch_invariant=self.invariant)
                 out = wav.to(device="cpu", dtype=torch.float32).numpy()
                 self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
+                self.metrics.decode_batch_streams.observe(len(group))
                 results = [(out[b], None) for b in range(len(group))]
             except BaseException as e:  # noqa: BLE001 - reported to every waiting call
                 results = [(None, e)] * len(group)
@@ -172,14 +189,15 @@ class _BadRequest(Exception):
 
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
-                 encode_cache_size: int = 256, max_batch_streams: int = 1, metrics: Metrics | None = None):
+                 encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
+                 metrics: Metrics | None = None):
         if not 1 <= chunk_frames <= MAX_CHUNK_FRAMES or first_chunk_frames < 1:
             raise ValueError(f"chunk sizes must be >= 1 (chunk <= {MAX_CHUNK_FRAMES}); got first "
                              f"{first_chunk_frames}, chunk {chunk_frames}")
         self.codec, self.name = codec, name
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.metrics = metrics or Metrics()
-        self.worker = DecodeWorker(codec, self.metrics, max_batch_streams)
+        self.worker = DecodeWorker(codec, self.metrics, max_batch_streams, batch_invariant)
         # Encoding a long reference takes a while; its own thread keeps streams flowing.
         self._encode_lock = threading.Lock()
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
@@ -342,10 +360,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "overrides it (default: %(default)s)")
     parser.add_argument("--encode-cache-size", type=int, default=256,
                         help="reference encodings kept in the LRU cache (default: %(default)s; 0 disables)")
-    parser.add_argument("--max-batch-streams", type=int, default=1,
-                        help="decode up to this many streams' steps in one forward when they are due together; "
-                             ">1 raises throughput but output then depends on timing at the ~1e-6 level "
-                             "(default: %(default)s, byte-identical)")
+    parser.add_argument("--max-batch-streams", type=int, default=8,
+                        help="decode up to this many streams' steps (same frame count) in one forward when they "
+                             "are due together; 1 = one stream per step (default: %(default)s)")
+    parser.add_argument("--batch-mode", choices=("invariant", "fast"), default="invariant",
+                        help="invariant: per-stream GEMMs, a stream's PCM is byte-identical whatever it is batched "
+                             "with (checked at startup; falls back to one stream per step if the device breaks "
+                             "it); fast: folded GEMMs, output moves at the ~1e-6 level with the batch "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random --preset weights "
                         "(default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -368,6 +390,36 @@ def make_codec(args: argparse.Namespace) -> tuple[MossAudioTokenizer, str]:
     return codec, f"{config.name} (random weights, seed {args.seed})"
 
 
+def check_batch_invariance(codec: MossAudioTokenizer, first_chunk: int, chunk: int, streams: int = 3,
+                           seed: int = 0) -> str | None:
+    """Decode a few streams alone and batched (batch-invariant mode, the chunk
+    sizes this service uses, a 1-frame and a 3-frame tail) and compare bytes.
+    None when every batched row equals its solo run; otherwise what differed."""
+    n_q = min(DEFAULT_CODEBOOKS, codec.num_codebooks)
+    pattern = [first_chunk, chunk, 1, 3]
+    rng = np.random.default_rng(seed)
+    codes = torch.from_numpy(rng.integers(0, codec.codebook_size, size=(n_q, streams, sum(pattern))))
+
+    def run(rows: slice) -> list[torch.Tensor]:
+        """The streams `rows` decoded together, step by step."""
+        states = [codec.new_stream() for _ in range(rows.stop - rows.start)]
+        outs, i = [], 0
+        for n in pattern:
+            outs.append(codec.decode_step(states, codes[:, rows, i:i + n], batch_invariant=True).cpu())
+            i += n
+        return outs
+
+    solo = [run(slice(b, b + 1)) for b in range(streams)]
+    for batch in sorted({2, streams}):
+        for step, out in enumerate(run(slice(0, batch))):
+            for b in range(batch):
+                if not torch.equal(out[b:b + 1], solo[b][step]):
+                    diff = (out[b:b + 1].float() - solo[b][step].float()).abs().max().item()
+                    return (f"stream {b} of {batch}, step {step} ({pattern[step]} frames) differs from its solo "
+                            f"decode by up to {diff:.3g}")
+    return None
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -375,11 +427,24 @@ def _host_port(host: str, port: int) -> str:
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
     codec, name = make_codec(args)
     metrics = Metrics()
+    max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
+    if max_batch > 1 and invariant:
+        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
+        problem = check_batch_invariance(codec, first, max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
+        if problem is not None:
+            print(f"vocoder: batched decode is not batch-invariant on {args.device}/{args.dtype} "
+                  f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",
+                  flush=True)
+            max_batch = 1
+    print(f"vocoder: up to {max_batch} streams per decode step"
+          + ("" if max_batch == 1 else f" ({'batch-invariant' if invariant else 'fast, not batch-invariant'})"),
+          flush=True)
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
-                               max_batch_streams=args.max_batch_streams, metrics=metrics)
+                               max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics)
     # Warm-up: the first real step should not pay one-time allocation costs.
-    codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long))
+    codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
+                      batch_invariant=invariant)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
