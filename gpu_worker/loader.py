@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from chorus.moss_config import PRESETS, MossTTSLocalConfig
-from gpu_worker.model import MossTTSLocal, init_random_weights
+from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights
 
 log = logging.getLogger(__name__)
 
@@ -220,4 +220,5 @@ def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_form
         load_checkpoint(model, Path(model_dir))
     else:
         init_random_weights(model, seed)
+    fuse_projections(model)
     return model.eval()

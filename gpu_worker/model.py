@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -97,6 +98,33 @@ def rotate_half_split(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def fuse_linears(linears: tuple[nn.Linear, ...]) -> None:
+    """Re-home bias-free Linears that read the same input into one weight tensor,
+    each module's weight becoming a view of its rows: one GEMM instead of several
+    (a decode step is launch-bound), with state-dict names and memory unchanged."""
+    fused = torch.cat([m.weight.data for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+
+
+def fused_linear(x: Tensor, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+    """x through every Linear: one GEMM when their weights are adjacent views
+    (fuse_linears), else one each."""
+    first = linears[0].weight
+    rows = [m.weight.shape[0] for m in linears]
+    storage = first.untyped_storage().data_ptr()
+    offsets = np.cumsum([0] + rows[:-1]) * first.shape[1] + first.storage_offset()
+    fused = all(m.weight.is_contiguous() and m.weight.untyped_storage().data_ptr() == storage
+                and m.weight.storage_offset() == off for m, off in zip(linears, offsets))
+    if not fused:
+        return tuple(m(x) for m in linears)
+    weight = first.as_strided((sum(rows), first.shape[1]), first.stride())
+    return F.linear(x, weight).split(rows, dim=-1)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: BackboneConfig, layer_idx: int):
         super().__init__()
@@ -113,9 +141,10 @@ class Qwen3Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch,
                 backend: AttentionBackend) -> Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = self.q_norm(q.view(n, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.n_kv, self.head_dim))
+        v = v.view(n, self.n_kv, self.head_dim)
         q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
         o = backend.attend(self.layer_idx, q, k, v, batch)  # writes k, v to the paged cache
         return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
@@ -129,7 +158,8 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen3Layer(nn.Module):
@@ -272,6 +302,13 @@ class FrameSampling:
     generation_step: Tensor  # n: frames already committed
     min_frames: Tensor
     presence: Tensor | None = None  # [B, n_vq, V] bool: codes generated so far (repetition penalty)
+
+
+def fuse_projections(model: "MossTTSLocal") -> None:
+    """q/k/v and gate/up as single GEMMs; call after the weights are in place."""
+    for layer in model.transformer.layers:
+        fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))
 
 
 class MossTTSLocal(nn.Module):
