@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig
 from gpu_worker.attention import AttentionBatch, AttentionBackend
-from gpu_worker.sampler import apply_repetition_penalty, sample
+from gpu_worker import kernels
+from gpu_worker.kernels import fused_sample
 
 
 def _promote(x: Tensor) -> Tensor:
@@ -85,6 +86,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:  # one fused launch (same cast order) instead of six
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = _promote(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)  # normalised value cast before the weight multiply
@@ -142,10 +145,13 @@ class Qwen3Attention(nn.Module):
                 backend: AttentionBackend) -> Tensor:
         n = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = self.q_norm(q.view(n, self.n_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.n_kv, self.head_dim))
+        q, k = q.view(n, self.n_heads, self.head_dim), k.view(n, self.n_kv, self.head_dim)
         v = v.view(n, self.n_kv, self.head_dim)
-        q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+        if x.is_cuda:  # QK-norm then RoPE for both in one launch
+            q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        else:
+            q = rotate_half_split(self.q_norm(q), cos, sin)
+            k = rotate_half_split(self.k_norm(k), cos, sin)
         o = backend.attend(self.layer_idx, q, k, v, batch)  # writes k, v to the paged cache
         return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
 
@@ -159,7 +165,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(gate, up))  # F.silu(gate) * up, fused on CUDA
 
 
 class Qwen3Layer(nn.Module):
@@ -352,15 +358,15 @@ class MossTTSLocal(nn.Module):
         base = sp.generation_step * (self.cfg.n_vq + 1)  # sampler position = 13n + channel
         l = lt.step(hidden, 0, cache)
         stop_logits = _promote(self.local_text_lm_head(l))
-        stop = sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
+        # fused_sample = sampler.sample (after the repetition penalty), one launch on CUDA
+        stop = fused_sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
         stop = stop & (sp.generation_step >= sp.min_frames)
         codes = []
         for k, table in enumerate(self.audio_embeddings):
             logits = _promote(F.linear(l, table.weight))  # head k is tied to Eaudio_k, reads local position k
-            if sp.presence is not None:
-                presence = sp.presence[:, k, :logits.shape[-1]]
-                logits = apply_repetition_penalty(logits, presence, sp.audio_penalty)
-            c = sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base + k + 1)
+            presence = sp.presence[:, k, :logits.shape[-1]] if sp.presence is not None else None
+            c = fused_sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base,
+                             presence, sp.audio_penalty if presence is not None else None, position_offset=k + 1)
             codes.append(c)
             if k + 1 < self.cfg.n_vq:  # code k is fed back at local position k+1; the last never is
                 l = lt.step(table(c), k + 1, cache)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_worker.model as model_mod
+import gpu_worker.sampler as sampler_mod  # the kernels' torch path calls sampler.sample
 from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig, tiny_config
 from chorus.prompt import build_prompt_rows
 from chorus.tokenizer import load_tokenizer
@@ -130,7 +131,7 @@ def test_real_size_shapes_on_meta():
 def test_tiny_frame_shapes_and_counts(tiny64, monkeypatch):
     calls = {"step": 0, "sample": []}
     lt = tiny64.local_transformer
-    orig_step, orig_sample = lt.step, model_mod.sample
+    orig_step, orig_sample = lt.step, sampler_mod.sample
 
     def step(*a, **k):
         calls["step"] += 1
@@ -141,7 +142,7 @@ def test_tiny_frame_shapes_and_counts(tiny64, monkeypatch):
         return orig_sample(logits, *a, **k)
 
     monkeypatch.setattr(lt, "step", step)
-    monkeypatch.setattr(model_mod, "sample", rec_sample)
+    monkeypatch.setattr(sampler_mod, "sample", rec_sample)
     hidden = torch.randn(3, 64, dtype=torch.float64)
     sp = FrameSampling(*(torch.tensor([v] * 3) for v in (1.0, 50, 1.0, 1.7, 25, 0.8, 1.0, 5, 0, 0)))
     codes, stop = tiny64.decode_frame(hidden, sp)
@@ -448,17 +449,17 @@ def test_modules_match_spec_transcription(cfg_fn):
     # the logits the model samples from match the transcription's.
     sc = sampling_config(seed=7, repetition_penalty=1.25, min_frames=4)
     model_logits, spec_logits = [], []
-    orig = model_mod.sample
+    orig = sampler_mod.sample
 
     def rec(logits, *a, **k):
         model_logits.append(logits)
         return orig(logits, *a, **k)
 
-    model_mod.sample = rec
+    sampler_mod.sample = rec
     try:
         frames, stopped = generate_reference(model, prompt, sc, max_frames=6)
     finally:
-        model_mod.sample = orig
+        sampler_mod.sample = orig
     sframes, sstopped = spec.generate(prompt, sc, 6, log=spec_logits)
     assert (frames, stopped) == (sframes, sstopped)
     assert len(frames) >= 2
@@ -473,7 +474,7 @@ def test_modules_match_spec_transcription(cfg_fn):
 def _instrument(model, monkeypatch):
     log = {"cache_len": [], "new_cache": 0, "positions": [], "backbone_positions": []}
     lt = model.local_transformer
-    step, new_cache, samp, backbone = lt.step, lt.new_cache, model_mod.sample, model.backbone
+    step, new_cache, samp, backbone = lt.step, lt.new_cache, sampler_mod.sample, model.backbone
 
     def rec_step(x, p, cache):
         out = step(x, p, cache)
@@ -496,7 +497,7 @@ def _instrument(model, monkeypatch):
 
     monkeypatch.setattr(lt, "step", rec_step)
     monkeypatch.setattr(lt, "new_cache", rec_new_cache)
-    monkeypatch.setattr(model_mod, "sample", rec_sample)
+    monkeypatch.setattr(sampler_mod, "sample", rec_sample)
     monkeypatch.setattr(model, "backbone", rec_backbone)
     return log
 
