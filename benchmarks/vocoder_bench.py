@@ -13,7 +13,12 @@ torch.cuda.synchronize() around every run:
               batched CodecSession step, CUDA-graphed (and eager for the
               smallest and largest S): seconds of audio per second;
   first_chunk one stream, one 5-frame step: latency in ms (PCM on the host), graphed and eager;
-  offline     codec.decode of S utterances x 100 frames in one call.
+  offline     codec.decode of S utterances x 100 frames in one call;
+  single_bucket  the price of bucket-invariant serving (server --buckets equal to
+              --slots): one stream padded to the largest bucket, for the first-chunk
+              and the steady step, next to its cost in bucket 1; plus the check that
+              a padded stream equals itself batched in that bucket bitwise, and how
+              far bucket 1 is from it.
 
 The floor for each case is max(FLOPs / peak FLOP/s, bytes / peak bandwidth):
 FLOPs from spec §6 (2(4d^2 + 2 d ff) + 4 d W per token and layer, plus the
@@ -225,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     def codes(b: int, t: int) -> torch.Tensor:
         return torch.randint(0, codec.codebook_size, (args.n_q, b, t), generator=gen)
 
-    def stream_case(n: int, t: int, graphed: bool, n_iters: int, to_cpu: bool = False) -> dict:
+    def stream_case(n: int, t: int, graphed: bool, n_iters: int, to_cpu: bool = False,
+                    bucket: int | None = None) -> dict:
         slots = [session.acquire() for _ in range(n)]
         try:
             chunk = codes(n, t)
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             last = {}
 
             def run() -> None:
-                last["out"] = session.step(batch, eager=not graphed, to_cpu=to_cpu)
+                last["out"] = session.step(batch, eager=not graphed, to_cpu=to_cpu, bucket=bucket)
 
             r = timed(run, n_iters, warmup=2, sync=sync)
             used = session.last_step_graphed
@@ -243,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
                 session.release(s)
         audio = n * t / fr
         fl = floor_s(model, audio, n, elt, True, peak_f, peak_b)
-        r.update({"streams": n, "frames": t, "bucket": session.bucket_for(n), "graphed": used, "to_cpu": to_cpu,
+        r.update({"streams": n, "frames": t, "bucket": session.bucket_for(max(n, bucket or 0)), "graphed": used,
+                  "to_cpu": to_cpu,
                   "audio_s_per_step": audio, "audio_s_per_s": audio / (r["median_ms"] / 1e3),
                   "rtf": (r["median_ms"] / 1e3) / audio, "finite": finite, "floor": fl,
                   "efficiency": fl["floor_ms"] / r["median_ms"]})
-        log(f"stream n={n:3d} T={t:3d} {'graph' if used else 'eager'}{' +D2H' if to_cpu else ''}: "
+        log(f"stream n={n:3d} T={t:3d} bucket {r['bucket']:3d} {'graph' if used else 'eager'}"
+            f"{' +D2H' if to_cpu else ''}: "
             f"{r['median_ms']:8.2f} ms/step  {r['audio_s_per_s']:9.1f} audio s/s  floor {fl['floor_ms']:.2f} ms "
             f"({fl['bound']})  eff {r['efficiency'] * 100:.1f}%")
         return r
@@ -365,11 +373,41 @@ def main(argv: list[str] | None = None) -> int:
 
         section("graph parity", graph_parity)
 
+    def single_bucket() -> None:
+        top = session.buckets[-1]
+        sb = res["single_bucket"] = {"bucket": top, "cases": []}
+        for t, to_cpu in ((args.first_chunk, True), (args.chunk, False)):
+            for b in (1, top):
+                r = stream_case(1, t, graphs, lat_iters if to_cpu else iters, to_cpu=to_cpu, bucket=b)
+                sb["cases"].append(r)
+                save()
+        # one stream padded to the top bucket vs batched there with others, and vs bucket 1
+        n = min(3, max_streams)
+        x, y = codes(n, args.first_chunk), codes(n, args.first_chunk)
+        sl = [session.acquire() for _ in range(n)]
+        try:
+            batched = session.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(sl)}, bucket=top)[sl[0]]
+            session.reset(sl[0])
+            padded = session.step({sl[0]: x[:, 0]}, bucket=top)[sl[0]]
+            session.reset(sl[0])
+            alone = session.step({sl[0]: x[:, 0]})[sl[0]]
+        finally:
+            for s in sl:
+                session.release(s)
+        sb["padded_vs_batched_bitwise"] = bool(torch.equal(padded, batched))
+        sb["bucket1_vs_top_max_abs_diff"] = (alone.float() - padded.float()).abs().max().item()
+        log(f"check single bucket {top}: padded == batched bitwise {sb['padded_vs_batched_bitwise']}; "
+            f"bucket 1 vs {top} max abs diff {sb['bucket1_vs_top_max_abs_diff']:.3e}")
+
+    section("single bucket (bucket-invariant serving)", single_bucket)
+
     # ---- summary table ----
     rows = [("case", "streams", "T", "path", "ms", "audio s/s", "floor ms", "eff %")]
     for name, r in ([("first-chunk", v) for v in res["first_chunk"].values()]
-                    + [("streaming", r) for r in res["streaming"]]):
-        rows.append((name, r["streams"], r["frames"], ("graph" if r["graphed"] else "eager") + ("+D2H" if r["to_cpu"] else ""),
+                    + [("streaming", r) for r in res["streaming"]]
+                    + [("1-bucket", r) for r in res.get("single_bucket", {}).get("cases", [])]):
+        path = ("graph" if r["graphed"] else "eager") + ("+D2H" if r["to_cpu"] else "") + f"@B{r['bucket']}"
+        rows.append((name, r["streams"], r["frames"], path,
                      f"{r['median_ms']:.2f}", f"{r['audio_s_per_s']:.1f}", f"{r['floor']['floor_ms']:.2f}",
                      f"{r['efficiency'] * 100:.1f}"))
     for r in res["offline"]:

@@ -25,7 +25,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import build_codec, tiny_v2
-from vocoder_svc.server import DecodeWorker, Metrics, check_batch_invariance
+from vocoder_svc.server import (DecodeWorker, Metrics, SessionWorker, VocoderServicer, check_batch_invariance,
+                              resolve_engine)
+from vocoder_svc.session import CodecSession
 
 REPO = Path(__file__).resolve().parent.parent
 HOP = 3840
@@ -357,3 +359,310 @@ def _refused(stub) -> bool:
     except grpc.RpcError as e:
         return e.code() == grpc.StatusCode.UNAVAILABLE
     return False
+
+
+# ---- the session engine (CodecSession) on CPU --------------------------------------------------------
+
+SESSION_SLOTS = 3
+
+
+class InProcessVocoder:
+    """A VocoderServicer served by grpc.aio on a private event loop thread; tests see its session."""
+
+    def __init__(self, servicer: VocoderServicer):
+        self.servicer = servicer
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-vocoder-loop", daemon=True)
+        self.thread.start()
+
+        async def start():
+            server = grpc.aio.server()
+            vocoder_pb2_grpc.add_VocoderServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+
+        self.server, port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = vocoder_pb2_grpc.VocoderStub(self.channel)
+
+    def info(self) -> vocoder_pb2.VocoderInfo:
+        return self.stub.Info(vocoder_pb2.VocoderInfoRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.servicer.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_codec():
+    return build_codec(tiny_v2(), seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def session_vocoder(tiny_codec):
+    # Emulated graphs for the service's chunk sizes (5, 25): the graph bookkeeping runs, replays are eager.
+    session = CodecSession(tiny_codec, slots=SESSION_SLOTS, n_q=12, graphs="emulate", graph_frames=[5, 25])
+    session.capture()
+    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
+                                         session=session))
+    yield v
+    v.close()
+
+
+def offline_pcm(codec, codes: np.ndarray) -> np.ndarray:
+    """codes [T, n_q] -> [T*hop, C] float32, decoded in one offline call."""
+    return codec.decode(torch.from_numpy(codes.T.astype(np.int64)).unsqueeze(1))[0].numpy().T
+
+
+def pcm_of(responses) -> np.ndarray:
+    return np.concatenate([np.frombuffer(r.pcm, "<f4").reshape(r.num_samples, 2) for r in responses])
+
+
+def assert_close(pcm: np.ndarray, ref: np.ndarray) -> None:
+    assert pcm.shape == ref.shape
+    assert np.abs(pcm - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+def settled(v: InProcessVocoder) -> bool:
+    """No call open and every slot back (slots are freed on the worker thread, after the call ends)."""
+    return v.info().active_streams == 0 and v.servicer.session.free_slots == SESSION_SLOTS
+
+
+def test_session_engine_decode_matches_offline(session_vocoder, tiny_codec):
+    v = session_vocoder
+    codes = random_codes(33, seed=21)
+    responses = list(v.stub.Decode(decode_requests(codes, [33]), timeout=60))
+    assert [(r.first_frame, r.frames, r.first_sample) for r in responses] == [(0, 5, 0), (5, 25, 5 * HOP),
+                                                                              (30, 3, 30 * HOP)]
+    assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
+    again = list(v.stub.Decode(decode_requests(codes, [1] * 7 + [4, 22]), timeout=60))
+    assert b"".join(r.pcm for r in again) == b"".join(r.pcm for r in responses)  # arrival never matters
+    # Codebooks other than the session's go through the stream engine.
+    few = random_codes(9, seed=22)[:, :8]
+    reqs = [start(codebooks=8), vocoder_pb2.DecodeRequest(frames=matrix(few)), vocoder_pb2.DecodeRequest(end=True)]
+    assert_close(pcm_of(v.stub.Decode(iter(reqs), timeout=60)), offline_pcm(tiny_codec, few))
+    assert wait_for(lambda: settled(v))
+    steps = v.servicer.metrics.registry.get_sample_value
+    assert steps("chorus_vocoder_session_steps_total", {"path": "graph"}) >= 4  # 5 and 25 frames: graphed
+    assert steps("chorus_vocoder_session_steps_total", {"path": "eager"}) >= 2  # the 3-frame tails: eager
+
+
+def test_session_engine_concurrent_streams_with_different_chunks(session_vocoder, tiny_codec):
+    v = session_vocoder
+    configs = {0: (5, 25, [40]), 1: (3, 7, [2] * 20), 2: (5, 25, [1] * 40)}  # first, chunk, message sizes
+    results: dict[int, np.ndarray] = {}
+    barrier = threading.Barrier(len(configs))
+
+    def one(seed):
+        first, chunk, pieces = configs[seed]
+        codes = random_codes(40, seed=30 + seed)
+
+        def reqs():
+            yield start(first=first, chunk=chunk)
+            i = 0
+            for n in pieces:
+                yield vocoder_pb2.DecodeRequest(frames=matrix(codes[i:i + n]))
+                i += n
+            yield vocoder_pb2.DecodeRequest(end=True)
+
+        barrier.wait()
+        resp = list(v.stub.Decode(reqs(), timeout=60))
+        want = [first] + [chunk] * ((40 - first) // chunk) + ([(40 - first) % chunk] if (40 - first) % chunk else [])
+        assert [r.frames for r in resp] == want
+        results[seed] = pcm_of(resp)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in configs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == sorted(configs)
+    for seed in configs:
+        assert_close(results[seed], offline_pcm(tiny_codec, random_codes(40, seed=30 + seed)))
+    assert wait_for(lambda: settled(v))
+
+
+def _open_stream(stub, codes: np.ndarray):
+    """A Decode call fed from a queue; returns (outbox, responses queue, call)."""
+    outbox: queue.Queue = queue.Queue()
+    got: queue.Queue = queue.Queue()
+    call = stub.Decode(iter(outbox.get, None), timeout=60)
+
+    def read():
+        try:
+            for r in call:
+                got.put(r)
+            got.put("done")
+        except grpc.RpcError as e:
+            got.put(e)
+
+    threading.Thread(target=read, daemon=True).start()
+    outbox.put(start())
+    outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(codes)))
+    return outbox, got, call
+
+
+def test_session_engine_frees_slots_on_cancel_and_error(session_vocoder):
+    v = session_vocoder
+    session = v.servicer.session
+    outbox, got, call = _open_stream(v.stub, random_codes(7, seed=40))
+    assert got.get(timeout=30).frames == 5  # first step done: the stream holds a slot
+    assert v.info().active_streams == 1 and session.free_slots == SESSION_SLOTS - 1
+    call.cancel()
+    outbox.put(None)
+    assert wait_for(lambda: settled(v))
+    # An invalid frame after the first chunk ends the call with INVALID_ARGUMENT; the slot comes back too.
+    bad = random_codes(3, seed=41)
+    bad[0, 0] = 4096
+    outbox, got, call = _open_stream(v.stub, random_codes(6, seed=42))
+    assert got.get(timeout=30).frames == 5 and session.free_slots == SESSION_SLOTS - 1
+    outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(bad)))
+    outbox.put(None)
+    err = got.get(timeout=30)
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wait_for(lambda: settled(v))
+    sample = v.servicer.metrics.registry.get_sample_value
+    assert sample("chorus_vocoder_session_free_slots") == SESSION_SLOTS
+    assert sample("chorus_vocoder_active_streams") == 0
+
+
+def test_session_engine_queues_streams_beyond_slots(session_vocoder, tiny_codec):
+    """With every slot held, a new stream's first step waits (no error) until a call ends; a waiting
+    stream that is cancelled leaves nothing behind."""
+    v = session_vocoder
+    session = v.servicer.session
+    holders = [_open_stream(v.stub, random_codes(5, seed=50 + i)) for i in range(SESSION_SLOTS)]
+    for _, got, _ in holders:
+        assert got.get(timeout=30).frames == 5
+    assert session.free_slots == 0
+    waiting_codes = random_codes(12, seed=60)
+    outbox, got, call = _open_stream(v.stub, waiting_codes[:5])
+    quitter = _open_stream(v.stub, random_codes(5, seed=61))
+    gauge = lambda: v.servicer.metrics.registry.get_sample_value("chorus_vocoder_session_waiting_streams")  # noqa: E731
+    assert wait_for(lambda: gauge() == 2)
+    with pytest.raises(queue.Empty):
+        got.get(timeout=1.0)  # queued, not failed
+    assert v.info().active_streams == SESSION_SLOTS + 2
+    quitter[2].cancel()  # gives up while waiting: it never held a slot
+    quitter[0].put(None)
+    assert wait_for(lambda: v.info().active_streams == SESSION_SLOTS + 1)
+    h_out, h_got, _ = holders[0]
+    h_out.put(vocoder_pb2.DecodeRequest(end=True))  # one holder finishes: its slot goes to the waiting stream
+    h_out.put(None)
+    assert h_got.get(timeout=30) == "done"
+    first = got.get(timeout=30)
+    assert first.frames == 5
+    outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(waiting_codes[5:])))
+    outbox.put(vocoder_pb2.DecodeRequest(end=True))
+    outbox.put(None)
+    rest = []
+    while (item := got.get(timeout=30)) != "done":
+        rest.append(item)
+    assert_close(pcm_of([first, *rest]), offline_pcm(tiny_codec, waiting_codes))
+    for h_out, h_got, _ in holders[1:]:
+        h_out.put(vocoder_pb2.DecodeRequest(end=True))
+        h_out.put(None)
+        assert h_got.get(timeout=30) == "done"
+    assert wait_for(lambda: settled(v)) and gauge() == 0
+
+
+def test_session_worker_batches_same_frame_counts(tiny_codec):
+    """Steps due together with the same T are one session step (different T: separate steps); each
+    stream's PCM is bitwise what it is alone in the same bucket."""
+    session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])  # one bucket: any grouping, same bytes
+    metrics = Metrics()
+    worker = SessionWorker(session, metrics)
+    codes = [random_codes(10, seed) for seed in range(4)]
+
+    async def run(streams: list[int], sizes: dict[int, list[int]]) -> dict[int, bytes]:
+        handles = {s: worker.open() for s in streams}
+        out = {s: b"" for s in streams}
+        pos = dict.fromkeys(streams, 0)
+        for k in range(len(sizes[streams[0]])):
+            with worker._cond:  # hold the worker off until every stream's step is queued
+                futures = {s: worker.submit(handles[s], codes[s][pos[s]:pos[s] + sizes[s][k]]) for s in streams}
+            for s, f in futures.items():
+                out[s] += np.ascontiguousarray((await f).T).astype("<f4").tobytes()
+                pos[s] += sizes[s][k]
+        for h in handles.values():
+            worker.release(h)
+        return out
+
+    try:
+        mixed = asyncio.run(run([0, 1, 2, 3], {0: [5, 5], 1: [5, 5], 2: [3, 7], 3: [5, 5]}))
+        assert wait_for(lambda: session.free_slots == 4)
+        alone = {s: asyncio.run(run([s], {s: [5, 5] if s != 2 else [3, 7]}))[s] for s in range(4)}
+    finally:
+        worker.close()
+    assert mixed == alone
+    sample = metrics.registry.get_sample_value
+    # mixed: per round one step of three streams (T=5) and one of one (T=3 / T=7); then 4 solo runs x 2 steps
+    assert sample("chorus_vocoder_decode_batch_streams_count") == 2 * 2 + 4 * 2
+    assert sample("chorus_vocoder_decode_batch_streams_sum") == 2 * 4 + 4 * 2
+    assert session.free_slots == 4 and sample("chorus_vocoder_session_free_slots") == 4
+
+
+def test_session_engine_cli(tiny_codec):
+    """--engine session on CPU with emulated graphs: capture progress, the self-check line, a decode."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", "0", "--preset", "tiny",
+         "--seed", str(SEED), "--engine", "session", "--slots", "2", "--graphs", "emulate", "--graph-frames", "5,25",
+         "--grace", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    seen, address = [], None
+    try:
+        deadline = time.time() + 60
+        while address is None and time.time() < deadline and proc.poll() is None:
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            if m := re.match(r"vocoder ready on (\S+)", seen[-1]):
+                address = m.group(1)
+        assert address, "".join(seen)
+        text = "".join(seen)
+        assert "session engine: 2 slots, buckets [1, 2], 12 codebooks" in text
+        assert re.search(r"captured graph 4/4 \(bucket 1, 5 frames\)", text), text
+        assert "bitwise independent of its neighbours" in text and "graph == eager bitwise" in text
+        with grpc.insecure_channel(address) as ch:
+            codes = random_codes(33, seed=70)
+            resp = list(vocoder_pb2_grpc.VocoderStub(ch).Decode(decode_requests(codes, [33]), timeout=60))
+        assert [r.frames for r in resp] == [5, 25, 3]
+        assert_close(pcm_of(resp), offline_pcm(tiny_codec, codes))
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_choice():
+    assert resolve_engine("auto", "cpu") == "stream" and resolve_engine("auto", "cuda:1") == "session"
+    assert resolve_engine("session", "cpu") == "session" and resolve_engine("stream", "cuda") == "stream"
+
+
+def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
+    """A stream past the session's exact-position limit ends with OUT_OF_RANGE (no failover) after the
+    chunks that fit, and frees its slot."""
+    session = CodecSession(tiny_codec, slots=1, n_q=12)
+    session._max_mult = (1 << 24) // 12  # max_stream_frames = 12 instead of 2184
+    assert session.max_stream_frames == 12
+    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=5, session=session))
+    try:
+        got = []
+        with pytest.raises(grpc.RpcError) as e:
+            for r in v.stub.Decode(decode_requests(random_codes(16, seed=80), [16]), timeout=60):
+                got.append(r.frames)
+        assert got in ([5], [5, 5])  # the chunks that fit (grpc may drop the last one queued before the abort)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "longer than 12 frames" in e.value.details()
+        assert wait_for(lambda: v.info().active_streams == 0 and session.free_slots == 1)
+    finally:
+        v.close()

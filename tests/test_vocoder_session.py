@@ -291,3 +291,35 @@ def test_bench_runs_on_cpu(tmp_path):
     assert res["status"] == "ok" and res["torch"] == torch.__version__
     assert {"streaming", "first_chunk", "offline", "checks", "floor"} <= res.keys()
     assert res["checks"]["session_vs_offline"]["rel_max_abs_diff"] < 1e-4
+
+
+def test_results_never_alias_graph_memory(v2_32):
+    """to_cpu on a CPU session with emulated graphs still hands back fresh tensors: a later replay of
+    the same graph must not change an earlier result."""
+    s = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[3])
+    a, b = s.acquire(), s.acquire()
+    codes = codes_for(6, n_q=12, b=2, seed=18)
+    for to_cpu in (True, False):
+        first = s.step({a: codes[:, 0, :3], b: codes[:, 1, :3]}, to_cpu=to_cpu)
+        assert s.last_step_graphed
+        keep = {k: v.clone() for k, v in first.items()}
+        s.step({a: codes[:, 0, 3:], b: codes[:, 1, 3:]}, to_cpu=to_cpu)  # same graph, other codes
+        assert all(torch.equal(first[k], keep[k]) for k in first)
+        s.reset(a), s.reset(b)
+
+
+def test_forced_bucket_and_stream_limit(v2_32):
+    """step(bucket=B) pads a lone stream to bucket B: bitwise what it gets next to others in B."""
+    codes = codes_for(8, n_q=12, b=3, seed=19)
+    s = CodecSession(v2_32, slots=4, n_q=12)
+    x, y, z = s.acquire(), s.acquire(), s.acquire()
+    together = s.step({x: codes[:, 0], y: codes[:, 1], z: codes[:, 2]})  # bucket 4
+    s.reset(x)
+    padded = s.step({x: codes[:, 0]}, bucket=3)  # smallest bucket >= 3: 4
+    s.reset(x)
+    alone = s.step({x: codes[:, 0]})  # bucket 1
+    assert torch.equal(padded[x], together[x])
+    assert (alone[x] - together[x]).abs().max().item() <= bound(alone[x], 4e-6)
+    assert s.max_stream_frames == (1 << 24) // 7680  # 2184 frames (~175 s) for the v2 hop
+    with pytest.raises(ValueError, match="2184 frames"):
+        s.step({y: torch.zeros(12, s.max_stream_frames, dtype=torch.long)})

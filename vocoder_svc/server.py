@@ -4,9 +4,13 @@ frames to PCM, Encode of reference audio to codes, Info.
 Chunking is a pure function of (first_chunk_frames, chunk_frames, total
 frames): the first chunk is exactly first_chunk_frames frames, every later
 one exactly chunk_frames, and `end` flushes whatever remains. Arrival timing
-never matters, so the PCM is byte-identical run to run.
+never matters, so the PCM is byte-identical run to run (with the session
+engine on GPU only within one bucket: see below).
 
-Codec work runs on one worker thread, never on the asyncio loop. Steps of
+Codec work runs on worker threads, never on the asyncio loop. Two decode
+engines (--engine; auto = session on CUDA devices, stream otherwise):
+
+Stream engine (the CPU default). Each call owns a StreamState. Steps of
 different streams that are due together with the same frame count are
 decoded in one batched forward (up to --max-batch-streams). By default the
 batch is batch-invariant (`--batch-mode invariant`): every GEMM runs per
@@ -20,7 +24,49 @@ to one stream per step and says so. `--batch-mode fast` folds the batch into
 plain GEMMs: a few percent faster, but a stream's output then moves at the
 ~1e-6 level with whichever streams happened to be due together.
 
+Session engine (the CUDA default). A CodecSession (vocoder_svc/session.py)
+holds the streaming state of up to --slots streams in preallocated device
+buffers. A call takes a slot with its first step and gives it back when it
+ends (finish, cancel or error); a step that finds every slot taken waits in
+the queue (never an error) until a call ends. The oldest due step and every
+other due step with the same frame count are decoded in one session step,
+padded to the next batch bucket (--buckets); each (bucket, T) with T in
+--graph-frames (default: the first and steady chunk sizes) is captured as a
+CUDA graph at startup, one progress line each, and replayed; any other T (a
+tail flush, a request's own chunk sizes) runs eagerly at the same bucket.
+Streams whose start.codebooks is not --session-codebooks use the stream
+engine. Startup prints a self-check of the byte-identity facts below.
+
+Byte identity on GPU (session engine), which matters because the scheduler
+replays a broken stream on another replica, where other streams share its
+steps, and resumes at the exact sample:
+  * holds within one bucket: every op is per row and padding rows are
+    scratch rows, so a stream's PCM is bit-identical whoever its neighbours
+    are, and graph replay equals eager (H200, bf16: both bitwise);
+  * does not hold across buckets: GEMM shapes change with the bucket and
+    cuBLAS picks other kernels; on an H200 in bf16 a stream alone (bucket 1)
+    differs from the same stream in bucket 4 by up to 0.125 (random full
+    codec). The bucket of a step is the number of streams due with the same
+    T at that moment, i.e. load and timing, so with several buckets even two
+    runs on one replica may differ, and a failover replay continues with
+    audio close to, but not byte-identical with, what the failed replica
+    would have sent: the CPU stream engine's guarantee does not carry over.
+  * one bucket (--buckets equal to --slots) restores it for replicas with the
+    same --slots, GPU and software: every step has the same shapes. The cost
+    is that every step computes the full bucket whatever the load. H200, full
+    codec, bf16, 25-frame steps: 167 ms per step at 64 slots, where one
+    stream alone takes 14 ms in bucket 1 (30 ms at 8, 52 ms at 16, 89 ms at
+    32); throughput at full load is unchanged, latency at light load is not.
+    Per-stream GEMMs (the stream engine's invariant mode) are not a cheap
+    alternative here: cuBLAS gives no bitwise guarantee for a bmm across
+    batch counts, and one GEMM per stream gives up the batching that makes
+    the session fast.
+Streams are limited to session.max_stream_frames frames (positions exact in
+fp32: 2184 frames, ~175 s, for MOSS-Audio-Tokenizer v2); a longer stream
+fails alone with OUT_OF_RANGE (which the scheduler does not fail over).
+
     python -m vocoder_svc.server --port 50053 --preset tiny
+    python -m vocoder_svc.server --codec DIR --device cuda --dtype bfloat16 --slots 64 --graph-frames 5,25
 """
 
 from __future__ import annotations
@@ -47,6 +93,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from chorus.audio import decode_audio, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
+from vocoder_svc.session import CodecSession, default_buckets
 
 SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name  # "chorus.v1.Vocoder"
 DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
@@ -72,6 +119,14 @@ class Metrics:
                                          registry=r)
         self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
                                            registry=r)
+        # Session engine only.
+        self.session_free_slots = Gauge("chorus_vocoder_session_free_slots", "Free CodecSession slots",
+                                        registry=r)
+        self.session_waiting_streams = Gauge(
+            "chorus_vocoder_session_waiting_streams", "Streams with a due step waiting for a free session slot",
+            registry=r)
+        self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
+                                     ["path"], registry=r)
 
 
 # ---- the codec worker -------------------------------------------------------------------
@@ -157,12 +212,179 @@ class DecodeWorker:
                 job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
 
 
+class SessionStream:
+    """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
+
+    __slots__ = ("slot", "released")
+
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self.released = False
+
+
+@dataclass(eq=False)
+class _SessionJob:
+    stream: SessionStream
+    codes: np.ndarray  # [T, n_q] int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class SessionWorker:
+    """One thread that owns a CodecSession: it hands out slots, steps and frees them.
+
+    Every session call (acquire, step, release) runs on this thread, so a slot
+    is never freed while a step that uses it is in flight. A stream takes a slot
+    when its first step is picked; when every slot is taken, that step waits
+    (queued, in arrival order) until a call ends and frees one, while streams
+    that hold slots keep stepping. The oldest runnable step and every other
+    runnable step with the same frame count are decoded in one session step.
+    release() (call end: finish, cancel or error) drops the stream's queued
+    steps and frees its slot before the next step."""
+
+    def __init__(self, session: CodecSession, metrics: Metrics):
+        self.session, self.metrics = session, metrics
+        self._cond = threading.Condition()
+        self._pending: list[_SessionJob] = []
+        self._releases: list[SessionStream] = []
+        self._closed = False
+        metrics.session_free_slots.set(session.free_slots)
+        self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
+        self._thread.start()
+
+    def open(self) -> SessionStream:
+        return SessionStream()
+
+    def submit(self, stream: SessionStream, codes: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("session worker is closed")
+            if stream.released:
+                raise RuntimeError("decode stream already released")
+            self._pending.append(_SessionJob(stream, codes, fut, loop))
+            self._cond.notify()
+        return fut
+
+    def release(self, stream: SessionStream) -> None:
+        """The call is over: drop its queued steps; its slot (if any) is freed before the next step."""
+        with self._cond:
+            if stream.released:
+                return
+            stream.released = True
+            dropped = [j for j in self._pending if j.stream is stream]
+            if dropped:
+                self._pending = [j for j in self._pending if j.stream is not stream]
+            self._releases.append(stream)
+            self._cond.notify()
+        for j in dropped:
+            j.loop.call_soon_threadsafe(_cancel, j.future)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the thread -------------------------------------------------------------------------------
+    def _group(self) -> list[_SessionJob]:
+        """(Under the lock.) The oldest runnable step and the runnable steps with its frame count;
+        runnable = the stream holds a slot, or a free one is left for it."""
+        self._pending = [j for j in self._pending if not j.future.cancelled()]
+        free = self.session.free_slots
+        group: list[_SessionJob] = []
+        key = None
+        for j in self._pending:
+            if j.stream.slot is None and free == 0:
+                continue
+            if key is None:
+                key = j.codes.shape
+            elif j.codes.shape != key or any(g.stream is j.stream for g in group):
+                continue
+            if j.stream.slot is None:
+                free -= 1
+            group.append(j)
+        if group:
+            taken = {id(j) for j in group}
+            self._pending = [j for j in self._pending if id(j) not in taken]
+            for j in group:
+                if j.stream.slot is None:
+                    j.stream.slot = self.session.acquire()
+        slotless = sum(j.stream.slot is None for j in self._pending)
+        self.metrics.session_waiting_streams.set(max(0, slotless - self.session.free_slots))
+        return group
+
+    def _take(self) -> tuple[list[_SessionJob], list[SessionStream]] | None:
+        with self._cond:
+            while True:
+                if self._releases:
+                    releases, self._releases = self._releases, []
+                    return [], releases
+                group = self._group()
+                if group:
+                    return group, []
+                if self._closed:
+                    # Nothing can run and no call is left to free a slot: fail what still waits.
+                    stuck, self._pending = self._pending, []
+                    for j in stuck:
+                        j.loop.call_soon_threadsafe(_resolve, j.future, None, RuntimeError("vocoder is shutting down"))
+                    return None
+                self._cond.wait()
+
+    def _run(self) -> None:
+        if self.session.device.type == "cuda":
+            torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
+        while (work := self._take()) is not None:
+            group, releases = work
+            for stream in releases:
+                if stream.slot is not None:
+                    self.session.release(stream.slot)
+                    stream.slot = None
+            self.metrics.session_free_slots.set(self.session.free_slots)
+            if group:
+                self._step(group)
+
+    def _step(self, group: list[_SessionJob]) -> None:
+        s = self.session
+        results: list[tuple[object, BaseException | None]] = []
+        runnable = []
+        for j in group:  # a stream past the exact-position limit fails alone, not its neighbours
+            t = j.codes.shape[0]
+            if s.frames_decoded(j.stream.slot) + t > s.max_stream_frames:
+                results.append((None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
+                                                    f"(the session's exact-position limit)")))
+            else:
+                runnable.append(j)
+                results.append((None, None))
+        if runnable:
+            try:
+                codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
+                t0 = time.perf_counter()
+                out = s.step({j.stream.slot: codes[i] for i, j in enumerate(runnable)}, to_cpu=True)
+                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
+                self.metrics.decode_batch_streams.observe(len(runnable))
+                self.metrics.session_steps.labels("graph" if s.last_step_graphed else "eager").inc()
+                done = {id(j): (out[j.stream.slot].to(torch.float32).numpy(), None) for j in runnable}
+            except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
+                done = {id(j): (None, e) for j in runnable}
+            results = [done.get(id(j), r) for j, r in zip(group, results)]
+        for job, (res, err) in zip(group, results):
+            job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
+
+
+def _cancel(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.cancel()
+
+
 # ---- the service ----------------------------------------------------------------------------
 
 @dataclass
 class _Stream:
     stream_id: str
-    state: StreamState
+    state: StreamState | None  # stream engine (or codebooks the session does not decode)
+    handle: SessionStream | None  # session engine
     codebooks: int
     first_chunk: int
     chunk: int
@@ -187,17 +409,29 @@ class _BadRequest(Exception):
     pass
 
 
+class StreamTooLong(ValueError):
+    """A session stream would pass session.max_stream_frames (OUT_OF_RANGE: no replica can do it)."""
+
+
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, session: CodecSession | None = None):
+        """session: decode streams of session.n_q codebooks on this CodecSession (the session
+        engine); other streams, and every stream without a session, use the stream engine."""
         if not 1 <= chunk_frames <= MAX_CHUNK_FRAMES or first_chunk_frames < 1:
             raise ValueError(f"chunk sizes must be >= 1 (chunk <= {MAX_CHUNK_FRAMES}); got first "
                              f"{first_chunk_frames}, chunk {chunk_frames}")
         self.codec, self.name = codec, name
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.metrics = metrics or Metrics()
-        self.worker = DecodeWorker(codec, self.metrics, max_batch_streams, batch_invariant)
+        if session is not None and session.codec is not codec:
+            raise ValueError("the session must decode with the servicer's codec")
+        self.session = session
+        # With a session, the stream engine only serves the odd codebook count: one stream per step.
+        self.worker = DecodeWorker(codec, self.metrics, 1 if session is not None else max_batch_streams,
+                                   batch_invariant)
+        self.session_worker = SessionWorker(session, self.metrics) if session is not None else None
         # Encoding a long reference takes a while; its own thread keeps streams flowing.
         self._encode_lock = threading.Lock()
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
@@ -206,6 +440,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
 
     def close(self) -> None:
         self.worker.close()
+        if self.session_worker is not None:
+            self.session_worker.close()
 
     # ---- Decode ---------------------------------------------------------------------------------
     def _open(self, start: vocoder_pb2.DecodeStart) -> _Stream:
@@ -220,7 +456,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         if chunk > MAX_CHUNK_FRAMES:
             raise _BadRequest(f"start.chunk_frames={chunk} is over the limit {MAX_CHUNK_FRAMES}")
         first = min(start.first_chunk_frames or self.first_chunk_frames, chunk)  # never above the steady size
-        return _Stream(start.stream_id, self.codec.new_stream(), codebooks, first, chunk)
+        if self.session_worker is not None and codebooks == self.session.n_q:
+            return _Stream(start.stream_id, None, self.session_worker.open(), codebooks, first, chunk)
+        return _Stream(start.stream_id, self.codec.new_stream(), None, codebooks, first, chunk)
 
     def _parse_frames(self, m: common_pb2.IntMatrix, stream: _Stream) -> np.ndarray:
         if m.cols != stream.codebooks:
@@ -241,8 +479,14 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         return codes
 
     async def _step(self, stream: _Stream, n: int) -> vocoder_pb2.DecodeResponse:
+        if stream.handle is not None and stream.next_frame + n > self.session.max_stream_frames:
+            raise StreamTooLong(f"decode stream longer than {self.session.max_stream_frames} frames: the session "
+                                f"engine keeps positions exact in fp32 only that far")
         codes = stream.take(n)
-        wav = await self.worker.submit(stream.state, codes)  # [C, n*hop] float32
+        if stream.handle is not None:
+            wav = await self.session_worker.submit(stream.handle, codes)  # [C, n*hop] float32
+        else:
+            wav = await self.worker.submit(stream.state, codes)
         first_frame = stream.next_frame
         stream.next_frame += n
         num = wav.shape[1]
@@ -283,8 +527,12 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 yield await self._step(stream, stream.pending_frames)
         except _BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StreamTooLong as e:  # not a replica failure: the scheduler must not fail over
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         finally:
-            if stream is not None:  # also on cancellation: the state goes with the call
+            if stream is not None:  # also on cancellation and errors: the state goes with the call
+                if stream.handle is not None:
+                    self.session_worker.release(stream.handle)  # the slot is freed before the next step
                 self.active_streams -= 1
                 self.metrics.active_streams.dec()
 
@@ -360,9 +608,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "overrides it (default: %(default)s)")
     parser.add_argument("--encode-cache-size", type=int, default=256,
                         help="reference encodings kept in the LRU cache (default: %(default)s; 0 disables)")
+    parser.add_argument("--engine", choices=("auto", "session", "stream"), default="auto",
+                        help="decode engine. session: a CodecSession of --slots streams, batched steps replayed "
+                             "from CUDA graphs; byte-identical within a batch bucket only (see --buckets). stream: "
+                             "per-stream states, batch-invariant batching (--batch-mode), byte-identical whatever "
+                             "the batch. auto: session on CUDA devices, stream otherwise (default: %(default)s)")
+    parser.add_argument("--slots", type=int, default=64,
+                        help="session engine: streams decoded concurrently; a stream holds a slot from its first "
+                             "step to the end of its call, and a stream that finds none free waits for one "
+                             "(default: %(default)s)")
+    parser.add_argument("--buckets", default=None, metavar="B,B,...",
+                        help="session engine: batch sizes a step is padded to (the largest >= --slots; default "
+                             "1,2,4,... up to --slots). A stream's PCM depends on the bucket its steps ran in (in "
+                             "bf16 by up to ~0.1 between buckets 1 and 4 on an H200), so a failover replay on "
+                             "another replica is byte-identical only in the same buckets. One bucket (--buckets "
+                             "equal to --slots) makes every step the same shape: byte-identical across replicas "
+                             "with the same --slots, GPU and software, but every step then costs a full bucket "
+                             "(H200, full codec, bf16, 25 frames: 167 ms at 64 streams vs 14 ms for one stream "
+                             "alone)")
+    parser.add_argument("--graph-frames", default=None, metavar="T,T,...",
+                        help="session engine: step sizes (frames) that get a CUDA graph per bucket, captured at "
+                             "startup; other sizes (tails, per-request chunk sizes) run eagerly. Default: "
+                             "--first-chunk-frames,--chunk-frames; 'none' disables graphs")
+    parser.add_argument("--graphs", choices=("auto", "off", "emulate"), default="auto",
+                        help="session engine: auto = CUDA graphs on CUDA devices; off = always eager; emulate = "
+                             "the graph bookkeeping with eager replays (tests the path on CPU) "
+                             "(default: %(default)s)")
+    parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
+                        help="session engine: codebooks per frame the session decodes; streams with another "
+                             "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")
     parser.add_argument("--max-batch-streams", type=int, default=8,
-                        help="decode up to this many streams' steps (same frame count) in one forward when they "
-                             "are due together; 1 = one stream per step (default: %(default)s)")
+                        help="stream engine: decode up to this many streams' steps (same frame count) in one "
+                             "forward when they are due together; 1 = one stream per step (default: %(default)s)")
     parser.add_argument("--batch-mode", choices=("invariant", "fast"), default="invariant",
                         help="invariant: per-stream GEMMs, a stream's PCM is byte-identical whatever it is batched "
                              "with (checked at startup; falls back to one stream per step if the device breaks "
@@ -381,8 +658,11 @@ def make_codec(args: argparse.Namespace) -> tuple[MossAudioTokenizer, str]:
     if getattr(args, "torch_threads", 0) > 0:
         torch.set_num_threads(args.torch_threads)
     dtype = DTYPES[args.dtype]
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA device is available")
+        if torch.device(args.device).index is not None:
+            torch.cuda.set_device(torch.device(args.device))  # capture streams and graph pools follow it
     if args.codec:
         return load_codec(args.codec, dtype=dtype, device=args.device), Path(args.codec).name
     config = tiny_v2() if args.preset == "tiny" else full_v2()
@@ -424,11 +704,134 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def resolve_engine(engine: str, device: str) -> str:
+    """auto -> session on CUDA devices, stream otherwise."""
+    if engine == "auto":
+        return "session" if torch.device(device).type == "cuda" else "stream"
+    return engine
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: expected comma-separated integers") from None
+    if any(v < 1 for v in values):
+        raise SystemExit(f"{flag} {text!r}: values must be >= 1")
+    return values
+
+
+def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
+    """The session engine's CodecSession, with every (bucket, T in --graph-frames) graph captured
+    now (largest first, one progress line each)."""
+    if args.slots < 1:
+        raise SystemExit(f"--slots {args.slots}: must be >= 1")
+    n_q = args.session_codebooks
+    if not 1 <= n_q <= codec.num_codebooks:
+        raise SystemExit(f"--session-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
+    buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
+    if not buckets or max(buckets) < args.slots:
+        raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
+    if args.graph_frames is None:
+        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
+        frames = sorted({first, args.chunk_frames})
+    elif args.graph_frames.strip().lower() in ("", "none"):
+        frames = []
+    else:
+        frames = sorted(set(_int_list(args.graph_frames, "--graph-frames")))
+    if any(t > MAX_CHUNK_FRAMES for t in frames):
+        raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
+    graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
+    session = CodecSession(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames)
+    log(f"vocoder: session engine: {session.slots} slots, buckets {list(session.buckets)}, {n_q} codebooks, "
+        f"compute {str(session.compute_dtype).removeprefix('torch.')}, state "
+        f"{session.state_nbytes() / 1e9:.3f} GB, graphs {session.graph_mode or 'off'}"
+        + (f" for {frames} frames" if session.graph_mode else ""), flush=True)
+    if session.graph_mode:
+        pairs = sorted({(b, t) for b in session.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
+        started = time.perf_counter()
+        for i, (b, t) in enumerate(pairs, 1):
+            t0 = time.perf_counter()
+            session.capture([b], [t])
+            if session.device.type == "cuda":
+                torch.cuda.synchronize(session.device)
+            if session.graphs_disabled:
+                log(f"vocoder: graph capture failed, every step runs eagerly: {session.graphs_disabled}", flush=True)
+                break
+            log(f"vocoder: captured graph {i}/{len(pairs)} (bucket {b}, {t} frames) in "
+                f"{time.perf_counter() - t0:.2f} s", flush=True)
+        else:
+            log(f"vocoder: {len(pairs)} graphs captured in {time.perf_counter() - started:.2f} s", flush=True)
+    return session
+
+
+def check_session(session: CodecSession, frames: int, seed: int = 0) -> dict:
+    """Byte-identity facts of this session on its device, from a few streams of `frames`-frame steps:
+    neighbours_bitwise (a stream next to other streams in one bucket equals itself next to other
+    codes), graph_vs_eager_bitwise (when the step ran from a graph) and cross_bucket_max_abs_diff
+    (the stream alone, in bucket_for(1), vs in the batch's bucket). Needs min(3, slots) free slots."""
+    n = min(3, session.slots)
+    rng = np.random.default_rng(seed)
+    size = (session.n_q, n, frames)
+    x = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
+    y = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
+    slots = [session.acquire() for _ in range(n)]
+
+    def fresh(*which: int) -> None:
+        for i in which or range(n):
+            session.reset(slots[i])
+
+    try:
+        res: dict = {"bucket": session.bucket_for(n), "streams": n, "frames": frames}
+        a = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True)
+        res["graphed"] = session.last_step_graphed
+        if n > 1:
+            fresh()
+            b = session.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(slots)}, to_cpu=True)
+            res["neighbours_bitwise"] = bool(torch.equal(a[slots[0]], b[slots[0]]))
+        if res["graphed"]:
+            fresh()
+            e = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True, eager=True)
+            res["graph_vs_eager_bitwise"] = all(torch.equal(a[s], e[s]) for s in slots)
+        fresh(0)
+        alone = session.step({slots[0]: x[:, 0]}, to_cpu=True)[slots[0]]
+        res["alone_bucket"] = session.bucket_for(1)
+        res["cross_bucket_max_abs_diff"] = (alone.double() - a[slots[0]].double()).abs().max().item()
+    finally:
+        for s in slots:
+            session.release(s)
+    return res
+
+
+def _describe_session_check(r: dict) -> str:
+    parts = []
+    if "neighbours_bitwise" in r:
+        parts.append(f"within bucket {r['bucket']} a stream's PCM is "
+                     + ("bitwise independent of its neighbours" if r["neighbours_bitwise"]
+                        else "NOT bitwise independent of its neighbours (unexpected)"))
+    if "graph_vs_eager_bitwise" in r:
+        parts.append("graph == eager bitwise" if r["graph_vs_eager_bitwise"] else "graph != eager (unexpected)")
+    if r["streams"] > 1:
+        d = r["cross_bucket_max_abs_diff"]
+        parts.append(f"alone (bucket {r['alone_bucket']}) vs {r['streams']} together (bucket {r['bucket']}): " + (
+            "bitwise equal" if d == 0 else f"max abs diff {d:.3g}, so bytes depend on the bucket (a failover "
+                                           f"replay may differ; --buckets with one bucket avoids it)"))
+    return f"vocoder: session self-check ({r['frames']}-frame steps): " + "; ".join(parts or ["ok"])
+
+
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
     codec, name = make_codec(args)
     metrics = Metrics()
+    engine = resolve_engine(args.engine, args.device)
+    session = None
+    if engine == "session":
+        session = build_session(codec, args)
+        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
+        print(_describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
-    if max_batch > 1 and invariant:
+    if session is not None:
+        max_batch = 1  # the stream engine only serves other codebook counts
+    elif max_batch > 1 and invariant:
         first = max(1, min(args.first_chunk_frames, args.chunk_frames))
         problem = check_batch_invariance(codec, first, max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
         if problem is not None:
@@ -436,15 +839,18 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
                   f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",
                   flush=True)
             max_batch = 1
-    print(f"vocoder: up to {max_batch} streams per decode step"
-          + ("" if max_batch == 1 else f" ({'batch-invariant' if invariant else 'fast, not batch-invariant'})"),
-          flush=True)
+    if session is None:
+        print(f"vocoder: stream engine, up to {max_batch} streams per decode step"
+              + ("" if max_batch == 1 else f" ({'batch-invariant' if invariant else 'fast, not batch-invariant'})"),
+              flush=True)
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
-                               max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics)
-    # Warm-up: the first real step should not pay one-time allocation costs.
-    codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
-                      batch_invariant=invariant)
+                               max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
+                               session=session)
+    if session is None:
+        # Warm-up: the first real step should not pay one-time allocation costs.
+        codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
+                          batch_invariant=invariant)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

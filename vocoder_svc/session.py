@@ -46,7 +46,11 @@ inputs (codes 0, fresh positions) never depend on anything else. Every op is
 row-wise, so a stream's result depends only on its own codes and state and
 on the step's shapes (bucket, T): decoded alone or next to others in the same
 bucket it is bit-identical. (Across different buckets the GEMM shapes differ,
-and a GPU may then pick other kernels: expect ~1e-6 in fp32.)
+and a GPU may then pick other kernels: expect ~1e-6 in fp32, and far more in
+bf16: bucket 1 vs bucket 4 differed by up to 0.125 (max abs) on an H200 with
+the random-weight full preset. A session with a single bucket, ``buckets=
+[slots]``, is bucket-invariant by construction, at the price of always
+computing the full bucket; ``step(bucket=...)`` times that.)
 
 Precision: ``compute_dtype`` bf16/fp16 follows the reference's autocast
 policy (§3.7) without autocast's per-step weight casts: GEMM weights are cast
@@ -298,6 +302,11 @@ class CodecSession:
                 return b
         raise ValueError(f"{n} streams exceed the largest bucket {self.buckets[-1]}")
 
+    @property
+    def max_stream_frames(self) -> int:
+        """Frames one stream may decode in total: its positions must stay exact in fp32 (see step)."""
+        return MAX_POSITION // self._max_mult
+
     def frames_decoded(self, slot: int) -> int:
         self._check_slot(slot)
         return self._frames_host[slot]
@@ -471,13 +480,16 @@ class CodecSession:
         return self._graphs.get((bucket, t))
 
     # ---- stepping -------------------------------------------------------------------------------
-    def step(self, codes: Mapping[int, Tensor], to_cpu: bool = False, eager: bool = False) -> dict[int, Tensor]:
+    def step(self, codes: Mapping[int, Tensor], to_cpu: bool = False, eager: bool = False,
+             bucket: int | None = None) -> dict[int, Tensor]:
         """Decode T new frames for each slot: {slot: codes [n_q, T]} -> {slot: pcm [C, T*hop]}.
 
         Every participant must have the same T (> 0). The batch is padded to a
         bucket with scratch rows. to_cpu: return CPU tensors (one device-to-host
         copy); otherwise device tensors that do not alias graph memory.
-        eager: skip graphs for this step (tests, parity checks)."""
+        eager: skip graphs for this step (tests, parity checks).
+        bucket: pad to the smallest bucket holding max(len(codes), bucket) rows
+        instead of len(codes) (e.g. to time one stream at the largest bucket)."""
         if not codes:
             return {}
         with self._lock, torch.inference_mode():
@@ -492,7 +504,7 @@ class CodecSession:
                 if (self._frames_host[s] + t) * self._max_mult > MAX_POSITION:
                     raise ValueError(f"slot {s}: stream longer than the {MAX_POSITION // self._max_mult} frames "
                                      f"whose positions are exact in fp32")
-            bucket = self.bucket_for(n)
+            bucket = self.bucket_for(max(n, bucket or 0))
             pad = bucket - n
             if pad:
                 batch = torch.cat((batch, batch.new_zeros(self.n_q, pad, t)), dim=1)
@@ -519,7 +531,7 @@ class CodecSession:
                 dev = self.device
                 out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
             out = out[:n]
-            out = out.to("cpu") if to_cpu else out.clone()
+            out = out.to("cpu", copy=True) if to_cpu else out.clone()  # never a view of graph memory
             for s in slots:
                 self._frames_host[s] += t
             return {s: out[i] for i, s in enumerate(slots)}
