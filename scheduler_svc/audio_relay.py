@@ -173,7 +173,7 @@ class _Session:
                 await asyncio.sleep(delay)
             await call.write(vocoder_pb2.DecodeRequest(start=self.start))
             while True:
-                if att.fed < len(self.codes):
+                if att.fed < len(self.codes) and (self.finished or len(self.codes) >= self._boundary(att.fed)):
                     # Everything not yet sent in one message (a replay sends the whole history at once);
                     # the vocoder's chunking does not depend on how frames are split into messages.
                     block = np.stack(self.codes[att.fed:])
@@ -195,6 +195,14 @@ class _Session:
             pass  # the call is over; the reader sees its status
         except Exception as e:  # noqa: BLE001
             self._fail_other(att, e)
+
+    def _boundary(self, fed: int) -> int:
+        """The next chunk boundary after `fed` frames. The vocoder decodes only at
+        boundaries, so frames go out when one is reached (or at the end): one gRPC
+        write per chunk instead of one per frame, with no added latency."""
+        chunk = max(1, self.chunk_frames)
+        first = min(self.start.first_chunk_frames or 1, chunk)  # the vocoder caps it the same way
+        return first + ((fed - first) // chunk + 1) * chunk
 
     # ---- vocoder → client ----------------------------------------------------------------------------
     def _owed(self, att: _Attempt) -> bool:
