@@ -15,6 +15,7 @@ import torch
 
 from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch
+from gpu_worker.cuda_graphs import capture_graph
 from gpu_worker.engine import Engine, sample_and_commit
 from gpu_worker.loader import build_model
 from gpu_worker.sampler import sample
@@ -23,15 +24,7 @@ from scheduler_svc.scheduler import rows_matrix
 
 def graph_time(fn, iters: int = 50) -> float:
     """Milliseconds per replay of fn captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture_graph(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
     start.record()

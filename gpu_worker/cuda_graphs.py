@@ -25,6 +25,21 @@ log = logging.getLogger("chorus.worker")
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def capture_graph(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm fn up twice on a side stream (lazy inits, Triton compiles), then
+    capture one call; returns the graph and fn's output (static tensors)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 @dataclass
 class _Graph:
     size: int
@@ -87,15 +102,7 @@ class GraphedDecode:
             # The penalty path is always on in the graph: a penalty of 1 is a bit-exact no-op.
             return sample_and_commit(e.model, e.pool, hidden, rows, with_presence=True)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = body()
+        graph, out = capture_graph(body, self.mempool)
         e.kv.active = e.kv.decode_wrapper
         log.info("captured decode graph for batch %d", b)
         return _Graph(b, graph, wrapper, rows, positions, write_slots, out)

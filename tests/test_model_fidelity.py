@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gpu_worker.model as model_mod
 import gpu_worker.sampler as sampler_mod  # the kernels' torch path calls sampler.sample
 from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig, tiny_config
 from chorus.prompt import build_prompt_rows
