@@ -122,6 +122,7 @@ class SchedulerConfig:
     radix_cache: bool = True
     lookahead: bool = True
     lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
+    prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
 
 
@@ -152,6 +153,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._steps_since_prefill = 0
 
     # ---- public --------------------------------------------------------------
     def start(self) -> None:
@@ -263,8 +265,12 @@ class Scheduler:
             req.rows_sent += 1
             req.frames_planned += 1
             writes[req.id] = 1
-        self._admit()
-        budget = self.config.prefill_chunk or 1 << 30
+        # A step with prefill rows cannot replay the decode graph, so while requests are
+        # decoding, prefill work is gathered into every `prefill_interval`-th step.
+        prefill_now = not plan.decode or self._steps_since_prefill + 1 >= self.config.prefill_interval
+        if prefill_now:
+            self._admit()
+        budget = (self.config.prefill_chunk or 1 << 30) if prefill_now else 0
         for req in self.running.values():
             if req.phase is not Phase.PREFILL or req.rows_sent >= req.prefill_len or budget <= 0:
                 continue
@@ -288,6 +294,7 @@ class Scheduler:
                 req.t_scheduled = time.monotonic()
         plan.release.extend(self.pending_release)
         self.pending_release = []
+        self._steps_since_prefill = 0 if plan.prefill else self._steps_since_prefill + 1
         self._update_gauges()
         if not (plan.prefill or plan.decode or plan.release):
             return None
