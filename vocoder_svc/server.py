@@ -88,294 +88,21 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import start_http_server
 
 from chorus.audio import decode_audio, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
+from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
+                                 StreamTooLong)
+from vocoder_svc.metrics import Metrics
+from vocoder_svc.selfcheck import check_batch_invariance, check_session, describe_session_check
 from vocoder_svc.session import CodecSession, default_buckets
 
 SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name  # "chorus.v1.Vocoder"
-DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
 MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
 MAX_MESSAGE_BYTES = 64 << 20  # a 100 s 48 kHz stereo float32 reference is ~38 MB
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.active_streams = Gauge("chorus_vocoder_active_streams", "Decode streams currently open", registry=r)
-        self.decode_step_ms = Histogram(
-            "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it)",
-            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
-        self.decode_batch_streams = Histogram(
-            "chorus_vocoder_decode_batch_streams", "Streams decoded together in one step",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
-        # audio-s/s is the rate of this counter: rate(chorus_vocoder_audio_seconds_total[1m])
-        self.audio_seconds = Counter("chorus_vocoder_audio_seconds", "Seconds of audio decoded", registry=r)
-        self.encode_cache_hits = Counter("chorus_vocoder_encode_cache_hits", "Encode requests served from cache",
-                                         registry=r)
-        self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
-                                           registry=r)
-        # Session engine only.
-        self.session_free_slots = Gauge("chorus_vocoder_session_free_slots", "Free CodecSession slots",
-                                        registry=r)
-        self.session_waiting_streams = Gauge(
-            "chorus_vocoder_session_waiting_streams", "Streams with a due step waiting for a free session slot",
-            registry=r)
-        self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
-                                     ["path"], registry=r)
-
-
-# ---- the codec worker -------------------------------------------------------------------
-
-@dataclass
-class _Job:
-    state: StreamState
-    codes: np.ndarray  # [T, n_q] int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
-def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if fut.done():  # the call was cancelled meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
-class DecodeWorker:
-    """One thread that runs decode steps in submission order. It takes the
-    oldest pending step and, up to max_batch, later ones with the same
-    (frames, codebooks) from other streams, and decodes them in one forward
-    (batch-invariant unless invariant=False)."""
-
-    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1, invariant: bool = True):
-        self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
-        self.invariant = invariant
-        self._cond = threading.Condition()
-        self._pending: list[_Job] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="codec-decode", daemon=True)
-        self._thread.start()
-
-    def submit(self, state: StreamState, codes: np.ndarray) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("decode worker is closed")
-            self._pending.append(_Job(state, codes, fut, loop))
-            self._cond.notify()
-        return fut
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
-
-    def _take(self) -> list[_Job] | None:
-        with self._cond:
-            while not self._pending and not self._closed:
-                self._cond.wait()
-            if not self._pending:
-                return None
-            head = self._pending[0]
-            key = head.codes.shape
-            group = [j for j in self._pending if j.codes.shape == key][:self.max_batch]
-            taken = {id(j) for j in group}
-            self._pending = [j for j in self._pending if id(j) not in taken]
-            return group
-
-    def _run(self) -> None:
-        while (group := self._take()) is not None:
-            group = [j for j in group if not j.future.cancelled()]  # best effort: skip abandoned steps
-            if not group:
-                continue
-            try:
-                codes = torch.from_numpy(np.stack([j.codes.T for j in group], axis=1).astype(np.int64))
-                t0 = time.perf_counter()
-                wav = self.codec.decode_step([j.state for j in group], codes,  # [B, C, T*hop]
-                                             batch_invariant=self.invariant)
-                out = wav.to(device="cpu", dtype=torch.float32).numpy()
-                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
-                self.metrics.decode_batch_streams.observe(len(group))
-                results = [(out[b], None) for b in range(len(group))]
-            except BaseException as e:  # noqa: BLE001 - reported to every waiting call
-                results = [(None, e)] * len(group)
-            for job, (res, err) in zip(group, results):
-                job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
-
-
-class SessionStream:
-    """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
-
-    __slots__ = ("slot", "released")
-
-    def __init__(self) -> None:
-        self.slot: int | None = None
-        self.released = False
-
-
-@dataclass(eq=False)
-class _SessionJob:
-    stream: SessionStream
-    codes: np.ndarray  # [T, n_q] int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
-class SessionWorker:
-    """One thread that owns a CodecSession: it hands out slots, steps and frees them.
-
-    Every session call (acquire, step, release) runs on this thread, so a slot
-    is never freed while a step that uses it is in flight. A stream takes a slot
-    when its first step is picked; when every slot is taken, that step waits
-    (queued, in arrival order) until a call ends and frees one, while streams
-    that hold slots keep stepping. The oldest runnable step and every other
-    runnable step with the same frame count are decoded in one session step.
-    release() (call end: finish, cancel or error) drops the stream's queued
-    steps and frees its slot before the next step."""
-
-    def __init__(self, session: CodecSession, metrics: Metrics):
-        self.session, self.metrics = session, metrics
-        self._cond = threading.Condition()
-        self._pending: list[_SessionJob] = []
-        self._releases: list[SessionStream] = []
-        self._closed = False
-        metrics.session_free_slots.set(session.free_slots)
-        self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
-        self._thread.start()
-
-    def open(self) -> SessionStream:
-        return SessionStream()
-
-    def submit(self, stream: SessionStream, codes: np.ndarray) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("session worker is closed")
-            if stream.released:
-                raise RuntimeError("decode stream already released")
-            self._pending.append(_SessionJob(stream, codes, fut, loop))
-            self._cond.notify()
-        return fut
-
-    def release(self, stream: SessionStream) -> None:
-        """The call is over: drop its queued steps; its slot (if any) is freed before the next step."""
-        with self._cond:
-            if stream.released:
-                return
-            stream.released = True
-            dropped = [j for j in self._pending if j.stream is stream]
-            if dropped:
-                self._pending = [j for j in self._pending if j.stream is not stream]
-            self._releases.append(stream)
-            self._cond.notify()
-        for j in dropped:
-            j.loop.call_soon_threadsafe(_cancel, j.future)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
-
-    # ---- the thread -------------------------------------------------------------------------------
-    def _group(self) -> list[_SessionJob]:
-        """(Under the lock.) The oldest runnable step and the runnable steps with its frame count;
-        runnable = the stream holds a slot, or a free one is left for it."""
-        self._pending = [j for j in self._pending if not j.future.cancelled()]
-        free = self.session.free_slots
-        group: list[_SessionJob] = []
-        key = None
-        for j in self._pending:
-            if j.stream.slot is None and free == 0:
-                continue
-            if key is None:
-                key = j.codes.shape
-            elif j.codes.shape != key or any(g.stream is j.stream for g in group):
-                continue
-            if j.stream.slot is None:
-                free -= 1
-            group.append(j)
-        if group:
-            taken = {id(j) for j in group}
-            self._pending = [j for j in self._pending if id(j) not in taken]
-            for j in group:
-                if j.stream.slot is None:
-                    j.stream.slot = self.session.acquire()
-        slotless = sum(j.stream.slot is None for j in self._pending)
-        self.metrics.session_waiting_streams.set(max(0, slotless - self.session.free_slots))
-        return group
-
-    def _take(self) -> tuple[list[_SessionJob], list[SessionStream]] | None:
-        with self._cond:
-            while True:
-                if self._releases:
-                    releases, self._releases = self._releases, []
-                    return [], releases
-                group = self._group()
-                if group:
-                    return group, []
-                if self._closed:
-                    # Nothing can run and no call is left to free a slot: fail what still waits.
-                    stuck, self._pending = self._pending, []
-                    for j in stuck:
-                        j.loop.call_soon_threadsafe(_resolve, j.future, None, RuntimeError("vocoder is shutting down"))
-                    return None
-                self._cond.wait()
-
-    def _run(self) -> None:
-        if self.session.device.type == "cuda":
-            torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
-        while (work := self._take()) is not None:
-            group, releases = work
-            for stream in releases:
-                if stream.slot is not None:
-                    self.session.release(stream.slot)
-                    stream.slot = None
-            self.metrics.session_free_slots.set(self.session.free_slots)
-            if group:
-                self._step(group)
-
-    def _step(self, group: list[_SessionJob]) -> None:
-        s = self.session
-        results: list[tuple[object, BaseException | None]] = []
-        runnable = []
-        for j in group:  # a stream past the exact-position limit fails alone, not its neighbours
-            t = j.codes.shape[0]
-            if s.frames_decoded(j.stream.slot) + t > s.max_stream_frames:
-                results.append((None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
-                                                    f"(the session's exact-position limit)")))
-            else:
-                runnable.append(j)
-                results.append((None, None))
-        if runnable:
-            try:
-                codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
-                t0 = time.perf_counter()
-                out = s.step({j.stream.slot: codes[i] for i, j in enumerate(runnable)}, to_cpu=True)
-                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
-                self.metrics.decode_batch_streams.observe(len(runnable))
-                self.metrics.session_steps.labels("graph" if s.last_step_graphed else "eager").inc()
-                done = {id(j): (out[j.stream.slot].to(torch.float32).numpy(), None) for j in runnable}
-            except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
-                done = {id(j): (None, e) for j in runnable}
-            results = [done.get(id(j), r) for j, r in zip(group, results)]
-        for job, (res, err) in zip(group, results):
-            job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
-
-
-def _cancel(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.cancel()
 
 
 # ---- the service ----------------------------------------------------------------------------
@@ -407,10 +134,6 @@ class _Stream:
 
 class _BadRequest(Exception):
     pass
-
-
-class StreamTooLong(ValueError):
-    """A session stream would pass session.max_stream_frames (OUT_OF_RANGE: no replica can do it)."""
 
 
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
@@ -670,36 +393,6 @@ def make_codec(args: argparse.Namespace) -> tuple[MossAudioTokenizer, str]:
     return codec, f"{config.name} (random weights, seed {args.seed})"
 
 
-def check_batch_invariance(codec: MossAudioTokenizer, first_chunk: int, chunk: int, streams: int = 3,
-                           seed: int = 0) -> str | None:
-    """Decode a few streams alone and batched (batch-invariant mode, the chunk
-    sizes this service uses, a 1-frame and a 3-frame tail) and compare bytes.
-    None when every batched row equals its solo run; otherwise what differed."""
-    n_q = min(DEFAULT_CODEBOOKS, codec.num_codebooks)
-    pattern = [first_chunk, chunk, 1, 3]
-    rng = np.random.default_rng(seed)
-    codes = torch.from_numpy(rng.integers(0, codec.codebook_size, size=(n_q, streams, sum(pattern))))
-
-    def run(rows: slice) -> list[torch.Tensor]:
-        """The streams `rows` decoded together, step by step."""
-        states = [codec.new_stream() for _ in range(rows.stop - rows.start)]
-        outs, i = [], 0
-        for n in pattern:
-            outs.append(codec.decode_step(states, codes[:, rows, i:i + n], batch_invariant=True).cpu())
-            i += n
-        return outs
-
-    solo = [run(slice(b, b + 1)) for b in range(streams)]
-    for batch in sorted({2, streams}):
-        for step, out in enumerate(run(slice(0, batch))):
-            for b in range(batch):
-                if not torch.equal(out[b:b + 1], solo[b][step]):
-                    diff = (out[b:b + 1].float() - solo[b][step].float()).abs().max().item()
-                    return (f"stream {b} of {batch}, step {step} ({pattern[step]} frames) differs from its solo "
-                            f"decode by up to {diff:.3g}")
-    return None
-
-
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -765,60 +458,6 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     return session
 
 
-def check_session(session: CodecSession, frames: int, seed: int = 0) -> dict:
-    """Byte-identity facts of this session on its device, from a few streams of `frames`-frame steps:
-    neighbours_bitwise (a stream next to other streams in one bucket equals itself next to other
-    codes), graph_vs_eager_bitwise (when the step ran from a graph) and cross_bucket_max_abs_diff
-    (the stream alone, in bucket_for(1), vs in the batch's bucket). Needs min(3, slots) free slots."""
-    n = min(3, session.slots)
-    rng = np.random.default_rng(seed)
-    size = (session.n_q, n, frames)
-    x = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
-    y = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
-    slots = [session.acquire() for _ in range(n)]
-
-    def fresh(*which: int) -> None:
-        for i in which or range(n):
-            session.reset(slots[i])
-
-    try:
-        res: dict = {"bucket": session.bucket_for(n), "streams": n, "frames": frames}
-        a = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True)
-        res["graphed"] = session.last_step_graphed
-        if n > 1:
-            fresh()
-            b = session.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(slots)}, to_cpu=True)
-            res["neighbours_bitwise"] = bool(torch.equal(a[slots[0]], b[slots[0]]))
-        if res["graphed"]:
-            fresh()
-            e = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True, eager=True)
-            res["graph_vs_eager_bitwise"] = all(torch.equal(a[s], e[s]) for s in slots)
-        fresh(0)
-        alone = session.step({slots[0]: x[:, 0]}, to_cpu=True)[slots[0]]
-        res["alone_bucket"] = session.bucket_for(1)
-        res["cross_bucket_max_abs_diff"] = (alone.double() - a[slots[0]].double()).abs().max().item()
-    finally:
-        for s in slots:
-            session.release(s)
-    return res
-
-
-def _describe_session_check(r: dict) -> str:
-    parts = []
-    if "neighbours_bitwise" in r:
-        parts.append(f"within bucket {r['bucket']} a stream's PCM is "
-                     + ("bitwise independent of its neighbours" if r["neighbours_bitwise"]
-                        else "NOT bitwise independent of its neighbours (unexpected)"))
-    if "graph_vs_eager_bitwise" in r:
-        parts.append("graph == eager bitwise" if r["graph_vs_eager_bitwise"] else "graph != eager (unexpected)")
-    if r["streams"] > 1:
-        d = r["cross_bucket_max_abs_diff"]
-        parts.append(f"alone (bucket {r['alone_bucket']}) vs {r['streams']} together (bucket {r['bucket']}): " + (
-            "bitwise equal" if d == 0 else f"max abs diff {d:.3g}, so bytes depend on the bucket (a failover "
-                                           f"replay may differ; --buckets with one bucket avoids it)"))
-    return f"vocoder: session self-check ({r['frames']}-frame steps): " + "; ".join(parts or ["ok"])
-
-
 async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
     codec, name = make_codec(args)
     metrics = Metrics()
@@ -827,7 +466,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     if engine == "session":
         session = build_session(codec, args)
         first = max(1, min(args.first_chunk_frames, args.chunk_frames))
-        print(_describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
+        print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
     if session is not None:
         max_batch = 1  # the stream engine only serves other codebook counts

@@ -1,0 +1,274 @@
+"""The vocoder's two decode engines, each a worker thread that owns the codec work of its streams:
+DecodeWorker (the stream engine: per-stream StreamStates, batch-invariant batched steps) and
+SessionWorker (the session engine: slots of one CodecSession, graph-replayed batched steps).
+See vocoder_svc/server.py for how the service picks between them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vocoder_svc.codec import MossAudioTokenizer, StreamState
+from vocoder_svc.metrics import Metrics
+from vocoder_svc.session import CodecSession
+
+DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
+
+
+# ---- the codec worker -------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    state: StreamState
+    codes: np.ndarray  # [T, n_q] int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if fut.done():  # the call was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class DecodeWorker:
+    """One thread that runs decode steps in submission order. It takes the
+    oldest pending step and, up to max_batch, later ones with the same
+    (frames, codebooks) from other streams, and decodes them in one forward
+    (batch-invariant unless invariant=False)."""
+
+    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1, invariant: bool = True):
+        self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
+        self.invariant = invariant
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="codec-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: StreamState, codes: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("decode worker is closed")
+            self._pending.append(_Job(state, codes, fut, loop))
+            self._cond.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _take(self) -> list[_Job] | None:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if not self._pending:
+                return None
+            head = self._pending[0]
+            key = head.codes.shape
+            group = [j for j in self._pending if j.codes.shape == key][:self.max_batch]
+            taken = {id(j) for j in group}
+            self._pending = [j for j in self._pending if id(j) not in taken]
+            return group
+
+    def _run(self) -> None:
+        while (group := self._take()) is not None:
+            group = [j for j in group if not j.future.cancelled()]  # best effort: skip abandoned steps
+            if not group:
+                continue
+            try:
+                codes = torch.from_numpy(np.stack([j.codes.T for j in group], axis=1).astype(np.int64))
+                t0 = time.perf_counter()
+                wav = self.codec.decode_step([j.state for j in group], codes,  # [B, C, T*hop]
+                                             batch_invariant=self.invariant)
+                out = wav.to(device="cpu", dtype=torch.float32).numpy()
+                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
+                self.metrics.decode_batch_streams.observe(len(group))
+                results = [(out[b], None) for b in range(len(group))]
+            except BaseException as e:  # noqa: BLE001 - reported to every waiting call
+                results = [(None, e)] * len(group)
+            for job, (res, err) in zip(group, results):
+                job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
+
+
+class SessionStream:
+    """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
+
+    __slots__ = ("slot", "released")
+
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self.released = False
+
+
+@dataclass(eq=False)
+class _SessionJob:
+    stream: SessionStream
+    codes: np.ndarray  # [T, n_q] int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class SessionWorker:
+    """One thread that owns a CodecSession: it hands out slots, steps and frees them.
+
+    Every session call (acquire, step, release) runs on this thread, so a slot
+    is never freed while a step that uses it is in flight. A stream takes a slot
+    when its first step is picked; when every slot is taken, that step waits
+    (queued, in arrival order) until a call ends and frees one, while streams
+    that hold slots keep stepping. The oldest runnable step and every other
+    runnable step with the same frame count are decoded in one session step.
+    release() (call end: finish, cancel or error) drops the stream's queued
+    steps and frees its slot before the next step."""
+
+    def __init__(self, session: CodecSession, metrics: Metrics):
+        self.session, self.metrics = session, metrics
+        self._cond = threading.Condition()
+        self._pending: list[_SessionJob] = []
+        self._releases: list[SessionStream] = []
+        self._closed = False
+        metrics.session_free_slots.set(session.free_slots)
+        self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
+        self._thread.start()
+
+    def open(self) -> SessionStream:
+        return SessionStream()
+
+    def submit(self, stream: SessionStream, codes: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("session worker is closed")
+            if stream.released:
+                raise RuntimeError("decode stream already released")
+            self._pending.append(_SessionJob(stream, codes, fut, loop))
+            self._cond.notify()
+        return fut
+
+    def release(self, stream: SessionStream) -> None:
+        """The call is over: drop its queued steps; its slot (if any) is freed before the next step."""
+        with self._cond:
+            if stream.released:
+                return
+            stream.released = True
+            dropped = [j for j in self._pending if j.stream is stream]
+            if dropped:
+                self._pending = [j for j in self._pending if j.stream is not stream]
+            self._releases.append(stream)
+            self._cond.notify()
+        for j in dropped:
+            j.loop.call_soon_threadsafe(_cancel, j.future)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the thread -------------------------------------------------------------------------------
+    def _group(self) -> list[_SessionJob]:
+        """(Under the lock.) The oldest runnable step and the runnable steps with its frame count;
+        runnable = the stream holds a slot, or a free one is left for it."""
+        self._pending = [j for j in self._pending if not j.future.cancelled()]
+        free = self.session.free_slots
+        group: list[_SessionJob] = []
+        key = None
+        for j in self._pending:
+            if j.stream.slot is None and free == 0:
+                continue
+            if key is None:
+                key = j.codes.shape
+            elif j.codes.shape != key or any(g.stream is j.stream for g in group):
+                continue
+            if j.stream.slot is None:
+                free -= 1
+            group.append(j)
+        if group:
+            taken = {id(j) for j in group}
+            self._pending = [j for j in self._pending if id(j) not in taken]
+            for j in group:
+                if j.stream.slot is None:
+                    j.stream.slot = self.session.acquire()
+        slotless = sum(j.stream.slot is None for j in self._pending)
+        self.metrics.session_waiting_streams.set(max(0, slotless - self.session.free_slots))
+        return group
+
+    def _take(self) -> tuple[list[_SessionJob], list[SessionStream]] | None:
+        with self._cond:
+            while True:
+                if self._releases:
+                    releases, self._releases = self._releases, []
+                    return [], releases
+                group = self._group()
+                if group:
+                    return group, []
+                if self._closed:
+                    # Nothing can run and no call is left to free a slot: fail what still waits.
+                    stuck, self._pending = self._pending, []
+                    for j in stuck:
+                        j.loop.call_soon_threadsafe(_resolve, j.future, None, RuntimeError("vocoder is shutting down"))
+                    return None
+                self._cond.wait()
+
+    def _run(self) -> None:
+        if self.session.device.type == "cuda":
+            torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
+        while (work := self._take()) is not None:
+            group, releases = work
+            for stream in releases:
+                if stream.slot is not None:
+                    self.session.release(stream.slot)
+                    stream.slot = None
+            self.metrics.session_free_slots.set(self.session.free_slots)
+            if group:
+                self._step(group)
+
+    def _step(self, group: list[_SessionJob]) -> None:
+        s = self.session
+        results: list[tuple[object, BaseException | None]] = []
+        runnable = []
+        for j in group:  # a stream past the exact-position limit fails alone, not its neighbours
+            t = j.codes.shape[0]
+            if s.frames_decoded(j.stream.slot) + t > s.max_stream_frames:
+                results.append((None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
+                                                    f"(the session's exact-position limit)")))
+            else:
+                runnable.append(j)
+                results.append((None, None))
+        if runnable:
+            try:
+                codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
+                t0 = time.perf_counter()
+                out = s.step({j.stream.slot: codes[i] for i, j in enumerate(runnable)}, to_cpu=True)
+                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
+                self.metrics.decode_batch_streams.observe(len(runnable))
+                self.metrics.session_steps.labels("graph" if s.last_step_graphed else "eager").inc()
+                done = {id(j): (out[j.stream.slot].to(torch.float32).numpy(), None) for j in runnable}
+            except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
+                done = {id(j): (None, e) for j in runnable}
+            results = [done.get(id(j), r) for j, r in zip(group, results)]
+        for job, (res, err) in zip(group, results):
+            job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
+
+
+def _cancel(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.cancel()
+
+
+class StreamTooLong(ValueError):
+    """A session stream would pass session.max_stream_frames (OUT_OF_RANGE: no replica can do it)."""
+

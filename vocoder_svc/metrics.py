@@ -1,0 +1,33 @@
+"""Prometheus metrics of the vocoder service (one CollectorRegistry per service instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active_streams = Gauge("chorus_vocoder_active_streams", "Decode streams currently open", registry=r)
+        self.decode_step_ms = Histogram(
+            "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it)",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
+        self.decode_batch_streams = Histogram(
+            "chorus_vocoder_decode_batch_streams", "Streams decoded together in one step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        # audio-s/s is the rate of this counter: rate(chorus_vocoder_audio_seconds_total[1m])
+        self.audio_seconds = Counter("chorus_vocoder_audio_seconds", "Seconds of audio decoded", registry=r)
+        self.encode_cache_hits = Counter("chorus_vocoder_encode_cache_hits", "Encode requests served from cache",
+                                         registry=r)
+        self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
+                                           registry=r)
+        # Session engine only.
+        self.session_free_slots = Gauge("chorus_vocoder_session_free_slots", "Free CodecSession slots",
+                                        registry=r)
+        self.session_waiting_streams = Gauge(
+            "chorus_vocoder_session_waiting_streams", "Streams with a due step waiting for a free session slot",
+            registry=r)
+        self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
+                                     ["path"], registry=r)
+
