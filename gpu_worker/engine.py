@@ -16,7 +16,7 @@ import torch
 
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import common_pb2, worker_pb2
-from gpu_worker.attention import AttentionBatch, SequenceSpan, make_backend
+from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
 from gpu_worker.state_pool import DecodeStatePool
 
@@ -64,7 +64,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and type(self.kv).__name__ == "FlashInferPagedAttention":
+        if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
             from gpu_worker.cuda_graphs import GraphedDecode
             self.graphs = GraphedDecode(self)
         self.steps = 0

@@ -441,9 +441,8 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def _rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * y.to(x.dtype)
+    from gpu_worker.model import rms_norm  # the model's math is the reference (lazy: model imports us)
+    return rms_norm(x, w, eps)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, impl: str = "auto") -> torch.Tensor:
@@ -464,16 +463,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, impl: str = "auto"
 
 
 def _qk_norm_rope_torch(q, k, q_w, k_w, cos, sin, eps):
-    def norm(x, w):
-        return _rms_norm_torch(x, w, eps)
-
-    def rope(x):
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-    return rope(norm(q, q_w)), rope(norm(k, k_w))
+    from gpu_worker.model import rms_norm, rotate_half_split
+    return rotate_half_split(rms_norm(q, q_w, eps), cos, sin), rotate_half_split(rms_norm(k, k_w, eps), cos, sin)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,

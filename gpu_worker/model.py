@@ -79,6 +79,12 @@ class _Fp32Tables(nn.Module):
 # ---------------------------------------------------------------------------
 # Backbone (Qwen3)
 # ---------------------------------------------------------------------------
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = _promote(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)  # normalised value cast before the weight multiply
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -88,9 +94,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda:  # one fused launch (same cast order) instead of six
             return kernels.rms_norm(x, self.weight, self.eps)
-        xf = _promote(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)  # normalised value cast before the weight multiply
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half_split(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
