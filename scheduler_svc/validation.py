@@ -40,33 +40,22 @@ class ResolvedRequest:
     sample_rate: int
 
 
-def _finite(name: str, v: float) -> float:
+# knob -> (low, low included, high, what the range means); high is always included
+RANGES = {
+    "temperature": (0.0, True, MAX_TEMPERATURE, " (0 = greedy)"),
+    "top_p": (0.0, False, 1.0, ""),
+    "top_k": (-1, True, math.inf, " (-1 or 0 = off)"),
+    "repetition_penalty": (0.0, False, 100.0, " (1 = off)"),
+}
+
+
+def _check(knob: str, name: str, v: float) -> float:
+    lo, lo_incl, hi, note = RANGES[knob]
     if not math.isfinite(v):
         raise InvalidRequest(f"sampling.{name} must be a finite number, got {v}")
-    return v
-
-
-def _temperature(name: str, v: float) -> float:
-    if not 0.0 <= _finite(name, v) <= MAX_TEMPERATURE:
-        raise InvalidRequest(f"sampling.{name} must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {v}")
-    return v
-
-
-def _top_p(name: str, v: float) -> float:
-    if not 0.0 < _finite(name, v) <= 1.0:
-        raise InvalidRequest(f"sampling.{name} must be in (0, 1], got {v}")
-    return v
-
-
-def _top_k(name: str, v: int) -> int:
-    if v < -1:
-        raise InvalidRequest(f"sampling.{name} must be >= -1 (-1 or 0 = off), got {v}")
-    return v
-
-
-def _penalty(name: str, v: float) -> float:
-    if not 0.0 < _finite(name, v) <= 100.0:
-        raise InvalidRequest(f"sampling.{name} must be in (0, 100] (1 = off), got {v}")
+    if not ((v >= lo if lo_incl else v > lo) and v <= hi):
+        span = f">= {lo}" if hi == math.inf else f"in {'[' if lo_incl else '('}{lo:g}, {hi:g}]"
+        raise InvalidRequest(f"sampling.{name} must be {span}{note}, got {v}")
     return v
 
 
@@ -79,12 +68,11 @@ def _pick(s: tts_pb2.SamplingParams, side: str, knob: str, default):
 
 
 def resolve_sampling(s: tts_pb2.SamplingParams, min_frames: int) -> worker_pb2.SamplingConfig:
-    checks = dict(temperature=_temperature, top_p=_top_p, top_k=_top_k, repetition_penalty=_penalty)
     out = {}
     for side, defaults in (("text", TEXT_DEFAULTS), ("audio", AUDIO_DEFAULTS)):
         for knob, default in defaults.items():
             name, value = _pick(s, side, knob, default)
-            out[f"{side}_{knob}"] = checks[knob](name, value)
+            out[f"{side}_{knob}"] = _check(knob, name, value)
     seed = s.seed if s.HasField("seed") else None
     return worker_pb2.SamplingConfig(
         text_temperature=out["text_temperature"], text_top_p=out["text_top_p"], text_top_k=out["text_top_k"],
