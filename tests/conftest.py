@@ -1,4 +1,7 @@
 import pytest
+import torch
+
+from vocoder_svc.codec import build_codec, tiny_v1, tiny_v2
 
 from helpers import make_cluster
 
@@ -9,3 +12,15 @@ def cluster():
     with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
                       scheduler_args=["--max-queue", "16"]) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def v2_64():
+    """Tiny v2-shaped codec in float64 (the codec and session tests share it)."""
+    return build_codec(tiny_v2(), seed=1, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def v1_64():
+    """Tiny v1-shaped codec in float64."""
+    return build_codec(tiny_v1(), seed=2, dtype=torch.float64)

@@ -26,15 +26,6 @@ F64 = torch.float64
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def v2_64():
-    return build_codec(tiny_v2(), seed=1, dtype=F64)
-
-
-@pytest.fixture(scope="module")
-def v1_64():
-    return build_codec(tiny_v1(), seed=2, dtype=F64)
-
 
 def codes_for(model, t, n_q=32, b=1, seed=0):
     g = torch.Generator().manual_seed(seed)

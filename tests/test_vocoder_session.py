@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vocoder_svc.codec import build_codec, rope_cos_sin, tiny_v1, tiny_v2, window_mask
+from vocoder_svc.codec import build_codec, rope_cos_sin, tiny_v2, window_mask
 from vocoder_svc.session import CodecSession, chunk_window_mask, default_buckets, rope_freq
 
 F64 = torch.float64
@@ -27,15 +27,6 @@ torch.set_num_threads(1)
 # the stream is longer than every window.
 PARTS = [[30], [5, 25], [1, 1, 1, 1, 1, 25], [2, 3, 5, 13, 7], [12, 1, 17]]
 
-
-@pytest.fixture(scope="module")
-def v2_64():
-    return build_codec(tiny_v2(), seed=1, dtype=F64)
-
-
-@pytest.fixture(scope="module")
-def v1_64():
-    return build_codec(tiny_v1(), seed=2, dtype=F64)
 
 
 @pytest.fixture(scope="module")
