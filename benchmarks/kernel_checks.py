@@ -257,6 +257,15 @@ def qk_inputs(gen, N, dtype):
     return q, k, qw, kw, cos, sin
 
 
+def qk_store(q, k, qw, kw, cos, sin, impl):
+    """qk_norm_rope_store into fresh caches (v = k); returns (q, stored k)."""
+    slots = torch.arange(q.shape[0], device=DEV).flip(0)
+    kc = torch.zeros(q.shape[0], HK, HD, dtype=q.dtype, device=DEV)
+    vc = torch.zeros_like(kc)
+    qo = K.qk_norm_rope_store(q, k, k, qw, kw, cos, sin, 1e-6, kc, vc, slots, impl=impl)
+    return qo, kc[slots]
+
+
 def qk_torch(q, k, qw, kw, cos, sin):
     qn, kn = RMSNorm(HD, 1e-6).to(q), RMSNorm(HD, 1e-6).to(q)
     with torch.no_grad():
@@ -271,10 +280,52 @@ def check_qk_norm_rope() -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         for N in BATCHES:
             args = qk_inputs(gen, N, dtype)
-            gq, gk = K.qk_norm_rope(*args, 1e-6, impl="triton")
+            gq, gk = qk_store(*args, impl="triton")
             wq, wk = qk_torch(*args)
             out[f"{dtype}_N{N}_q"] = ulp_stats(gq, wq)
             out[f"{dtype}_N{N}_k"] = ulp_stats(gk, wk)
+    return out
+
+
+def check_add_norms() -> dict:
+    """add_rms_norm and add_layer_norm (the backbone's and local transformer's residual + norm)."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        w = (1 + 0.1 * torch.randn(D, generator=gen, device=DEV)).to(dtype)
+        b = (0.1 * torch.randn(D, generator=gen, device=DEV)).to(dtype)
+        for N in BATCHES:
+            x = (torch.randn(N, D, generator=gen, device=DEV) * 2).to(dtype)
+            r = torch.randn(N, D, generator=gen, device=DEV).to(dtype)
+            s, y = K.add_rms_norm(x, r, w, 1e-6, impl="triton")
+            s_t, y_t = K.add_rms_norm(x, r, w, 1e-6, impl="torch")
+            out[f"rms_{dtype}_N{N}"] = ulp_stats(y, y_t)
+            out[f"rms_sum_{dtype}_N{N}_exact"] = bool(torch.equal(s, s_t))
+            s, y = K.add_layer_norm(x, r, w, b, 1e-5, impl="triton")
+            out[f"ln_{dtype}_N{N}"] = ulp_stats(y, F.layer_norm(x + r, (D,), w, b, 1e-5))
+    return out
+
+
+def check_local_attention() -> dict:
+    """The local transformer's fused RoPE + cache append + attention over 13 positions
+    against model.local_attention (torch), at the real shapes (32 heads x 80)."""
+    from gpu_worker.model import local_attention
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    out = {}
+    H, d, P = 32, 80, 13
+    ang = torch.arange(P, dtype=torch.float32)[:, None] * rope_inv_freq(10000.0, d)[None, :]
+    cos_t, sin_t = ang.cos().repeat_interleave(2, -1).to(DEV), ang.sin().repeat_interleave(2, -1).to(DEV)
+    for dtype in (torch.bfloat16, torch.float32):
+        for B in BATCHES:
+            kc = torch.zeros(B, H, P, d, dtype=dtype, device=DEV)
+            vc, kc_t, vc_t = torch.zeros_like(kc), torch.zeros_like(kc), torch.zeros_like(kc)
+            worst = 0.0
+            for p in range(P):
+                qkv = (torch.randn(B, 3 * H * d, generator=gen, device=DEV) * 2).to(dtype)
+                got = K.local_attention(qkv, kc, vc, p, cos_t[p], sin_t[p], H, impl="triton")
+                want = local_attention(qkv, kc_t, vc_t, p, cos_t[p], sin_t[p], H)
+                worst = max(worst, float((got.float() - want.float()).abs().max()))
+            out[f"{dtype}_B{B}"] = {"max_abs_diff": worst, "cache_exact": bool(torch.equal(kc, kc_t))}
     return out
 
 
@@ -316,6 +367,10 @@ def timings(iters: int) -> list[dict]:
         add("fused_sample", f"B{B} V{V_AUDIO} +penalty",
             lambda: torch_sample(logits, *params, presence[:, 3, :V_AUDIO], pen),
             lambda: K.fused_sample(logits, *params, presence[:, 3, :V_AUDIO], pen, impl="triton"))
+        for warps in (1, 2, 8):  # the launch width: one row's sort is latency bound
+            add("fused_sample", f"B{B} V{V_AUDIO} warps={warps}",
+                lambda: K.fused_sample(logits, *params, impl="triton", num_warps=warps),
+                lambda: K.fused_sample(logits, *params, impl="triton", num_warps=warps))
         stop = torch.randn(B, 2, generator=gen, device=DEV)
         sp = sampling_params(gen, B, 2, mixed=False, t=1.0, k=50, p=1.0)
         add("fused_sample", f"B{B} V2 (stop)", lambda: torch_sample(stop, *sp),
@@ -327,9 +382,17 @@ def timings(iters: int) -> list[dict]:
             add("rms_norm", f"N{B} D{D} {str(dtype)[6:]}", lambda: K.rms_norm(x, w, 1e-6, impl="torch"),
                 lambda: K.rms_norm(x, w, 1e-6, impl="triton"))
             args = qk_inputs(gen, B, dtype)
-            add("qk_norm_rope", f"N{B} {HQ}/{HK}x{HD} {str(dtype)[6:]}",
-                lambda: K.qk_norm_rope(*args, 1e-6, impl="torch"),
-                lambda: K.qk_norm_rope(*args, 1e-6, impl="triton"))
+            add("qk_norm_rope_store", f"N{B} {HQ}/{HK}x{HD} {str(dtype)[6:]}",
+                lambda: qk_store(*args, impl="torch"), lambda: qk_store(*args, impl="triton"))
+            r = torch.randn(B, D, generator=gen, device=DEV).to(dtype)
+            add("add_rms_norm", f"N{B} D{D} {str(dtype)[6:]}", lambda: K.add_rms_norm(x, r, w, 1e-6, impl="torch"),
+                lambda: K.add_rms_norm(x, r, w, 1e-6, impl="triton"))
+            qkv = torch.randn(B, 3 * D, generator=gen, device=DEV).to(dtype)
+            kc = torch.zeros(B, 32, 13, 80, dtype=dtype, device=DEV)
+            cs = torch.ones(80, device=DEV)
+            add("local_attention", f"B{B} p12 32x80 {str(dtype)[6:]}",
+                lambda: K.local_attention(qkv, kc, kc, 12, cs, cs, 32, impl="torch"),
+                lambda: K.local_attention(qkv, kc, kc, 12, cs, cs, 32, impl="triton"))
             gate = torch.randn(B, FF, generator=gen, device=DEV).to(dtype)
             up = torch.randn(B, FF, generator=gen, device=DEV).to(dtype)
             add("silu_mul", f"N{B} F{FF} {str(dtype)[6:]}", lambda: F.silu(gate) * up,
@@ -348,13 +411,13 @@ def summarize(sections: dict) -> dict:
                                "unexplained": sum(r["unexplained"] for r in rows),
                                "special_values_differ": fs.get("special_values_differ"),
                                "pure_noise_differ": fs.get("pure_noise_differ")}
-    for name in ("rms_norm", "qk_norm_rope", "silu_mul"):
+    for name in ("rms_norm", "qk_norm_rope", "silu_mul", "add_norms"):
         sec = sections.get(name, {})
         if "error" in sec:
             out[name] = "error"
             continue
         for dt in ("bfloat16", "float32"):
-            stats = [v for k, v in sec.items() if dt in k and "differ_frac" in v]
+            stats = [v for k, v in sec.items() if dt in k and isinstance(v, dict) and "differ_frac" in v]
             if stats:
                 out[f"{name}_{dt}"] = {"max_differ_frac": max(v["differ_frac"] for v in stats),
                                        "max_ulp": max(v["max_ulp"] for v in stats),
@@ -374,7 +437,8 @@ def main() -> None:
               "python": platform.python_version(), "sections": {}}
     t0 = time.time()
     for name, fn in (("fused_sample", lambda: check_sampler(args.quick)), ("rms_norm", check_rms_norm),
-                     ("qk_norm_rope", check_qk_norm_rope), ("silu_mul", check_silu_mul)):
+                     ("qk_norm_rope", check_qk_norm_rope), ("silu_mul", check_silu_mul),
+                     ("add_norms", check_add_norms), ("local_attention", check_local_attention)):
         t = time.time()
         try:
             result["sections"][name] = fn()

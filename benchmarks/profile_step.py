@@ -18,6 +18,7 @@ from gpu_worker.attention import AttentionBatch
 from gpu_worker.cuda_graphs import capture_graph
 from gpu_worker.engine import Engine, sample_and_commit
 from gpu_worker.loader import build_model
+from gpu_worker.model import fused_linear
 from gpu_worker.sampler import sample
 from scheduler_svc.scheduler import rows_matrix
 
@@ -115,8 +116,8 @@ def main() -> None:
         mlp = layer.mlp
         report["mlp_x36_ms"] = graph_time(lambda: [mlp(hidden) for _ in range(36)])
         attn = layer.self_attn
-        report["qkv_proj_x36_ms"] = graph_time(lambda: [(attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden))
-                                                       for _ in range(36)])
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        report["qkv_proj_x36_ms"] = graph_time(lambda: [fused_linear(hidden, projections) for _ in range(36)])
 
         # kernel census of one eager decode step
         engine_eager = engine
@@ -132,6 +133,11 @@ def main() -> None:
         report["eager_step_kernels"] = len(kernels)
         census = Counter(e.name[:80] for e in kernels)
         report["top_kernels"] = census.most_common(25)
+        busy: Counter = Counter()
+        for e in kernels:
+            busy[e.name[:80]] += getattr(e, "device_time", None) or e.cuda_time
+        report["eager_kernel_busy_ms"] = sum(busy.values()) / 1e3
+        report["top_kernels_by_time_us"] = [(n, round(t, 1), census[n]) for n, t in busy.most_common(25)]
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -78,8 +78,13 @@ class AttentionBackend(Protocol):
         """Plan the step (once, before the first layer)."""
         ...
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
-        """Write k, v [N, n_kv, d] to the cache, return attention output [N, n_heads, d]."""
+    def kv_cache(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's K and V caches [slots, n_kv, d]: the model stores each new token's
+        k, v at batch.write_slots (fused into its QK-norm/RoPE kernel on CUDA)."""
+        ...
+
+    def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
+        """Attention output [N, n_heads, d] for q [N, n_heads, d]; the step's k, v are stored."""
         ...
 
 
@@ -95,9 +100,8 @@ class _SlotCache:
     def num_slots(self) -> int:
         return self.k_cache.shape[1]
 
-    def write(self, layer: int, k: Tensor, v: Tensor, batch: AttentionBatch) -> None:
-        self.k_cache[layer, batch.write_slots] = k
-        self.v_cache[layer, batch.write_slots] = v
+    def kv_cache(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.k_cache[layer], self.v_cache[layer]
 
 
 class TorchPagedAttention(_SlotCache):
@@ -117,11 +121,10 @@ class TorchPagedAttention(_SlotCache):
         q_pos = (kv_lens - q_lens)[:, None, None] + i[:, :, None]          # [S, Q, 1]
         self._attend = ((j[:, None, :] <= q_pos) & kv_valid[:, None, :]).to(dev)  # [S, Q, L], causal
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
-        self.write(layer, k, v, batch)
+    def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
         keys = self.k_cache[layer][self._kv_index]      # [S, L, n_kv, d]
         values = self.v_cache[layer][self._kv_index]
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // keys.shape[2]
         keys = keys.repeat_interleave(group, dim=2)     # GQA: query head h uses kv head h // group
         values = values.repeat_interleave(group, dim=2)
         acc = torch.promote_types(q.dtype, torch.float32)  # scores in >= fp32, as the fused kernels do
@@ -166,8 +169,7 @@ class FlashInferPagedAttention(_SlotCache):
                                       q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
             self.active = self.prefill_wrapper
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
-        self.write(layer, k, v, batch)
+    def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
         pages = (self.k_cache[layer].unsqueeze(1), self.v_cache[layer].unsqueeze(1))  # [slots, 1, n_kv, d]
         return self.active.run(q.contiguous(), pages)
 

@@ -72,13 +72,18 @@ if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
     except ImportError:  # CI has no triton: every function uses its torch path
         pass
 
-__all__ = ["HAVE_TRITON", "INTERPRET", "fused_sample", "rms_norm", "qk_norm_rope", "silu_mul"]
+__all__ = ["HAVE_TRITON", "INTERPRET", "fused_sample", "rms_norm", "add_rms_norm", "add_layer_norm",
+           "qk_norm_rope_store", "local_attention", "silu_mul"]
 
 # Triton decides at decoration time whether @triton.jit functions run in the
 # interpreter, so this module records the mode it was built in.
 INTERPRET = HAVE_TRITON and _interpret_env()
 
 MAX_SAMPLE_VOCAB = 2048
+# fused_sample sorts only the 2**6 largest scores of a row whose top-k is at most 64 and
+# whose ties with the k-th score do not reach past them (a bitonic top-k: half the work of
+# a full sort of 1024); any other row sorts all. Rows of a batch may take either path.
+FAST_TOP_K_LOG2 = 6
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -180,15 +185,19 @@ if HAVE_TRITON:
         else:
             return tl.math.rsqrt(sum_sq / n + eps)
 
-    # ---- RMSNorm ------------------------------------------------------------
+    # ---- (residual add +) RMSNorm ---------------------------------------------
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, D, inv_d, eps,
-                         BLOCK: tl.constexpr, CUDA: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, x_stride, r_stride, out_stride, sum_stride,
+                         D, inv_d, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         xf = x.to(tl.float32)
+        if HAS_RES:  # the residual stream: x + r rounded once (torch's add), stored, then normalised
+            xf = _rnd(xf + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32),
+                      x.dtype, CUDA)
+            tl.store(sum_ptr + row * sum_stride + cols, _cast(xf, x.dtype, CUDA), mask=mask)
         r = _rstd(tl.sum(xf * xf, axis=0), D, inv_d, eps, CUDA)
         # Cast the normalised value to x's dtype BEFORE the weight multiply (spec §3.2);
         # a bf16*bf16 product is exact in fp32, so one rounding at the store = torch's.
@@ -196,25 +205,108 @@ if HAVE_TRITON:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_stride + cols, _cast(y * w, out_ptr.dtype.element_ty, CUDA), mask=mask)
 
-    # ---- QK-norm + half-split RoPE --------------------------------------------
+    # ---- (residual add +) LayerNorm --------------------------------------------
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                             q_sn, q_sh, k_sn, k_sh, qo_sn, qo_sh, ko_sn, ko_sh, cs_sn,
-                             n_q_heads, HALF, inv_d, eps,
-                             BLOCK_H: tl.constexpr, CUDA: tl.constexpr):
+    def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, x_stride, r_stride, out_stride,
+                           sum_stride, D, inv_d, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        if HAS_RES:
+            xf = _rnd(xf + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32),
+                      x.dtype, CUDA)
+            tl.store(sum_ptr + row * sum_stride + cols, _cast(xf, x.dtype, CUDA), mask=mask)
+        # Two passes in fp32 (torch uses Welford: the same value up to an ulp of the variance).
+        mean = tl.sum(xf, axis=0) * inv_d
+        xc = tl.where(mask, xf - mean, 0.0)
+        rstd = _rstd(tl.sum(xc * xc, axis=0), D, inv_d, eps, CUDA)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, _cast(xc * rstd * w + b, out_ptr.dtype.element_ty, CUDA),
+                 mask=mask)
+
+    # ---- local transformer attention: interleaved RoPE + cache append + attention ----
+    @triton.jit
+    def _local_attention_kernel(qkv_ptr, qkv_stride, kc_ptr, vc_ptr, c_sb, c_sh, c_sp, cos_ptr, sin_ptr,
+                                out_ptr, out_stride, P, HALF, scale, HAS_ROPE: tl.constexpr,
+                                BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, CUDA: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        D = 2 * HALF
+        width = tl.num_programs(1) * D  # n_head * head_dim: q, k, v sit at 0, width, 2*width
+        i = tl.arange(0, BLOCK_H)
+        m = i < HALF
+        # Even and odd channels apart: interleaved RoPE rotates the pairs (2i, 2i+1).
+        src = qkv_ptr + b * qkv_stride + h * D + 2 * i
+        q_e = tl.load(src, mask=m, other=0.0)
+        dt = q_e.dtype
+        qe = q_e.to(tl.float32)
+        qo = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+        ke = tl.load(src + width, mask=m, other=0.0).to(tl.float32)
+        ko = tl.load(src + width + 1, mask=m, other=0.0).to(tl.float32)
+        ve = tl.load(src + 2 * width, mask=m, other=0.0).to(tl.float32)
+        vo = tl.load(src + 2 * width + 1, mask=m, other=0.0).to(tl.float32)
+        if HAS_ROPE:
+            # model.rotate_interleaved in the activation dtype: x*cos + rot(x)*sin with
+            # rot = (-x_odd, x_even) per pair, every product and the sum rounded.
+            c = _rnd(tl.load(cos_ptr + 2 * i, mask=m, other=0.0), dt, CUDA)
+            s = _rnd(tl.load(sin_ptr + 2 * i, mask=m, other=0.0), dt, CUDA)
+            qe, qo = (_rnd(_rnd(qe * c, dt, CUDA) + _rnd(-qo * s, dt, CUDA), dt, CUDA),
+                      _rnd(_rnd(qo * c, dt, CUDA) + _rnd(qe * s, dt, CUDA), dt, CUDA))
+            ke, ko = (_rnd(_rnd(ke * c, dt, CUDA) + _rnd(-ko * s, dt, CUDA), dt, CUDA),
+                      _rnd(_rnd(ko * c, dt, CUDA) + _rnd(ke * s, dt, CUDA), dt, CUDA))
+        # Append this position's k, v; positions < P come from earlier launches.
+        kdst = kc_ptr + b * c_sb + h * c_sh + P * c_sp + 2 * i
+        vdst = vc_ptr + b * c_sb + h * c_sh + P * c_sp + 2 * i
+        tl.store(kdst, _cast(ke, dt, CUDA), mask=m)
+        tl.store(kdst + 1, _cast(ko, dt, CUDA), mask=m)
+        tl.store(vdst, _cast(ve, dt, CUDA), mask=m)
+        tl.store(vdst + 1, _cast(vo, dt, CUDA), mask=m)
+        j = tl.arange(0, BLOCK_P)
+        cached = (j < P)[:, None] & m[None, :]
+        at = b * c_sb + h * c_sh + j[:, None] * c_sp + 2 * i[None, :]
+        is_new = (j == P)[:, None]
+        Ke = tl.where(is_new, ke[None, :], tl.load(kc_ptr + at, mask=cached, other=0.0).to(tl.float32))
+        Ko = tl.where(is_new, ko[None, :], tl.load(kc_ptr + at + 1, mask=cached, other=0.0).to(tl.float32))
+        # Scores and softmax in fp32, probabilities rounded to the activation dtype for P·V.
+        sc = tl.sum(Ke * qe[None, :] + Ko * qo[None, :], axis=1) * scale
+        sc = tl.where(j <= P, sc, float("-inf"))
+        e = _exp(sc - tl.max(sc, axis=0), CUDA)
+        p = _rnd(_div(e, tl.sum(e, axis=0)), dt, CUDA)
+        Ve = tl.where(is_new, ve[None, :], tl.load(vc_ptr + at, mask=cached, other=0.0).to(tl.float32))
+        Vo = tl.where(is_new, vo[None, :], tl.load(vc_ptr + at + 1, mask=cached, other=0.0).to(tl.float32))
+        dst = out_ptr + b * out_stride + h * D + 2 * i
+        tl.store(dst, _cast(tl.sum(p[:, None] * Ve, axis=0), dt, CUDA), mask=m)
+        tl.store(dst + 1, _cast(tl.sum(p[:, None] * Vo, axis=0), dt, CUDA), mask=m)
+
+    # ---- QK-norm + half-split RoPE + paged KV store ------------------------------
+    @triton.jit
+    def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr,
+                                   slot_ptr, q_sn, q_sh, k_sn, k_sh, v_sn, v_sh, qo_sn, qo_sh, kc_sn, kc_sh,
+                                   vc_sn, vc_sh, cs_sn, n_q_heads, HALF, inv_d, eps,
+                                   BLOCK_H: tl.constexpr, CUDA: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        # One grid covers the q heads then the k heads, so q and k cost one launch.
+        i = tl.arange(0, BLOCK_H)
+        mask = i < HALF
+        # One grid covers the q heads then the k heads, so q and k cost one launch; a k-head
+        # program also stores its k and v in the token's KV slot (no separate cache writes).
         if head < n_q_heads:
             src = q_ptr + n * q_sn + head * q_sh
             dst = qo_ptr + n * qo_sn + head * qo_sh
             w_ptr = qw_ptr
         else:
-            src = k_ptr + n * k_sn + (head - n_q_heads) * k_sh
-            dst = ko_ptr + n * ko_sn + (head - n_q_heads) * ko_sh
+            kh = head - n_q_heads
+            slot = tl.load(slot_ptr + n).to(tl.int64)
+            src = k_ptr + n * k_sn + kh * k_sh
+            dst = kc_ptr + slot * kc_sn + kh * kc_sh
             w_ptr = kw_ptr
-        i = tl.arange(0, BLOCK_H)
-        mask = i < HALF
+            vsrc = v_ptr + n * v_sn + kh * v_sh
+            vdst = vc_ptr + slot * vc_sn + kh * vc_sh
+            tl.store(vdst + i, tl.load(vsrc + i, mask=mask), mask=mask)
+            tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i, mask=mask), mask=mask)
         x1 = tl.load(src + i, mask=mask, other=0.0)
         x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
         dt = x1.dtype
@@ -233,6 +325,26 @@ if HAVE_TRITON:
         o2 = _rnd(n2 * c, dt, CUDA) + _rnd(n1 * s, dt, CUDA)
         tl.store(dst + i, _cast(o1, dt, CUDA), mask=mask)
         tl.store(dst + HALF + i, _cast(o2, dt, CUDA), mask=mask)
+
+    # ---- multi-channel row embedding ----------------------------------------------
+    @triton.jit
+    def _embed_rows_kernel(rows_ptr, rows_stride, text_ptr, text_stride, audio_ptr, audio_stride, audio_rows,
+                           out_ptr, out_stride, H, pad, N_VQ: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        text_id = tl.load(rows_ptr + t * rows_stride).to(tl.int64)
+        e = tl.load(text_ptr + text_id * text_stride + cols, mask=mask, other=0.0)
+        dt = e.dtype
+        acc = e.to(tl.float32)
+        # In channel order, each add rounded (model.embed_rows in bf16); a pad code adds exactly 0.
+        for k in tl.static_range(N_VQ):
+            code = tl.load(rows_ptr + t * rows_stride + 1 + k).to(tl.int64)
+            valid = code != pad
+            row = k * audio_rows + tl.where(valid, code, 0)
+            a = tl.load(audio_ptr + row * audio_stride + cols, mask=mask & valid, other=0.0).to(tl.float32)
+            acc = _rnd(acc + a, dt, CUDA)
+        tl.store(out_ptr + t * out_stride + cols, _cast(acc, dt, CUDA), mask=mask)
 
     # ---- SiLU(gate) * up --------------------------------------------------------
     @triton.jit
@@ -269,24 +381,78 @@ if HAVE_TRITON:
         return tl.reshape(tl.arange(0, 2), [1] * (n_dims - b - 1) + [2] + [1] * b)
 
     @triton.jit
+    def _merge(h, N_DIMS: tl.constexpr, S: tl.constexpr, DIR_BIT: tl.constexpr):
+        """Bitonic merge of the blocks of 2**S of the [2]*N_DIMS hypercube h: compare-exchange
+        along bits S-1 .. 0. Blocks whose bit DIR_BIT is 0 end descending, the others
+        ascending; DIR_BIT >= N_DIMS: all descending. Each compare-exchange takes the min and
+        max over one axis of size 2; plain min/max reductions (not tl.sort's xor-swap) keep
+        the interpreter fast enough for tests."""
+        for i in tl.static_range(S - 1, -1, -1):
+            lo = tl.min(h, axis=N_DIMS - 1 - i, keep_dims=True)
+            hi = tl.max(h, axis=N_DIMS - 1 - i, keep_dims=True)
+            # an element takes the larger value iff its bit i equals its block's "ascending" bit
+            if DIR_BIT < N_DIMS:
+                takes_hi = _bit(N_DIMS, i) == _bit(N_DIMS, DIR_BIT)
+            else:
+                takes_hi = _bit(N_DIMS, i) == 0
+            h = tl.where(takes_hi, hi, lo)
+        return h
+
+    @triton.jit
     def _sort_descending(x, N_DIMS: tl.constexpr):
-        """Bitonic sort of a 2**N_DIMS vector, largest first. Each compare-exchange takes
-        the min and max over one axis of size 2 of the hypercube view; plain min/max
-        reductions (not tl.sort's xor-swap) keep the interpreter fast enough for tests."""
+        """Bitonic sort of a 2**N_DIMS vector, largest first."""
         h = tl.reshape(x, [2] * N_DIMS)
         for s in tl.static_range(1, N_DIMS + 1):
-            for i in tl.static_range(s - 1, -1, -1):  # compare-exchange along bit i
-                lo = tl.min(h, axis=N_DIMS - 1 - i, keep_dims=True)
-                hi = tl.max(h, axis=N_DIMS - 1 - i, keep_dims=True)
-                # Blocks of 2**s alternate direction by bit s (the last merge is all
-                # descending); an element takes the larger value iff its bit i equals
-                # its block's "ascending" bit.
-                if s < N_DIMS:
-                    takes_hi = _bit(N_DIMS, i) == _bit(N_DIMS, s)
-                else:
-                    takes_hi = _bit(N_DIMS, i) == 0
-                h = tl.where(takes_hi, hi, lo)
+            h = _merge(h, N_DIMS, s, s)  # blocks of 2**s alternate direction by bit s
         return tl.reshape(h, [2 ** N_DIMS])
+
+    @triton.jit
+    def _topk_descending(x, N_DIMS: tl.constexpr, LOG_K: tl.constexpr):
+        """The 2**LOG_K largest of a 2**N_DIMS vector, largest first (bitonic top-k: sort
+        blocks of K in alternating directions, then repeatedly keep the pairwise max of
+        neighbouring blocks, a bitonic block holding the top K of both, and merge it):
+        about half the compare-exchanges of a full sort for K = 64 of 1024."""
+        h = tl.reshape(x, [2] * N_DIMS)
+        for s in tl.static_range(1, LOG_K + 1):
+            h = _merge(h, N_DIMS, s, s)
+        for r in tl.static_range(1, N_DIMS - LOG_K + 1):
+            h = tl.max(h, axis=N_DIMS - r - LOG_K)  # bit LOG_K of the remaining 2**(N_DIMS-r+1)
+            h = _merge(h, N_DIMS - r, LOG_K, LOG_K if r < N_DIMS - LOG_K else N_DIMS)
+        return tl.reshape(h, [2 ** LOG_K])
+
+    @triton.jit
+    def _decode_keys(skey):
+        """Scores of sorted (score, -index) keys."""
+        hi = (skey >> 32).to(tl.int32)
+        return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nucleus(skey, k, k_active, V, p, p_active, SIZE: tl.constexpr, CUDA: tl.constexpr):
+        """(k-th largest score, key threshold of the top-p nucleus) from the SIZE largest keys,
+        sorted descending; exact when every score >= the k-th is among them (or SIZE = all)."""
+        NEG_INF = float("-inf")
+        j = tl.arange(0, SIZE)
+        s_sorted = _decode_keys(skey)
+        # top-k (0 < k < V): drop scores below the k-th largest; ties with it survive.
+        kth = tl.max(tl.where(j == tl.minimum(tl.maximum(k, 1), V) - 1, s_sorted, NEG_INF), axis=0)
+        drop_k_sorted = k_active & (s_sorted < kth)
+        # top-p (0 < p < 1) over the top-k-masked sorted scores, in torch's formula:
+        # P = exp(x - max) / sum, C = cumsum(P); keep sorted i iff i == 0 or C[i-1] <= p.
+        # C is non-decreasing, so the kept set is the prefix up to and including the
+        # first i with !(C[i] <= p) (a NaN C, from +inf scores, keeps index 0 only).
+        masked = tl.where(drop_k_sorted, NEG_INF, s_sorted)
+        e = _exp(masked - tl.max(masked, axis=0), CUDA)
+        total = tl.sum(e, axis=0)
+        if CUDA:
+            probs = _div(e, total)  # torch-CUDA softmax divides by the sum
+        else:
+            probs = e * (1.0 / total)  # torch-CPU softmax multiplies by its reciprocal
+        cum = tl.cumsum(probs, axis=0)
+        n_keep = tl.where(p_active, _first_index(~(cum <= p), j, SIZE) + 1, SIZE)
+        # Back to columns without a scatter: sorted rank < n_keep <=> key >= the key at
+        # rank n_keep-1 (keys are unique); n_keep > SIZE-1 matches nothing: keep all.
+        thr = tl.max(tl.where(j == n_keep - 1, skey, -9223372036854775807 - 1), axis=0)
+        return kth, thr
 
     @triton.jit
     def _first_index(cond, j, BLOCK: tl.constexpr):
@@ -298,7 +464,7 @@ if HAVE_TRITON:
                              temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, pos_offset,
                              pres_ptr, pres_stride, pen_ptr, out_ptr,
                              HAS_PENALTY: tl.constexpr, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr,
-                             CUDA: tl.constexpr):
+                             LOG_FAST: tl.constexpr, CUDA: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, BLOCK)
         valid = j < V
@@ -338,34 +504,24 @@ if HAVE_TRITON:
         bits = s_key.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - j).to(tl.int64)
-        skey = _sort_descending(key, LOG_BLOCK)
-        hi = (skey >> 32).to(tl.int32)
-        s_sorted = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-        # top-k (0 < k < V): drop scores below the k-th largest; ties with it survive.
         k = tl.load(topk_ptr + row).to(tl.int64)
         k_active = (k > 0) & (k < V)
-        kth = tl.max(tl.where(j == tl.minimum(tl.maximum(k, 1), V) - 1, s_sorted, NEG_INF), axis=0)
-        drop_k_sorted = k_active & (s_sorted < kth)
-
-        # top-p (0 < p < 1) over the top-k-masked sorted scores, in torch's formula:
-        # P = exp(x - max) / sum, C = cumsum(P); keep sorted i iff i == 0 or C[i-1] <= p.
-        # C is non-decreasing, so the kept set is the prefix up to and including the
-        # first i with !(C[i] <= p) (a NaN C, from +inf scores, keeps index 0 only).
         p = tl.load(topp_ptr + row).to(tl.float32)
         p_active = (p > 0) & (p < 1)
-        masked = tl.where(drop_k_sorted, NEG_INF, s_sorted)
-        e = _exp(masked - tl.max(masked, axis=0), CUDA)
-        total = tl.sum(e, axis=0)
-        if CUDA:
-            probs = _div(e, total)  # torch-CUDA softmax divides by the sum
+        if LOG_FAST < LOG_BLOCK:
+            # Small top-k (the audio default is 25): only the FAST largest keys need sorting,
+            # unless ties with the k-th score reach past them; else the full sort.
+            top = _topk_descending(key, LOG_BLOCK, LOG_FAST)
+            jt = tl.arange(0, 2 ** LOG_FAST)
+            s_top = _decode_keys(top)
+            kth_top = tl.max(tl.where(jt == tl.minimum(tl.maximum(k, 1), V) - 1, s_top, NEG_INF), axis=0)
+            last = tl.min(s_top, axis=0)
+            if k_active & (k <= 2 ** LOG_FAST) & (last < kth_top):
+                kth, thr = _nucleus(top, k, k_active, V, p, p_active, 2 ** LOG_FAST, CUDA)
+            else:
+                kth, thr = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active, BLOCK, CUDA)
         else:
-            probs = e * (1.0 / total)  # torch-CPU softmax multiplies by its reciprocal
-        cum = tl.cumsum(probs, axis=0)
-        n_keep = tl.where(p_active, _first_index(~(cum <= p), j, BLOCK) + 1, BLOCK)
-        # Back to columns without a scatter: sorted rank < n_keep <=> key >= the key at
-        # rank n_keep-1 (keys are unique); n_keep > BLOCK-1 matches nothing: keep all.
-        thr = tl.max(tl.where(j == n_keep - 1, skey, -9223372036854775807 - 1), axis=0)
+            kth, thr = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active, BLOCK, CUDA)
         keep = valid & (key >= thr) & ~(k_active & (s_key < kth))
         s = tl.where(keep, s, NEG_INF)
         all_neg_inf = tl.max(s, axis=0) == NEG_INF
@@ -401,7 +557,7 @@ if HAVE_TRITON:
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  seed: torch.Tensor, position: torch.Tensor, presence: torch.Tensor | None = None,
                  penalty: torch.Tensor | None = None, *, position_offset: int = 0,
-                 impl: str = "auto") -> torch.Tensor:
+                 impl: str = "auto", num_warps: int | None = None, fast_log2: int | None = None) -> torch.Tensor:
     """One seeded draw per row: int64 [B].
 
     Equals `sampler.sample(apply_repetition_penalty(logits, presence, penalty), temperature,
@@ -435,62 +591,165 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     _fused_sample_kernel[(B,)](
         logits, logits.stride(0), V, temperature, top_k, top_p, seed, position, int(position_offset),
         pres, pres_stride, penalty, out,
-        HAS_PENALTY=penalise, BLOCK=block, LOG_BLOCK=block.bit_length() - 1, CUDA=logits.is_cuda,
-        **_launch_opts(4 if block >= 512 else 1))
+        HAS_PENALTY=penalise, BLOCK=block, LOG_BLOCK=block.bit_length() - 1,
+        LOG_FAST=min(block.bit_length() - 1, fast_log2 if fast_log2 is not None else FAST_TOP_K_LOG2),
+        CUDA=logits.is_cuda, **_launch_opts(num_warps or (8 if block >= 512 else 1)))
     return out
-
-
-def _rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    from gpu_worker.model import rms_norm  # the model's math is the reference (lazy: model imports us)
-    return rms_norm(x, w, eps)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, impl: str = "auto") -> torch.Tensor:
     """model.RMSNorm: `w * (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype)` over the last dim.
     x [..., D] (rows may be strided), w [D]. The kernel path handles fp32/bf16/fp16."""
+    return _norm(x, None, w, None, eps, impl)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, *,
+                 impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + residual: a pre-norm layer's residual add and the
+    next norm in one launch (s rounds once, as torch's add)."""
+    return _norm(x, residual, w, None, eps, impl)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor,
+                   eps: float, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, F.layer_norm(s, w, b)) with s = x + residual (or x when residual is None)."""
+    return _norm(x, residual, w, b, eps, impl)
+
+
+def _norm_torch(x, residual, w, b, eps):
+    from gpu_worker.model import rms_norm as model_rms_norm  # the model's math is the reference (lazy import)
+    s = x if residual is None else x + residual
+    if b is None:
+        return s, model_rms_norm(s, w, eps)
+    return s, torch.nn.functional.layer_norm(s, (s.shape[-1],), w, b, eps)
+
+
+def _norm(x, residual, w, b, eps, impl):
     D = x.shape[-1]
-    supported = (x.dtype in _KERNEL_DTYPES and w.dtype in _KERNEL_DTYPES and x.numel() > 0 and D <= 16384
-                 and x.stride(-1) == 1 and w.shape == (D,) and w.is_contiguous())
-    if not _use_kernel(impl, supported, x, w):
-        return _rms_norm_torch(x, w, eps)
+    tensors = (x, w) + (() if residual is None else (residual,)) + (() if b is None else (b,))
+    supported = (all(t.dtype in _KERNEL_DTYPES for t in tensors) and x.numel() > 0 and D <= 16384
+                 and x.stride(-1) == 1 and w.shape == (D,) and w.is_contiguous()
+                 and (b is None or (b.shape == (D,) and b.is_contiguous() and b.dtype == w.dtype))
+                 and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
+                                           and residual.dtype == x.dtype)))
+    if not _use_kernel(impl, supported, *tensors):
+        return _norm_torch(x, residual, w, b, eps)
     x2 = x.reshape(-1, D)  # a view for the usual [N, D] / contiguous inputs
+    r2 = x2 if residual is None else residual.reshape(-1, D)
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    s = x2 if residual is None else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, w, out, x2.stride(0), out.stride(0), D, _inv(D), eps,
-        BLOCK=block, CUDA=x.is_cuda, **_launch_opts(max(1, min(8, block // 512))))
-    return out.view(x.shape[:-1] + (D,))
+    common = (D, _inv(D), eps)
+    opts = dict(HAS_RES=residual is not None, BLOCK=block, CUDA=x.is_cuda,
+                **_launch_opts(max(1, min(8, block // 512))))
+    if b is None:
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, out, s, x2.stride(0), r2.stride(0), out.stride(0),
+                                         s.stride(0), *common, **opts)
+    else:
+        _layer_norm_kernel[(x2.shape[0],)](x2, r2, w, b, out, s, x2.stride(0), r2.stride(0), out.stride(0),
+                                           s.stride(0), *common, **opts)
+    shape = x.shape[:-1] + (D,)
+    return (x if residual is None else s.view(shape)), out.view(shape)
 
 
-def _qk_norm_rope_torch(q, k, q_w, k_w, cos, sin, eps):
-    from gpu_worker.model import rms_norm, rotate_half_split
-    return rotate_half_split(rms_norm(q, q_w, eps), cos, sin), rotate_half_split(rms_norm(k, k_w, eps), cos, sin)
+def _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, slots):
+    from gpu_worker.model import rms_norm as model_rms_norm, rotate_half_split
+    k_cache[slots] = rotate_half_split(model_rms_norm(k, k_w, eps), cos, sin)
+    v_cache[slots] = v
+    return rotate_half_split(model_rms_norm(q, q_w, eps), cos, sin)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3Attention's `rotate_half_split(q_norm(q))` and the same for k, in one launch.
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Qwen3Attention's QK-norm + half-split RoPE, and the paged KV store, in one launch:
+    `k_cache[slots] = rotate_half_split(k_norm(k))`, `v_cache[slots] = v`; returns
+    `rotate_half_split(q_norm(q))` (new, contiguous).
 
-    q [N, Hq, d], k [N, Hk, d] (the projection views), q_w/k_w [d], cos/sin [N, d/2]
-    in the activation dtype (Qwen3Backbone.rope). Returns new contiguous (q, k)."""
+    q [N, Hq, d], k, v [N, Hk, d] (projection views), q_w/k_w [d], cos/sin [N, d/2]
+    in the activation dtype (Qwen3Backbone.rope), caches [slots, Hk, d], slots [N] int64."""
     N, Hq, d = q.shape
     Hk = k.shape[1]
     dt = q.dtype
-    supported = (dt in _KERNEL_DTYPES and all(t.dtype == dt for t in (k, q_w, k_w, cos, sin)) and N > 0
-                 and d % 2 == 0 and d <= 1024 and k.shape[::2] == (N, d) and q.stride(-1) == 1
-                 and k.stride(-1) == 1 and q_w.is_contiguous() and k_w.is_contiguous()
+    supported = (dt in _KERNEL_DTYPES and all(t.dtype == dt for t in (k, v, q_w, k_w, cos, sin, k_cache, v_cache))
+                 and N > 0 and d % 2 == 0 and d <= 1024 and k.shape == v.shape == (N, Hk, d)
+                 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
+                 and k_cache.shape[1:] == v_cache.shape[1:] == (Hk, d) and slots.shape == (N,)
+                 and q_w.is_contiguous() and k_w.is_contiguous()
                  and cos.shape == sin.shape == (N, d // 2) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
-    if not _use_kernel(impl, supported, q, k, q_w, k_w, cos, sin):
-        return _qk_norm_rope_torch(q, k, q_w, k_w, cos, sin, eps)
+    if not _use_kernel(impl, supported, q, k, v, q_w, k_w, cos, sin, k_cache, v_cache, slots):
+        return _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, slots)
     qo = torch.empty((N, Hq, d), dtype=dt, device=q.device)
-    ko = torch.empty((N, Hk, d), dtype=dt, device=q.device)
-    half = d // 2
-    _qk_norm_rope_kernel[(N, Hq + Hk)](
-        q, k, q_w, k_w, cos, sin, qo, ko,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1),
-        ko.stride(0), ko.stride(1), cos.stride(0), Hq, half, _inv(d), eps,
-        BLOCK_H=triton.next_power_of_2(half), CUDA=q.is_cuda, **_launch_opts(1))
-    return qo, ko
+    _qk_norm_rope_store_kernel[(N, Hq + Hk)](
+        q, k, v, q_w, k_w, cos, sin, qo, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), qo.stride(0), qo.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0), Hq, d // 2,
+        _inv(d), eps, BLOCK_H=triton.next_power_of_2(d // 2), CUDA=q.is_cuda, **_launch_opts(1))
+    return qo
+
+
+def _local_attention_torch(qkv, k_cache, v_cache, p, cos, sin, n_head):
+    from gpu_worker.model import local_attention
+    return local_attention(qkv, k_cache, v_cache, p, cos, sin, n_head)
+
+
+def local_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: int,
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, n_head: int, *,
+                    impl: str = "auto") -> torch.Tensor:
+    """model.local_attention in one launch: interleaved RoPE of q and k at local position p,
+    k/v stored at cache position p, attention over positions 0..p. qkv [B, 3*n_head*d]
+    (c_attn's output), caches [B, n_head, P, d], cos/sin the fp32 rows of the RoPE tables
+    at p ([d], interleaved; None without RoPE). Returns [B, n_head*d]."""
+    B, width3 = qkv.shape
+    d = width3 // (3 * n_head)
+    dt = qkv.dtype
+    supported = (dt in _KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == dt and B > 0 and d % 2 == 0
+                 and qkv.stride(1) == 1 and k_cache.shape == v_cache.shape == (B, n_head, k_cache.shape[2], d)
+                 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and p < k_cache.shape[2] <= 64
+                 and (cos is None or (cos.shape == sin.shape == (d,) and cos.is_contiguous() and sin.is_contiguous())))
+    if not _use_kernel(impl, supported, qkv, k_cache, v_cache):
+        return _local_attention_torch(qkv, k_cache, v_cache, p, cos, sin, n_head)
+    out = torch.empty((B, n_head * d), dtype=dt, device=qkv.device)
+    rope = cos is not None
+    _local_attention_kernel[(B, n_head)](
+        qkv, qkv.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        cos if rope else qkv, sin if rope else qkv, out, out.stride(0), int(p), d // 2, d ** -0.5,
+        HAS_ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[2])),
+        BLOCK_H=max(16, triton.next_power_of_2(d // 2)), CUDA=qkv.is_cuda, **_launch_opts(2))
+    return out
+
+
+def stacked_tables(tables: list[torch.Tensor]) -> torch.Tensor | None:
+    """The equal-shaped tables as one [n, V, H] tensor when they are adjacent views of one
+    storage (model.fuse_projections puts them so), else None."""
+    first = tables[0]
+    V, H = first.shape
+    ok = all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype
+             and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+             and t.storage_offset() == first.storage_offset() + k * V * H for k, t in enumerate(tables))
+    return first.as_strided((len(tables), V, H), (V * H, H, 1)) if ok else None
+
+
+def embed_rows(rows: torch.Tensor, text: torch.Tensor, audio: list[torch.Tensor], pad: int, *,
+               impl: str = "auto") -> torch.Tensor | None:
+    """model.embed_rows in one launch: `text[rows[:, 0]] + sum_k where(rows[:, 1+k] != pad,
+    audio[k][rows[:, 1+k]], 0)`, added in channel order. Returns None where the torch
+    path must run (the caller owns that math): the tables are not one fused storage
+    of equal-sized codebooks, or no kernel is available."""
+    fused = stacked_tables(audio)
+    T = rows.shape[0]
+    supported = (fused is not None and text.dtype in _KERNEL_DTYPES and text.dtype == audio[0].dtype
+                 and rows.dim() == 2 and rows.shape[1] == 1 + len(audio) and T > 0 and text.stride(1) == 1)
+    if impl == "torch" or not _use_kernel(impl, supported, rows, text):
+        return None
+    H = text.shape[1]
+    out = torch.empty((T, H), dtype=text.dtype, device=text.device)
+    block = min(1024, triton.next_power_of_2(H))
+    _embed_rows_kernel[(T, triton.cdiv(H, block))](
+        rows, rows.stride(0), text, text.stride(0), fused, fused.stride(1), fused.shape[1], out, out.stride(0),
+        H, int(pad),
+        N_VQ=len(audio), BLOCK=block, CUDA=text.is_cuda, **_launch_opts(4))
+    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:

@@ -92,9 +92,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda:  # one fused launch (same cast order) instead of six
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)  # one launch on CUDA, rms_norm elsewhere
 
 
 def rotate_half_split(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -151,12 +149,11 @@ class Qwen3Attention(nn.Module):
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
         q, k = q.view(n, self.n_heads, self.head_dim), k.view(n, self.n_kv, self.head_dim)
         v = v.view(n, self.n_kv, self.head_dim)
-        if x.is_cuda:  # QK-norm then RoPE for both in one launch
-            q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
-        else:
-            q = rotate_half_split(self.q_norm(q), cos, sin)
-            k = rotate_half_split(self.k_norm(k), cos, sin)
-        o = backend.attend(self.layer_idx, q, k, v, batch)  # writes k, v to the paged cache
+        # QK-norm, RoPE and the store of k, v in their KV slots: one launch on CUDA.
+        k_cache, v_cache = backend.kv_cache(self.layer_idx)
+        q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
+                                       k_cache, v_cache, batch.write_slots)
+        o = backend.attend(self.layer_idx, q, batch)
         return self.o_proj(o.reshape(n, self.n_heads * self.head_dim))
 
 
@@ -173,6 +170,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3Layer(nn.Module):
+    """Pre-norm: h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+    Qwen3Backbone.forward runs it with each residual add fused into the norm after it."""
+
     def __init__(self, cfg: BackboneConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer_idx)
@@ -180,10 +180,10 @@ class Qwen3Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch,
-                backend: AttentionBackend) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+
+def add_norm(residual: Tensor, update: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    """(residual + update, norm(residual + update)): one launch on CUDA."""
+    return kernels.add_rms_norm(residual, update, norm.weight, norm.eps)
 
 
 class Qwen3Backbone(_Fp32Tables):
@@ -203,9 +203,12 @@ class Qwen3Backbone(_Fp32Tables):
     def forward(self, x: Tensor, batch: AttentionBatch, backend: AttentionBackend) -> Tensor:
         """x: [N, hidden] packed tokens of every sequence in the step → final-norm hidden [N, hidden]."""
         cos, sin = self.rope(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, backend)
-        return self.norm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        h = self.layers[0].input_layernorm(x)
+        for layer, next_norm in zip(self.layers, norms):
+            x, h = add_norm(x, layer.self_attn(h, cos, sin, batch, backend), layer.post_attention_layernorm)
+            x, h = add_norm(x, layer.mlp(h), next_norm)
+        return h
 
 
 # ---------------------------------------------------------------------------
@@ -217,6 +220,28 @@ def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rot * sin
 
 
+def local_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, p: int, cos: Tensor | None,
+                    sin: Tensor | None, n_head: int) -> Tensor:
+    """The local block's attention at local position p for the whole batch.
+
+    qkv [B, 3*n_head*d] is c_attn's output; k_cache/v_cache [B, n_head, P, d] hold
+    positions < p and receive position p here; cos/sin are the fp32 RoPE table rows
+    at p (None without RoPE). Returns [B, n_head*d]. kernels.local_attention is this
+    in one launch."""
+    b = qkv.shape[0]
+    q, k, v = qkv.view(b, 3, n_head, -1).unbind(1)
+    if cos is not None:
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
+    k_cache[:, :, p] = k
+    v_cache[:, :, p] = v
+    # Scores and softmax in >= fp32 (as flash/SDPA kernels keep them); probabilities are cast
+    # back to the activation dtype for the weighted sum of V. No-ops in fp32/fp64.
+    scores = torch.einsum("bhd,bhpd->bhp", _promote(q), _promote(k_cache[:, :, :p + 1])) * (q.shape[-1] ** -0.5)
+    probs = torch.softmax(scores, dim=-1).to(qkv.dtype)
+    return torch.einsum("bhp,bhpd->bhd", probs, v_cache[:, :, :p + 1]).reshape(b, -1)
+
+
 class LocalAttention(nn.Module):
     def __init__(self, cfg: LocalConfig):
         super().__init__()
@@ -224,20 +249,10 @@ class LocalAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, cache: list[Tensor]) -> Tensor:
-        """x: [B, H] at the next local position; cache: [k_cache, v_cache] each [B, nh, p, d], grown here."""
-        b, hdim = x.shape
-        q, k, v = self.c_attn(x).view(b, 3, self.n_head, self.head_dim).unbind(1)
-        if cos is not None:
-            q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
-        cache[0] = torch.cat([cache[0], k[:, :, None]], dim=2)
-        cache[1] = torch.cat([cache[1], v[:, :, None]], dim=2)
-        # Scores and softmax in >= fp32 (as flash/SDPA kernels keep them); probabilities are cast
-        # back to the activation dtype for the weighted sum of V. No-ops in fp32/fp64.
-        scores = torch.einsum("bhd,bhpd->bhp", _promote(q), _promote(cache[0])) * (self.head_dim ** -0.5)
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)
-        o = torch.einsum("bhp,bhpd->bhd", probs, cache[1])
-        return self.c_proj(o.reshape(b, hdim))
+    def forward(self, x: Tensor, p: int, k_cache: Tensor, v_cache: Tensor, cos: Tensor | None,
+                sin: Tensor | None) -> Tensor:
+        """x: [B, H] (ln_1 output) at local position p → [B, H]; appends to the caches."""
+        return self.c_proj(kernels.local_attention(self.c_attn(x), k_cache, v_cache, p, cos, sin, self.n_head))
 
 
 class LocalMLP(nn.Module):
@@ -251,6 +266,9 @@ class LocalMLP(nn.Module):
 
 
 class LocalBlock(nn.Module):
+    """GPT-2 pre-norm: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)). LocalTransformer.step
+    runs it with each residual add fused into the LayerNorm after it."""
+
     def __init__(self, cfg: LocalConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -258,9 +276,20 @@ class LocalBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = LocalMLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, cache: list[Tensor]) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin, cache)
-        return x + self.mlp(self.ln_2(x))
+
+def add_layer_norm(residual: Tensor, update: Tensor | None, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
+    """(residual + update, norm(residual + update)); update None: (residual, norm(residual))."""
+    return kernels.add_layer_norm(residual, update, norm.weight, norm.bias, norm.eps)
+
+
+@dataclass
+class LocalCache:
+    """The local transformer's K/V for one frame decode, preallocated for every local
+    position so a step appends in place (no growing cat) and the kernel can write it."""
+
+    k: Tensor  # [n_layer, B, n_head, positions, head_dim]
+    v: Tensor
+    length: int = 0  # local positions written
 
 
 class LocalTransformer(_Fp32Tables):
@@ -278,20 +307,24 @@ class LocalTransformer(_Fp32Tables):
         self._register_tables(cos_table=angles.cos().repeat_interleave(2, dim=-1),
                               sin_table=angles.sin().repeat_interleave(2, dim=-1))
 
-    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> list[list[Tensor]]:
-        empty = torch.empty(batch, self.cfg.n_head, 0, self.cfg.head_dim, dtype=dtype, device=device)
-        return [[empty, empty] for _ in self.h]
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> LocalCache:
+        shape = (len(self.h), batch, self.cfg.n_head, self.cos_table.shape[0], self.cfg.head_dim)
+        return LocalCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
-    def step(self, x: Tensor, p: int, cache: list[list[Tensor]]) -> Tensor:
+    def step(self, x: Tensor, p: int, cache: LocalCache) -> Tensor:
         """One local position for the whole batch: x [B, H] → ln_f output [B, H]."""
         cos = sin = None
         if self.use_rope:
-            cos, sin = self.cos_table[p].to(x.dtype), self.sin_table[p].to(x.dtype)
+            cos, sin = self.cos_table[p], self.sin_table[p]
         else:
             x = x + self.wpe.weight[p]
-        for block, block_cache in zip(self.h, cache):
-            x = block(x, cos, sin, block_cache)
-        return self.ln_f(x)
+        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f]
+        x, h = add_layer_norm(x, None, self.h[0].ln_1)
+        for i, (block, next_norm) in enumerate(zip(self.h, norms)):
+            x, h = add_layer_norm(x, block.attn(h, p, cache.k[i], cache.v[i], cos, sin), block.ln_2)
+            x, h = add_layer_norm(x, block.mlp(h), next_norm)
+        cache.length = p + 1
+        return h
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +348,9 @@ class FrameSampling:
 
 
 def fuse_projections(model: "MossTTSLocal") -> None:
-    """q/k/v and gate/up as single GEMMs; call after the weights are in place."""
+    """q/k/v and gate/up as single GEMMs, the audio tables in one storage (one-launch
+    embed_rows); call after the weights are in place."""
+    fuse_linears(tuple(model.audio_embeddings))
     for layer in model.transformer.layers:
         fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
         fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))
@@ -336,8 +371,12 @@ class MossTTSLocal(nn.Module):
         """rows: int [T, 1 + n_vq] → [T, hidden]. Pad code embeds to exactly zero, never
         indexing a table (it is out of range); the text channel is never masked, so a
         pad row embeds to exactly Etext[text_id]."""
-        e = self.transformer.embed_tokens(rows[:, 0])
         pad = self.cfg.audio_pad_code
+        fused = kernels.embed_rows(rows, self.transformer.embed_tokens.weight,
+                                   [t.weight for t in self.audio_embeddings], pad)
+        if fused is not None:  # one launch on CUDA instead of ~5 per channel
+            return fused
+        e = self.transformer.embed_tokens(rows[:, 0])
         for k, table in enumerate(self.audio_embeddings):  # order text, c0..c11 matters in bf16
             ids = rows[:, k + 1]
             valid = ids != pad
@@ -361,13 +400,13 @@ class MossTTSLocal(nn.Module):
         cache = lt.new_cache(b, hidden.dtype, hidden.device)
         base = sp.generation_step * (self.cfg.n_vq + 1)  # sampler position = 13n + channel
         l = lt.step(hidden, 0, cache)
-        stop_logits = _promote(self.local_text_lm_head(l))
+        stop_logits = self.local_text_lm_head(l)  # the sampler promotes to >= fp32 itself
         # fused_sample = sampler.sample (after the repetition penalty), one launch on CUDA
         stop = fused_sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
         stop = stop & (sp.generation_step >= sp.min_frames)
         codes = []
         for k, table in enumerate(self.audio_embeddings):
-            logits = _promote(F.linear(l, table.weight))  # head k is tied to Eaudio_k, reads local position k
+            logits = F.linear(l, table.weight)  # head k is tied to Eaudio_k, reads local position k
             presence = sp.presence[:, k, :logits.shape[-1]] if sp.presence is not None else None
             c = fused_sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base,
                              presence, sp.audio_penalty if presence is not None else None, position_offset=k + 1)

@@ -32,35 +32,39 @@ __all__ = ["ContiguousKVAttention", "generate_reference", "single_sampling"]
 
 
 class ContiguousKVAttention:
-    """An AttentionBackend for one sequence over a contiguous cache [L, n_kv, d]
-    per layer. New tokens must continue the sequence (positions L, L+1, ...)."""
+    """An AttentionBackend for one sequence over a contiguous cache [capacity, n_kv, d]
+    per layer (row i = position i). New tokens must continue the sequence (positions
+    L, L+1, ...); the model stores them at write_slots = positions."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        empty = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.k = [empty] * num_layers
-        self.v = [empty] * num_layers
+                 device: torch.device, capacity: int = 2048):
+        self.k = torch.zeros(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
         self.scale = head_dim ** -0.5
         self.positions_seen: list[list[int]] = []  # per forward: the positions of its tokens (layer 0)
 
     def __len__(self) -> int:
-        return self.k[0].shape[0]
+        return self.length
 
     def begin(self, batch: AttentionBatch) -> None:
         """Nothing to plan: one sequence, contiguous."""
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
-        start = self.k[layer].shape[0]
+    def kv_cache(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.k[layer], self.v[layer]
+
+    def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
         pos = batch.positions
-        if not torch.equal(pos.cpu(), torch.arange(start, start + q.shape[0])):
-            raise ValueError(f"layer {layer}: positions {pos.tolist()} do not continue a cache of {start}")
-        if layer == 0:
+        if layer == 0:  # the first layer of a forward extends the sequence
+            start = self.length
+            if not torch.equal(pos.cpu(), torch.arange(start, start + q.shape[0])):
+                raise ValueError(f"positions {pos.tolist()} do not continue a cache of {start}")
             self.positions_seen.append(pos.tolist())
-        self.k[layer] = torch.cat([self.k[layer], k])
-        self.v[layer] = torch.cat([self.v[layer], v])
-        group = q.shape[1] // k.shape[1]  # GQA: query head h reads kv head h // group
-        keys = self.k[layer].repeat_interleave(group, dim=1)      # [L, H, d]
-        values = self.v[layer].repeat_interleave(group, dim=1)
+            self.length = start + q.shape[0]
+        keys, values = self.k[layer, :self.length], self.v[layer, :self.length]
+        group = q.shape[1] // keys.shape[1]  # GQA: query head h reads kv head h // group
+        keys = keys.repeat_interleave(group, dim=1)      # [L, H, d]
+        values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q, keys) * self.scale
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         causal = torch.arange(keys.shape[0], device=q.device)[None, :] <= pos[:, None]  # [Q, L]

@@ -1,5 +1,14 @@
+import importlib.util
+import os
+
 import pytest
 import torch
+
+# Where triton is installed (not in CI), it must run in interpreter mode from the first
+# import on: tests/test_kernels.py runs the kernels on the CPU that way, and a module
+# imported compiled first cannot be switched later. Nothing else runs a kernel on the CPU.
+if importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vocoder_svc.codec import build_codec, tiny_v1, tiny_v2
 

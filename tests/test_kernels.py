@@ -212,7 +212,7 @@ def test_fused_sample_torch_path_on_cpu():
 
 
 # ---------------------------------------------------------------------------
-# rms_norm, qk_norm_rope, silu_mul
+# rms_norm, qk_norm_rope_store, add + norm, local attention, silu_mul
 # ---------------------------------------------------------------------------
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -274,9 +274,17 @@ def _qk_reference(q, k, qw, kw, cos, sin, eps):
     return rotate_half_split(norm(q, qw), cos, sin), rotate_half_split(norm(k, kw), cos, sin)
 
 
+def _qk_store(q, k, v, qw, kw, cos, sin, slots, n_slots):
+    """Run qk_norm_rope_store (triton) into fresh caches; returns (q, k rows, v rows, caches)."""
+    kc = torch.zeros(n_slots, k.shape[1], k.shape[2], dtype=k.dtype)
+    vc = torch.zeros_like(kc)
+    qo = K.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, 1e-6, kc, vc, slots, impl="triton")
+    return qo, kc[slots], vc[slots], kc, vc
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq,Hk,d", [(32, 8, 128), (4, 2, 16), (3, 1, 80)])
-def test_qk_norm_rope(dtype, Hq, Hk, d):
+def test_qk_norm_rope_store(dtype, Hq, Hk, d):
     gen = torch.Generator().manual_seed(Hq * d)
     N = 5
     positions = torch.randint(0, 8192, (N,), generator=gen)
@@ -284,24 +292,89 @@ def test_qk_norm_rope(dtype, Hq, Hk, d):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
     kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
-    # q a plain projection view, k a row-strided slice of a fused qkv projection
+    # q a plain projection view, k and v row-strided slices of a fused qkv projection
     q = _dyadic(gen, N, Hq, d, dtype=dtype)
-    k = _dyadic(gen, N, (Hk + 3) * d, dtype=dtype)[:, :Hk * d].view(N, Hk, d)
-    got = K.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, impl="triton")
+    kv = _dyadic(gen, N, (2 * Hk + 3) * d, dtype=dtype)
+    k, v = kv[:, :Hk * d].view(N, Hk, d), kv[:, Hk * d:2 * Hk * d].view(N, Hk, d)
+    slots = torch.tensor([7, 0, 3, 11, 5])
+    qo, ko, vo, kc, vc = _qk_store(q, k, v, qw, kw, cos, sin, slots, 12)
     want = _qk_reference(q, k, qw, kw, cos, sin, 1e-6)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(qo, want[0]) and torch.equal(ko, want[1]) and torch.equal(vo, v)
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc[untouched].any() and not vc[untouched].any()
+    # the torch path (auto on CPU) is the same function
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    assert torch.equal(K.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, 1e-6, kc2, vc2, slots), want[0])
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
     q = (torch.randn(N, Hq, d, generator=gen) * 2).to(dtype)
-    got = K.qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, impl="triton")
+    qo, ko, _, _, _ = _qk_store(q, k, v, qw, kw, cos, sin, slots, 12)
     want = _qk_reference(q, k, qw, kw, cos, sin, 1e-6)
-    assert torch.equal(got[1], want[1])
+    assert torch.equal(ko, want[1])
     # Random q: as for rms_norm; in bf16 a moved normalised element also moves its
     # rotation pair, by an ulp of the pair's products (an absolute, not relative, ulp).
     if dtype == torch.float32:
-        assert torch.allclose(got[0], want[0], rtol=4e-7, atol=1e-6)
+        assert torch.allclose(qo, want[0], rtol=4e-7, atol=1e-6)
     else:
-        assert (got[0] != want[0]).float().mean() < 0.02
-        assert torch.allclose(got[0].float(), want[0].float(), rtol=2 ** -7, atol=2 ** -7)
+        assert (qo != want[0]).float().mean() < 0.02
+        assert torch.allclose(qo.float(), want[0].float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [2560, 80])
+def test_add_rms_norm(dtype, D):
+    gen = torch.Generator().manual_seed(D + 1)
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    x, r = _dyadic(gen, 7, D, dtype=dtype), _dyadic(gen, 7, D, dtype=dtype)
+    s, y = K.add_rms_norm(x, r, w, 1e-6, impl="triton")
+    assert torch.equal(s, x + r) and torch.equal(y, K.rms_norm(x + r, w, 1e-6, impl="torch"))
+    s2, y2 = K.add_rms_norm(x, r, w, 1e-6)  # auto on CPU: the torch path
+    assert torch.equal(s2, s) and torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [2560, 64])
+def test_add_layer_norm(dtype, D):
+    gen = torch.Generator().manual_seed(D + 2)
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    b = (0.1 * torch.randn(D, generator=gen)).to(dtype)
+    x = (torch.randn(6, D, generator=gen) * 3).to(dtype)
+    r = (torch.randn(6, D, generator=gen)).to(dtype)
+    for res in (None, r):
+        s, y = K.add_layer_norm(x, res, w, b, 1e-5, impl="triton")
+        want_s = x if res is None else x + res
+        want = F.layer_norm(want_s, (D,), w, b, 1e-5)
+        assert torch.equal(s, want_s)
+        # two-pass vs Welford variance: the same value up to rounding
+        if dtype == torch.float32:
+            assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert _ulp_diff(y, want) <= 1 and (y != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", [True, False])
+def test_local_attention(dtype, rope):
+    from gpu_worker.model import local_attention
+    gen = torch.Generator().manual_seed(3 + rope)
+    B, H, d, P = 3, 4, 20, 13  # d/2 = 10: not a power of two, like the real 80
+    angles = torch.arange(P, dtype=torch.float32)[:, None] * rope_inv_freq(10000.0, d)[None, :]
+    cos_t, sin_t = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    kc, vc = torch.zeros(B, H, P, d, dtype=dtype), torch.zeros(B, H, P, d, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    for p in range(P):
+        qkv = (torch.randn(B, 3 * H * d + 5, generator=gen) * 2).to(dtype)[:, :3 * H * d]  # strided rows
+        cs = (cos_t[p], sin_t[p]) if rope else (None, None)
+        got = K.local_attention(qkv, kc, vc, p, *cs, H, impl="triton")
+        want = local_attention(qkv, kc_ref, vc_ref, p, *cs, H)
+        # RoPE'd k/v are stored exactly as the torch path stores them
+        assert torch.equal(kc[:, :, :p + 1], kc_ref[:, :, :p + 1]) and torch.equal(vc, vc_ref)
+        if dtype == torch.float32:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        else:  # scores summed in another order: probabilities may round one bf16 ulp apart
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert torch.equal(K.local_attention(qkv, kc.clone(), vc.clone(), P - 1, *cs, H), want)  # auto: torch path
 
 
 def _silu_numpy_exp(g: torch.Tensor) -> torch.Tensor:
@@ -322,3 +395,26 @@ def test_silu_mul(dtype):
     want = F.silu(gate) * up
     assert _ulp_diff(got, want) <= 4  # numpy's expf vs SLEEF's: an ulp or so before the roundings
     assert torch.equal(K.silu_mul(gate, up), want)  # auto on CPU: the torch path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rows(dtype):
+    from gpu_worker.model import fuse_linears
+    gen = torch.Generator().manual_seed(9)
+    V, H, n_vq, pad = 16, 40, 3, 16
+    text = torch.nn.Embedding(50, H, _weight=torch.randn(50, H, generator=gen).to(dtype))
+    audio = [torch.nn.Embedding(V, H, _weight=torch.randn(V, H, generator=gen).to(dtype)) for _ in range(n_vq)]
+    rows = torch.cat([torch.randint(0, 50, (7, 1), generator=gen), torch.randint(0, V, (7, n_vq), generator=gen)], 1)
+    rows[2, 1:] = pad  # a text-only row
+    rows[4, 2] = pad
+    want = text.weight[rows[:, 0]]
+    for k, table in enumerate(audio):
+        valid = rows[:, k + 1] != pad
+        want = want + torch.where(valid[:, None], table.weight[torch.where(valid, rows[:, k + 1], 0)], 0)
+    weights = lambda: [t.weight for t in audio]  # noqa: E731
+    with pytest.raises(ValueError):  # separate storages: only the caller's torch path can run
+        K.embed_rows(rows, text.weight, weights(), pad, impl="triton")
+    fuse_linears(tuple(audio))
+    got = K.embed_rows(rows, text.weight, weights(), pad, impl="triton")
+    assert torch.equal(got, want)
+    assert K.embed_rows(rows, text.weight, weights(), pad) is None  # auto on CPU: the caller's torch path

@@ -66,13 +66,17 @@ def tiny32():
 # §7.1 shapes
 # =============================================================================
 class ShapeBackend:
-    """Records q/k/v shapes; returns a tensor shaped like the attention output."""
+    """Records q and K/V-cache shapes; returns a tensor shaped like the attention output."""
 
-    def __init__(self):
+    def __init__(self, slots: int, kv_heads: int, head_dim: int):
+        self.cache = torch.zeros(slots, kv_heads, head_dim, dtype=torch.bfloat16, device="meta")
         self.shapes = []
 
-    def attend(self, layer, q, k, v, batch):
-        self.shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    def kv_cache(self, layer):
+        return self.cache, self.cache
+
+    def attend(self, layer, q, batch):
+        self.shapes.append((tuple(q.shape), tuple(self.cache.shape[1:])))
         return torch.zeros_like(q)
 
 
@@ -113,16 +117,17 @@ def test_real_size_shapes_on_meta():
     rows = torch.full((t, 13), PAD, dtype=torch.int64, device="meta")
     e = model.embed_rows(rows)
     assert tuple(e.shape) == (t, 2560)
-    be = ShapeBackend()
-    hidden = model.backbone(e, AttentionBatch(torch.arange(t, device="meta"), *[None] * 4), be)
-    assert be.shapes[0] == ((t, 32, 128), (t, 8, 128), (t, 8, 128)) and len(be.shapes) == 36
+    be = ShapeBackend(t, 8, 128)
+    arange = torch.arange(t, device="meta")
+    hidden = model.backbone(e, AttentionBatch(arange, arange, *[None] * 3), be)
+    assert be.shapes[0] == ((t, 32, 128), (8, 128)) and len(be.shapes) == 36
     assert seen["o_proj_in"] == (t, 4096)
     assert tuple(hidden.shape) == (t, 2560)
     lt = model.local_transformer
     cache = lt.new_cache(1, torch.bfloat16, torch.device("meta"))
     l0 = lt.step(hidden[-1:], 0, cache)
     assert seen["c_attn_out"] == (1, 7680) and lt.cfg.n_head == 32 and lt.cfg.head_dim == 80
-    assert tuple(cache[0][0].shape) == (1, 32, 1, 80)
+    assert tuple(cache.k.shape) == (1, 1, 32, 13, 80) and cache.length == 1
     assert tuple(model.local_text_lm_head(l0).shape) == (1, 2)
     assert tuple(F.linear(l0, model.audio_embeddings[0].weight).shape) == (1, 1024)
 
@@ -477,8 +482,8 @@ def _instrument(model, monkeypatch):
 
     def rec_step(x, p, cache):
         out = step(x, p, cache)
-        log["cache_len"].append(cache[0][0].shape[2])
-        assert all(c[0].shape[2] == p + 1 for c in cache)
+        log["cache_len"].append(cache.length)
+        assert cache.length == p + 1
         return out
 
     def rec_new_cache(*a, **k):
