@@ -127,5 +127,6 @@ class GraphedDecode:
         g.positions.copy_(staged[1])
         g.write_slots.copy_(staged[2])
         e.kv.plan_decode(g.wrapper, torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(kv_indices))
+        e.mark_planned()
         g.graph.replay()
         return g.out

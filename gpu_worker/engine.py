@@ -5,11 +5,20 @@ request that samples this step. Returns the step's Journal.
 A pure-decode step on CUDA replays a captured graph (gpu_worker/cuda_graphs);
 everything else runs eagerly through the same functions. The only host sync
 per step is the one copy of the journal tensor.
+
+A step runs in two halves so the server can overlap them: `launch` does the
+host work and queues the GPU work (ending with an async copy of the journal
+tensor into pinned memory), `finish` waits for that copy and builds the
+Journal. With the scheduler's lookahead, step N+1 is launched while step N
+still runs, so the GPU never waits for the host. A request that stopped in
+step N may then be decoded once more in step N+1; `finish` reports it as
+skipped, and its extra frame is never seen.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +27,7 @@ from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import common_pb2, worker_pb2
 from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
-from gpu_worker.state_pool import DecodeStatePool
+from gpu_worker.state_pool import DecodeStatePool, RequestState
 
 
 def matrix_to_tensor(m: common_pb2.IntMatrix) -> torch.Tensor:
@@ -46,6 +55,20 @@ def sample_and_commit(model: MossTTSLocal, pool: DecodeStatePool, hidden: torch.
     return torch.cat([frame_rows, stop[:, None].to(frame_rows.dtype), sp.generation_step[:, None]], dim=1)
 
 
+@dataclass
+class PendingStep:
+    """A launched step whose journal tensor is on its way to the host."""
+
+    journal: worker_pb2.Journal
+    samplers: list[tuple[int, RequestState]] = field(default_factory=list)
+    out: torch.Tensor | None = None          # host tensor [len(samplers), row_width + 2] once `done`
+    done: torch.cuda.Event | None = None     # None: already on the host (CPU)
+    t0: float = 0.0
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
                  attention: str = "auto", cuda_graphs: bool = True):
@@ -70,10 +93,48 @@ class Engine:
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
+        # Journal tensors land in pinned host buffers, one per step in flight (launch N+1 may
+        # run before finish N: two), so a later step's copy never overwrites an unread one.
+        self._host_bufs: list[torch.Tensor] = []
+        self._next_buf = 0
+        self._planned: torch.cuda.Event | None = None
+
+    def _to_host(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self.device.type != "cuda":
+            return out[:n], None
+        if not self._host_bufs:
+            shape = (self.max_batch, out.shape[1])
+            self._host_bufs = [torch.empty(shape, dtype=out.dtype, pin_memory=True) for _ in range(3)]
+        buf = self._host_bufs[self._next_buf][:n]
+        self._next_buf = (self._next_buf + 1) % len(self._host_bufs)
+        buf.copy_(out[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
+
+    def mark_planned(self) -> None:
+        """Called right after a step's attention plan is queued. flashinfer's plan stages its
+        metadata in one pinned host buffer per wrapper and copies it asynchronously; the next
+        plan must not rewrite that buffer before this copy ran (see `_wait_planned`)."""
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _wait_planned(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()  # the previous step's plan copies, not its kernels
+            self._planned = None
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
+        """launch + finish: one step, synchronously."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: worker_pb2.StepPlan) -> PendingStep:
+        """Host work and GPU launches of one step; no host sync except `_wait_planned`."""
         t0 = time.perf_counter()
+        self._wait_planned()
         for rid in plan.release:
             self.pool.release(rid)
         embeds, spans, samplers, skipped = [], [], [], []
@@ -112,7 +173,7 @@ class Engine:
             sample_at.append(len(spans) - 1)
             samplers.append((item.request_id, state))
         self.decode_rows += len(decode_rows)
-        journal = worker_pb2.Journal(step_id=plan.step_id, skipped=skipped)
+        pending = PendingStep(worker_pb2.Journal(step_id=plan.step_id, skipped=skipped), t0=t0)
         if spans:
             rows_list = [s.row for _, s in samplers]
             if not embeds and self.graphs is not None and self.graphs.fits(len(spans)):
@@ -122,6 +183,7 @@ class Engine:
                     embeds.append(self.pool.feedback[torch.as_tensor(decode_rows, device=self.device)])
                 batch = AttentionBatch.build(spans, self.device)
                 self.kv.begin(batch)
+                self.mark_planned()
                 hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
                 out = None
                 if samplers:  # a step of non-final prefill chunks samples nothing
@@ -131,17 +193,33 @@ class Engine:
                     out = sample_and_commit(self.model, self.pool, hidden[last], rows_t,
                                             self.pool.any_penalised(rows_list))
             if out is not None:
-                self._journal(out[:len(samplers)].cpu(), samplers, journal)
+                pending.samplers = samplers
+                pending.out, pending.done = self._to_host(out, len(samplers))
         self.steps += 1
-        journal.step_ms = (time.perf_counter() - t0) * 1e3
-        return journal
+        return pending
 
-    def _journal(self, out: torch.Tensor, samplers: list, journal: worker_pb2.Journal) -> None:
-        width = self.cfg.row_width
-        stop_list = out[:, width].bool().tolist()
-        for (rid, state), stopped in zip(samplers, stop_list):
-            state.stopped = stopped
-        journal.request_ids.extend(rid for rid, _ in samplers)
-        journal.rows.CopyFrom(tensor_to_matrix(out[:, :width]))
-        journal.stopped.extend(stop_list)
-        journal.generation_steps.extend(out[:, width + 1].tolist())
+    def finish(self, pending: PendingStep) -> worker_pb2.Journal:
+        """Wait for the step's journal tensor and build its Journal."""
+        journal = pending.journal
+        if pending.samplers:
+            if pending.done is not None:
+                pending.done.synchronize()
+            out = pending.out.numpy()
+            # A request that stopped in the previous step (finished after this one launched)
+            # was decoded once more: report it as skipped, as launch would have.
+            late = np.fromiter((s.stopped for _, s in pending.samplers), dtype=bool, count=len(pending.samplers))
+            journal.skipped.extend(rid for (rid, _), gone in zip(pending.samplers, late) if gone)
+            keep = ~late
+            out = out[keep]
+            samplers = [sm for sm, k in zip(pending.samplers, keep) if k]
+            width = self.cfg.row_width
+            stop_list = out[:, width].astype(bool).tolist()
+            for (_, state), stopped in zip(samplers, stop_list):
+                state.stopped = stopped
+            journal.request_ids.extend(rid for rid, _ in samplers)
+            rows = np.ascontiguousarray(out[:, :width].astype("<i4"))
+            journal.rows.CopyFrom(common_pb2.IntMatrix(rows=rows.shape[0], cols=width, data=rows.tobytes()))
+            journal.stopped.extend(stop_list)
+            journal.generation_steps.extend(out[:, width + 1].tolist())
+        journal.step_ms = (time.perf_counter() - pending.t0) * 1e3
+        return journal

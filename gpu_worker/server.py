@@ -2,6 +2,8 @@
 step plans in arrival order and sends one journal per plan.
 
 Messages are chorus.v1.WorkerCommand / WorkerEvent protobufs, one per frame.
+A step is launched as soon as its plan arrives, even while the previous
+step still runs on the GPU; journals still go out one per plan, in order.
 The worker never decides anything: a plan it cannot execute gets a journal
 with `error` set, and the worker keeps serving.
 """
@@ -13,11 +15,12 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import zmq
 
 from chorus.v1 import worker_pb2
-from gpu_worker.engine import Engine
+from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import DTYPES, build_model
 
 log = logging.getLogger("chorus.worker")
@@ -85,19 +88,55 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, _stop)
     print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}",
           flush=True)
+    pending: tuple[bytes, PendingStep] | None = None  # a launched step whose journal is not sent yet
+
+    def send_journal(ident: bytes, journal: worker_pb2.Journal) -> None:
+        reply = worker_pb2.WorkerEvent()
+        reply.journal.CopyFrom(journal)
+        sock.send_multipart([ident, reply.SerializeToString()])
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            ident, step = pending
+            pending = None
+            send_journal(ident, engine.finish(step))
+
     try:
         while not stopping:
-            if not sock.poll(200):
+            # While a step runs on the GPU, wait for whichever comes first: its journal or the
+            # next plan (the scheduler's lookahead), which is launched before the journal is read.
+            if pending is not None and pending[1].ready():
+                flush()
+            if not sock.poll(0 if pending is not None else 200):
+                if pending is not None:
+                    time.sleep(0.0001)
                 continue
             ident, payload = sock.recv_multipart()
             reply = worker_pb2.WorkerEvent()
             try:
                 cmd = worker_pb2.WorkerCommand.FromString(payload)
             except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
+                flush()
                 reply.error = f"unparseable WorkerCommand: {e}"
                 sock.send_multipart([ident, reply.SerializeToString()])
                 continue
             kind = cmd.WhichOneof("kind")
+            if kind == "step":
+                try:
+                    launched = engine.launch(cmd.step)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("step %d failed", cmd.step.step_id)
+                    flush()  # journals go out in plan order
+                    failed = worker_pb2.Journal(step_id=cmd.step.step_id, error=f"{type(e).__name__}: {e}")
+                    for item in list(cmd.step.prefill) + list(cmd.step.decode):
+                        engine.pool.release(item.request_id)
+                    send_journal(ident, failed)
+                    continue
+                flush()
+                pending = (ident, launched)
+                continue
+            flush()
             if kind == "hello":
                 reply.hello.CopyFrom(hello)
             elif kind == "stats":
@@ -105,15 +144,6 @@ def run(args: argparse.Namespace) -> None:
                 reply.stats.steps = engine.steps
                 reply.stats.prefill_rows = engine.prefill_rows
                 reply.stats.decode_rows = engine.decode_rows
-            elif kind == "step":
-                try:
-                    reply.journal.CopyFrom(engine.execute(cmd.step))
-                except Exception as e:  # noqa: BLE001
-                    log.exception("step %d failed", cmd.step.step_id)
-                    reply.journal.step_id = cmd.step.step_id
-                    reply.journal.error = f"{type(e).__name__}: {e}"
-                    for item in list(cmd.step.prefill) + list(cmd.step.decode):
-                        engine.pool.release(item.request_id)
             elif kind == "shutdown":
                 break
             else:

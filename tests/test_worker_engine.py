@@ -77,3 +77,43 @@ def test_unknown_request_decode_is_a_step_error(model):
     plan.decode.add(request_id=99, kv_slot=0)
     with pytest.raises(StepError):
         Driver(model).engine.execute(plan)
+
+
+def test_pipelined_launch_equals_synchronous(model):
+    """The server launches step N+1 before reading step N's journal (lookahead): requests
+    that stopped in step N are decoded once more and must come back as skipped, and
+    every frame must equal the synchronous run's."""
+    tok = load_tokenizer(None)
+    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
+               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one.", 4), (3, "Third.", 5))}
+    want = Driver(model).run(prompts, frames=16)
+
+    d = Driver(model)
+    out = {rid: [] for rid in prompts}
+    plan = worker_pb2.StepPlan(step_id=0)
+    for rid, (rows, seed) in prompts.items():
+        it = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=len(rows))
+        it.rows.CopyFrom(rows_matrix(rows))
+        it.kv_slots.extend(d.slots(len(rows)))
+        it.sampling.CopyFrom(_sampling(seed))
+    live = set(prompts)
+    pending = d.engine.launch(plan)
+    skipped = 0
+    for _ in range(16):
+        nxt = worker_pb2.StepPlan(step_id=0)  # built before the previous journal is read
+        for rid in sorted(live):
+            nxt.decode.add(request_id=rid, kv_slot=d.slots(1)[0])
+        launched = d.engine.launch(nxt) if live else None
+        j = d.engine.finish(pending)
+        skipped += len(j.skipped)
+        rows = np.frombuffer(j.rows.data, "<i4").reshape(j.rows.rows, j.rows.cols)
+        for i, rid in enumerate(j.request_ids):
+            if j.stopped[i]:
+                live.discard(rid)
+            else:
+                out[rid].append(rows[i].tolist())
+        if launched is None:
+            break
+        pending = launched
+    assert out == want
+    assert skipped == len(prompts)  # each stop was followed by one decode the worker dropped
