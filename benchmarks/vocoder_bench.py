@@ -26,6 +26,11 @@ stage projections; about 160 GFLOP per second of audio for v2), bytes = the
 decoder weights once per step in the compute dtype plus, when streaming, the
 KV window of every stream read and written once.
 
+On CUDA the run starts with a check of the Triton window-attention kernel
+(vocoder_svc/window_attention.py) against the torch path, bf16, at one
+realistic shape (max abs diff and time of each; see window_attention_check).
+--attention picks the session's attention path (auto = the kernel on CUDA).
+
 Results go to stdout as a table and to --out as JSON, rewritten after every
 section, so a run cut short still leaves what it measured.
 """
@@ -50,6 +55,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
+from vocoder_svc import window_attention as wa  # noqa: E402
 from vocoder_svc.session import CodecSession  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -138,6 +144,43 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+# ---- the window-attention kernel ---------------------------------------------------------------------
+
+def window_attention_check(device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                           iters: int = 20, tol: float = 1e-2) -> dict:
+    """The Triton ring-window attention against the torch path (ring gather + masked SDPA) at one realistic
+    shape: B=4, H=12, D=64, W=400 (the 50-400 Hz stages), Tk=800 (a 25-frame step at the 400 Hz stage),
+    offsets 0 / 137 / 2000 / 137 (fresh, partial window, wrapped ring). Inputs are laid out as the session
+    makes them (v a strided view of the fused projection, rows out of order among 8 ring rows). Reports the
+    max abs diff kernel vs torch in `dtype`, and both against the torch path in fp32 on the same (rounded)
+    inputs, plus the time of each path."""
+    B, H, D, W, TK, R = 4, 12, 64, 400, 800, 8
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, TK, 3, H, D, generator=gen).to(device, dtype).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0].contiguous(), qkv[1].contiguous(), qkv[2]
+    kc = torch.randn(R, H, W, D, generator=gen).to(device, dtype)
+    vc = torch.randn(R, H, W, D, generator=gen).to(device, dtype)
+    rows = torch.tensor([5, 0, 3, 6], device=device)
+    offset = torch.tensor([0, 137, 2000, 137], device=device)
+    args = (q, k, v, kc, vc, rows, offset, W)
+    kern = wa.window_attention(*args, impl="triton")
+    ref = wa.window_attention(*args, impl="torch")
+    ref32 = wa.window_attention(*(t.float() for t in (q, k, v, kc, vc)), rows, offset, W, impl="torch")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    diff = (kern.float() - ref.float()).abs().max().item()
+    out = {"shape": {"B": B, "H": H, "D": D, "W": W, "Tk": TK, "offsets": offset.tolist()}, "dtype": str(dtype),
+           "max_abs_diff_kernel_vs_torch": diff,
+           "max_abs_diff_kernel_vs_fp32": (kern.float() - ref32).abs().max().item(),
+           "max_abs_diff_torch_vs_fp32": (ref.float() - ref32).abs().max().item(),
+           "max_abs_ref": ref32.abs().max().item(), "finite": bool(torch.isfinite(kern).all()), "tol": tol}
+    out["ok"] = out["finite"] and diff <= tol
+    for impl in ("triton", "torch"):
+        out[f"{impl}_ms"] = timed(lambda: wa.window_attention(*args, impl=impl), iters, warmup=2,
+                                  sync=sync)["median_ms"]
+    return out
+
+
 # ---- main --------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed runs per case (default 10 GPU, 2 CPU)")
     ap.add_argument("--latency-iters", type=int, default=None, help="timed first-chunk runs (default 30 GPU, 3 CPU)")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
+                    help="CodecSession window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
     ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
@@ -221,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     peak_f, peak_b = args.peak_tflops * 1e12, args.peak_tbps * 1e12
 
     session = CodecSession(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
-                           graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [])
+                           graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [],
+                           attention=args.attention)
     res["session"] = {"slots": session.slots, "buckets": list(session.buckets), "scratch_rows": session.scratch,
-                      "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype)}
+                      "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype),
+                      "attention": args.attention,
+                      "attention_kernel": wa.kernel_selected(dtype, device, 64, args.attention)}
     save()
     gen = torch.Generator().manual_seed(args.seed + 1)
 
@@ -261,6 +309,23 @@ def main(argv: list[str] | None = None) -> int:
         return r
 
     # ---- checks first: cheap, and they say whether the numbers mean anything ----
+    if cuda:
+        def attention_kernel() -> None:
+            if not wa.HAVE_TRITON:
+                res["checks"]["window_attention"] = {"skipped": "triton is not installed"}
+                log("check window attention kernel: SKIPPED (no triton)")
+                return
+            c = res["checks"]["window_attention"] = window_attention_check(device, torch.bfloat16, seed=args.seed)
+            log(f"check window attention kernel (bf16, B=4 H=12 D=64 W=400 Tk=800, offsets 0/137/2000): "
+                f"max abs diff kernel vs torch {c['max_abs_diff_kernel_vs_torch']:.3e} "
+                f"(kernel vs fp32 {c['max_abs_diff_kernel_vs_fp32']:.3e}, torch vs fp32 "
+                f"{c['max_abs_diff_torch_vs_fp32']:.3e}) {'OK' if c['ok'] else 'FAIL'}; "
+                f"triton {c['triton_ms']:.3f} ms, torch {c['torch_ms']:.3f} ms")
+            if not c["ok"]:
+                raise RuntimeError(f"window attention kernel disagrees with the torch path: {c}")
+
+        section("window attention kernel", attention_kernel)
+
     def checks() -> None:
         c = res["checks"]
         x = codes(1, 3 * args.first_chunk)

@@ -8,7 +8,7 @@ a CUDA graph and replayed with new inputs. On CPU (and for any (bucket, T)
 without a graph) the very same step function runs eagerly.
 
 Math: exactly the codec's (vocoder_svc/codec.py, spec §3, §4), reusing its
-weights and its RoPE/mask helpers:
+weights and its RoPE helper (attention: vocoder_svc/window_attention.py):
 
     quantizer gather-sum (fp32) -> per Transformer stage: in_proj, layers
     (pre-norm LN, fused QKV, interleaved-pair RoPE at absolute positions,
@@ -20,22 +20,44 @@ State (§4.1), per row (a row is a slot or a scratch row):
 * ``frames[row]``: code frames this stream has consumed. Every stage's token
   offset is ``frames * tokens_per_frame(stage)``, so one counter is the whole
   position state.
-* per stage and layer, ``k[l], v[l]``: ``[rows, H, W, D]``, the rotated keys
-  and the values of the last W tokens in chronological order (cache, never a
-  ring). Their positions are implied by the offset: entry j holds position
-  ``offset - W + j``; a negative position means "empty" and is masked (§3.3),
-  so a fresh or released stream is just ``frames = 0`` (stale K/V behind a
-  negative position is never attended to; buffers start zeroed so it is
-  always finite).
+* per stage and layer, ``k[l], v[l]``: ``[rows, H, W, D]``, a ring of the
+  rotated keys and the values of the last W tokens: position p of the stage
+  lives at ring index ``p mod W``. Positions are implied by the offset: the
+  ring holds positions ``[offset - W, offset)`` (those >= 0 exist; a negative
+  one means "empty"). A step reads only positions in
+  ``[max(0, offset + i - W + 1), offset + i]`` for its query i, so nothing
+  below 0 or at/after the offset is ever read from the ring and a fresh or
+  released stream is just ``frames = 0``: nothing is cleared (buffers start
+  zeroed and only finite K/V are written, so even the masked entries the
+  torch path gathers stay finite).
+
+  Why a ring and not the chronological cache of spec §4.1/§4.2 (which keeps
+  the last W entries in order and shifts them every step): the shift rewrote
+  the whole [rows, H, W, D] cache of every participant in every layer of every
+  step, and the dense [B, 1, Tk, W+Tk] mask it went with is 100+ MB per layer
+  at the 400 Hz stage. With the ring a step writes only its own last
+  min(Tk, W) tokens, and the Triton kernel needs neither a gather, a
+  concatenation nor a mask. This is not the spec's pitfall "v1 ring" (§4.3):
+  that one writes the chunk into a W-ring before attending and so loses keys;
+  here the chunk attends over ring + chunk first and is written afterwards,
+  which is exactly cache + chunk (keys are still visited in chronological
+  order). Attention is vocoder_svc/window_attention.py: the Triton kernel on
+  CUDA (fp16/bf16/fp32), the torch path elsewhere (gather the ring into
+  chronological order, then the same masked SDPA as before: CPU results are
+  bit-identical to the shifted cache).
 
 One step for a bucket of B rows and T frames (all shapes static):
 
     rows   = [slot ids of the participants..., scratch rows for padding]
     f      = where(valid, frames[rows], 0)            # padding = fresh stream
-    pos    = f*m + [-W, ..., T*m - 1]                   # cache + chunk positions
-    mask   = codec.window_mask(pos[W:], pos, W)         # once per stage (built as band & exists)
-    per layer: kc = cat(k[l][rows], k_new); o = SDPA(q, kc, vc, mask)
-               k[l][rows] = kc[:, :, -W:]               # index_copy_, same for v
+    off    = f*m; pos_q = off + [0, T*m)               # the chunk's positions
+    write  = ring index (pos mod W) of the chunk's last min(T*m, W) tokens, per row/head   # once per stage
+    per layer: o = window_attention(q, k_new, v_new, k[l], v[l], rows, off, W)
+                 # kernel: query P reads positions [max(0, P-W+1), P] from
+                 #   k[l][rows, :, p mod W] (p < off) or k_new[:, :, p - off] (p >= off)
+                 # torch:  kc = cat(k[l] gathered at (off + [0, W)) mod W, k_new); SDPA(q, kc, vc, mask)
+                 #   with mask = codec.window_mask(pos[W:], pos, W), pos = off + [-W, T*m), once per stage
+               k[l][rows, :, write] = k_new[:, :, -min(T*m, W):]   # index_copy_ after the read, same for v
     frames[rows] = f + T
 
 Padding rows read and write only scratch rows (one per padding position, so
@@ -54,7 +76,8 @@ computing the full bucket; ``step(bucket=...)`` times that.)
 
 Precision: ``compute_dtype`` bf16/fp16 follows the reference's autocast
 policy (§3.7) without autocast's per-step weight casts: GEMM weights are cast
-once, GEMMs, the KV cache and SDPA run in bf16, while the quantizer (fp32),
+once, GEMMs, the KV cache and attention run in bf16 (attention keeps its
+softmax and accumulation in fp32, kernel or SDPA), while the quantizer (fp32),
 LayerNorm, RoPE and the residual stream stay in fp32. With compute dtype
 equal to the codec dtype (fp32/fp64) the session uses the codec's own tensors
 and its result equals ``codec.decode`` up to rounding.
@@ -62,7 +85,8 @@ and its result equals ``codec.decode`` up to rounding.
 CUDA graphs: one per (bucket, T), captured lazily on first use (for T in
 ``graph_frames``) or up front with ``capture()``, largest first, into one
 shared memory pool. Warm-up and capture run on scratch rows only, so
-capturing while streams are live is safe. Replay copies codes, row ids and
+capturing while streams are live is safe (the warm-up also compiles the
+attention kernel for the shape before capture). Replay copies codes, row ids and
 the valid mask into the graph's static input buffers. A (bucket, T) without a
 graph runs eagerly with the same bucket (same GEMM shapes). A capture or
 replay failure disables graphs for the session (``graphs_disabled`` says
@@ -85,8 +109,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vocoder_svc import window_attention as wa
 from vocoder_svc.codec import (LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer,
                                apply_rope)
+from vocoder_svc.window_attention import chunk_window_mask  # noqa: F401 - re-exported (tests, older callers)
 
 HALF = (torch.bfloat16, torch.float16)
 # Positions go through fp32 for RoPE (§3.3), exact only below 2**24.
@@ -108,19 +134,6 @@ def rope_freq(head_dim: int, max_period: float, device: torch.device) -> Tensor:
     c = -2.0 * math.log(max_period) / head_dim
     i = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
     return torch.exp(i * torch.tensor(c, dtype=torch.float32, device=device))
-
-
-def chunk_window_mask(offset: Tensor, window: int, tk: int) -> Tensor:
-    """Boolean [B, Tk, W+Tk]: codec.window_mask(pos_q, pos_k, W) for keys (cache of W, then the chunk).
-
-    Key index i holds position offset - W + i and query j sits at key index W + j, so the codec's
-    mask is a static band (0 <= W + j - i < W) and a per-row "exists" cut (position >= 0, i.e.
-    i >= W - offset), built without [B, Tk, W+Tk] integer temporaries."""
-    idx = torch.arange(window + tk, device=offset.device)
-    rel = idx[window:].unsqueeze(1) - idx.unsqueeze(0)  # [Tk, W+Tk]
-    band = (rel >= 0) & (rel < window)
-    exists = idx.unsqueeze(0) >= (window - offset).unsqueeze(1)  # [B, W+Tk]
-    return band.unsqueeze(0) & exists.unsqueeze(1)
 
 
 @dataclass
@@ -179,12 +192,14 @@ class CodecSession:
         graph bookkeeping (static buffers, scratch-row warm-up) with an eager
         "replay"; for CPU tests of that path.
     graph_frames: the T values that get graphs (lazily on first use); default 1..25.
+    attention: window attention implementation (vocoder_svc/window_attention.py): "auto" (the Triton
+        kernel on CUDA for fp16/bf16/fp32, else torch), "triton" or "torch".
     """
 
     def __init__(self, codec: MossAudioTokenizer, slots: int = 16, n_q: int | None = None,
                  compute_dtype: torch.dtype | None = None, buckets: Iterable[int] | None = None,
                  graphs: bool | str | None = None, graph_frames: Iterable[int] | None = None,
-                 warmup: int = 2):
+                 warmup: int = 2, attention: str = "auto"):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.codec = codec
@@ -210,6 +225,9 @@ class CodecSession:
         self.graph_mode: str | None = "emulate" if graphs == "emulate" else ("cuda" if graphs else None)
         self.graph_frames = frozenset(range(1, 26) if graph_frames is None else (int(t) for t in graph_frames))
         self.warmup = warmup
+        if attention not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention must be 'auto', 'triton' or 'torch', got {attention!r}")
+        self.attention_impl = attention
         self.graphs_disabled: str | None = None
         self.last_step_graphed = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -345,7 +363,7 @@ class CodecSession:
             self._reset(slot)
 
     def _reset(self, slot: int) -> None:
-        # frames = 0 makes every cached position negative, i.e. empty (see the module docstring).
+        # frames = 0: no ring position is below the offset any more, so nothing is read (module docstring).
         with torch.inference_mode():
             self._frames[slot] = 0
         self._frames_host[slot] = 0
@@ -377,12 +395,14 @@ class CodecSession:
             tk, w, hd, nh, d = t * st.mult, st.window, st.head_dim, st.heads, st.d_model
             offset = frames * st.mult  # [B]
             pos_q = offset.unsqueeze(1) + torch.arange(tk, device=codes.device)  # [B, Tk] absolute positions
-            allowed = chunk_window_mask(offset, w, tk).unsqueeze(1)  # [B, 1, Tk, W+Tk]
-            # Additive mask in the compute dtype, built once per stage; its row stride is padded
-            # to a multiple of 16 elements so the fused attention kernels take it without a copy.
-            kp = -(-(w + tk) // 16) * 16
-            mask = torch.full((bsz, 1, tk, kp), float("-inf"), dtype=cd, device=codes.device)[..., :w + tk]
-            mask.masked_fill_(allowed, 0.0)
+            # Ring slots of the chunk's last min(Tk, W) tokens, and (torch path only) the chronological
+            # gather index and the additive window mask: once per stage, shared by its layers.
+            write = wa.ring_write_index(rows, offset, nh, w, tk)
+            if wa.kernel_selected(cd, codes.device, hd, self.attention_impl):
+                gather = mask = None
+            else:
+                gather = wa.ring_gather_index(rows, offset, nh, w)
+                mask = wa.additive_window_mask(offset, w, tk, cd)  # [B, 1, Tk, W+Tk]
             angle = pos_q.to(torch.float32).unsqueeze(-1) * st.freq  # §3.3 fp32 recipe
             cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)  # [B, 1, Tk, D/2]
             y = x.to(rd) if st.w_in is None else F.linear(x.to(cd), st.w_in).to(rd)  # [B, Tk, d]
@@ -390,11 +410,10 @@ class CodecSession:
                 a = F.layer_norm(y, (d,), lay.ln1_w, lay.ln1_b, LN_EPS).to(cd)
                 qkv = F.linear(a, lay.wqkv).reshape(bsz, tk, 3, nh, hd).permute(2, 0, 3, 1, 4)
                 q, k, v = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]
-                kc = torch.cat((st.k[li].index_select(0, rows), k), dim=2)  # [B, H, W+Tk, D] chronological
-                vc = torch.cat((st.v[li].index_select(0, rows), v), dim=2)
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
-                st.k[li].index_copy_(0, rows, kc[:, :, tk:])  # keep the last W entries
-                st.v[li].index_copy_(0, rows, vc[:, :, tk:])
+                o = wa.window_attention(q, k, v, st.k[li], st.v[li], rows, offset, w, impl=self.attention_impl,
+                                        mask=mask, index=gather)  # [B, H, Tk, D]
+                wa.ring_write(st.k[li], k, write)  # after the read: it overwrites keys this chunk still needed
+                wa.ring_write(st.v[li], v, write)
                 o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
                 y = y + (o if lay.s1 is None else lay.s1 * o)
                 f = F.layer_norm(y, (d,), lay.ln2_w, lay.ln2_b, LN_EPS).to(cd)

@@ -1,0 +1,319 @@
+"""Windowed causal attention over a ring KV cache plus a new chunk (CodecSession's attention).
+
+Layout (vocoder_svc/session.py): per layer a cache ``k_cache, v_cache`` of
+``[rows, H, W, D]`` is a *ring*: the K/V of absolute position p of that stage
+lives at ring index ``p mod W``. A step brings ``Tk`` new tokens per row at
+positions ``offset + [0, Tk)`` (``q, k, v``: ``[B, H, Tk, D]``, row b reading
+cache row ``rows[b]``). A query at position P sees exactly the keys with
+positions in ``[max(0, P - W + 1), P]`` (§3.3: causal, the window counts the
+query itself, negative positions do not exist): those below ``offset`` come
+from the ring, the others from the new chunk. Since a stream has written every
+position in ``[0, offset)``, ring index ``p mod W`` holds position p for every
+p in ``[offset - W, offset)``, and nothing outside that range is ever read, so
+a fresh stream is just ``offset = 0`` (stale ring entries are never looked at).
+
+`window_attention` computes it two ways (``impl`` as in gpu_worker/kernels.py):
+
+- torch (CPU, fp64, fallback): gather the ring into chronological order with
+  index arithmetic (one index_select), concatenate the chunk and run dense
+  SDPA with the additive [B, 1, Tk, W+Tk] window mask: exactly the math the
+  session ran before the ring (same values in the same order).
+- Triton (CUDA; or CPU under TRITON_INTERPRET=1): flash-attention style
+  online softmax with fp32 accumulation, one program per (row, head, query
+  block). For a block of queries it visits only the key positions its window
+  can reach, block by block in chronological order, loading each key from the
+  ring (position < offset) or the chunk (position >= offset): no gather, no
+  concatenation, no mask tensor. Output is written [B, Tk, H, D] and returned
+  as a transposed view, so ``o.transpose(1, 2).reshape(B, Tk, H*D)`` is free.
+
+`ring_write` stores the last min(Tk, W) new tokens' K/V at their ring indices
+(an index_copy_ of min(Tk, W) entries per row and head), after attention.
+
+Everything is sync-free with shapes fixed by (B, Tk), so it can be captured in
+a CUDA graph (after one warm-up call per shape compiles the kernel).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Import triton only where it can run: with CUDA, or in interpreter mode (the pattern of
+# gpu_worker/kernels.py; tests/test_window_attention.py reloads this module in interpreter mode).
+HAVE_TRITON = False
+triton = tl = None
+if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
+    try:
+        import triton
+        import triton.language as tl
+        HAVE_TRITON = True
+    except ImportError:  # CI has no triton: the torch path everywhere
+        pass
+
+# Triton decides at decoration time whether @triton.jit functions run in the interpreter.
+INTERPRET = HAVE_TRITON and _interpret_env()
+
+__all__ = ["HAVE_TRITON", "INTERPRET", "window_attention", "use_triton", "ring_gather_index", "ring_write_index",
+           "ring_write", "chunk_window_mask", "additive_window_mask"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_KERNEL_HEAD_DIM = 256
+
+
+# ---- index arithmetic and the torch path ---------------------------------------------------------
+
+def chunk_window_mask(offset: Tensor, window: int, tk: int) -> Tensor:
+    """Boolean [B, Tk, W+Tk]: codec.window_mask(pos_q, pos_k, W) for keys (chronological cache of W, then the chunk).
+
+    Key index i holds position offset - W + i and query j sits at key index W + j, so the codec's
+    mask is a static band (0 <= W + j - i < W) and a per-row "exists" cut (position >= 0, i.e.
+    i >= W - offset), built without [B, Tk, W+Tk] integer temporaries."""
+    idx = torch.arange(window + tk, device=offset.device)
+    rel = idx[window:].unsqueeze(1) - idx.unsqueeze(0)  # [Tk, W+Tk]
+    band = (rel >= 0) & (rel < window)
+    exists = idx.unsqueeze(0) >= (window - offset).unsqueeze(1)  # [B, W+Tk]
+    return band.unsqueeze(0) & exists.unsqueeze(1)
+
+
+def additive_window_mask(offset: Tensor, window: int, tk: int, dtype: torch.dtype) -> Tensor:
+    """[B, 1, Tk, W+Tk] in `dtype`: 0 where chunk_window_mask allows, -inf elsewhere. Its row stride is
+    padded to a multiple of 16 elements so the fused SDPA kernels take it without a copy."""
+    bsz = offset.shape[0]
+    kp = -(-(window + tk) // 16) * 16
+    mask = torch.full((bsz, 1, tk, kp), float("-inf"), dtype=dtype, device=offset.device)[..., :window + tk]
+    mask.masked_fill_(chunk_window_mask(offset, window, tk).unsqueeze(1), 0.0)
+    return mask
+
+
+def ring_gather_index(rows: Tensor, offset: Tensor, heads: int, window: int) -> Tensor:
+    """Flat index [B*H*W] into ``cache.view(-1, D)`` ([rows, H, W, D] contiguous) that reads each row's
+    window in chronological order: entry j is position offset - W + j, ring index (offset + j) mod W.
+    Entries of negative positions are whatever the ring holds there (finite, masked)."""
+    j = torch.arange(window, device=offset.device)
+    slot = torch.remainder(offset.unsqueeze(1) + j, window)  # [B, W]
+    base = rows.unsqueeze(1) * (heads * window) + torch.arange(heads, device=offset.device) * window  # [B, H]
+    return (base.unsqueeze(2) + slot.unsqueeze(1)).reshape(-1)
+
+
+def ring_write_index(rows: Tensor, offset: Tensor, heads: int, window: int, tk: int) -> Tensor:
+    """Flat index [B*H*n], n = min(Tk, W), into ``cache.view(-1, D)``: the ring slots of the chunk's last n
+    tokens (positions offset + Tk - n .. offset + Tk - 1). Distinct within a row, rows distinct."""
+    n = min(tk, window)
+    p = offset.unsqueeze(1) + torch.arange(tk - n, tk, device=offset.device)  # [B, n]
+    base = rows.unsqueeze(1) * (heads * window) + torch.arange(heads, device=offset.device) * window  # [B, H]
+    return (base.unsqueeze(2) + torch.remainder(p, window).unsqueeze(1)).reshape(-1)
+
+
+def ring_write(cache: Tensor, new: Tensor, index: Tensor) -> None:
+    """cache [rows, H, W, D] (contiguous) <- the last n tokens of new [B, H, Tk, D] at `index`
+    (ring_write_index). Call after the step's attention has read the ring."""
+    if not cache.is_contiguous():
+        raise ValueError("the ring cache must be contiguous [rows, H, W, D] (flat ring indices)")
+    d = cache.shape[-1]
+    n = index.numel() // (new.shape[0] * new.shape[1])
+    cache.view(-1, d).index_copy_(0, index, new[:, :, new.shape[2] - n:].reshape(-1, d))
+
+
+def _window_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                            offset: Tensor, window: int, mask: Tensor | None, index: Tensor | None) -> Tensor:
+    bsz, heads, tk, d = q.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the ring caches must be contiguous [rows, H, W, D] (flat ring indices)")
+    if index is None:
+        index = ring_gather_index(rows, offset, heads, window)
+    if mask is None:
+        mask = additive_window_mask(offset, window, tk, q.dtype)
+    kc = torch.cat((k_cache.view(-1, d).index_select(0, index).view(bsz, heads, window, d), k), dim=2)
+    vc = torch.cat((v_cache.view(-1, d).index_select(0, index).view(bsz, heads, window, d), v), dim=2)
+    return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)  # [B, H, Tk, D]
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------
+
+def _supported(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+               offset: Tensor, window: int) -> bool:
+    if q.dim() != 4 or k_cache.dim() != 4:
+        return False
+    bsz, heads, tk, d = q.shape
+    return (q.dtype in _KERNEL_DTYPES and all(t.dtype == q.dtype for t in (k, v, k_cache, v_cache))
+            and k.shape == v.shape == q.shape and k_cache.shape == v_cache.shape
+            and k_cache.shape[1:] == (heads, window, d) and 1 <= d <= MAX_KERNEL_HEAD_DIM
+            and bsz > 0 and tk > 0 and window >= 1
+            and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
+            and rows.shape == offset.shape == (bsz,) and rows.dtype == offset.dtype == torch.long)
+
+
+def use_triton(impl: str, supported: bool, *tensors: Tensor) -> bool:
+    """Kernel or torch path (gpu_worker/kernels.py's rule): "auto" takes the kernel for supported CUDA
+    inputs, "triton" forces it (raises when it cannot run), "torch" forces the torch path."""
+    if impl == "torch":
+        return False
+    if impl not in ("auto", "triton"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "auto":
+        return supported and HAVE_TRITON and all(t.is_cuda for t in tensors)
+    if not (HAVE_TRITON and all(t.is_cuda or (INTERPRET and t.device.type == "cpu") for t in tensors)):
+        raise RuntimeError("impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
+                           "set before vocoder_svc.window_attention is imported, with CPU tensors)")
+    if not supported:
+        raise ValueError("impl='triton': these inputs need the torch path (dtype fp16/bf16/fp32, head dim "
+                         f"<= {MAX_KERNEL_HEAD_DIM}, unit stride in the head dim, matching shapes)")
+    return True
+
+
+def kernel_selected(dtype: torch.dtype, device: torch.device, head_dim: int, impl: str = "auto") -> bool:
+    """Whether window_attention(impl=impl) takes the kernel for well-formed inputs of this dtype, device and
+    head dim, so a caller can skip building the torch path's mask and index (it builds them itself when
+    needed anyway)."""
+    if impl == "torch":
+        return False
+    if impl not in ("auto", "triton"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    ok = dtype in _KERNEL_DTYPES and 1 <= head_dim <= MAX_KERNEL_HEAD_DIM and HAVE_TRITON
+    if impl == "auto":
+        return ok and torch.device(device).type == "cuda"
+    return ok and (torch.device(device).type == "cuda" or INTERPRET)
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
+                     offset: Tensor, window: int, *, impl: str = "auto", mask: Tensor | None = None,
+                     index: Tensor | None = None) -> Tensor:
+    """Softmax attention of the chunk's queries over (ring window + chunk), scale 1/sqrt(D).
+
+    q, k, v: [B, H, Tk, D] (rotated q/k of positions offset + [0, Tk); any strides with a unit last one).
+    k_cache, v_cache: [R, H, W, D] rings (W = window); row b reads ring row rows[b].
+    rows, offset: [B] long (device tensors; offset >= 0).
+    mask, index: optional precomputed additive_window_mask / ring_gather_index for the torch path
+        (shared by all layers of a stage); ignored by the kernel.
+    Returns [B, H, Tk, D] in q's dtype (from the kernel: a transposed view of a [B, Tk, H, D] buffer).
+    Does not write the ring: call ring_write for k and v afterwards."""
+    supported = _supported(q, k, v, k_cache, v_cache, rows, offset, window)
+    if not use_triton(impl, supported, q, k, v, k_cache, v_cache, rows, offset):
+        return _window_attention_torch(q, k, v, k_cache, v_cache, rows, offset, window, mask, index)
+    bsz, heads, tk, d = q.shape
+    out = torch.empty((bsz, tk, heads, d), dtype=q.dtype, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = min(64, max(16, triton.next_power_of_2(tk)))
+    block_n = 64 if block_d <= 128 else 32
+    grid = (triton.cdiv(tk, block_m), bsz * heads)
+    _window_attention_kernel[grid](
+        q, k, v, k_cache, v_cache, rows, offset, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        heads, tk, window, d, (1.0 / math.sqrt(d)) * math.log2(math.e),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
+        num_warps=4, num_stages=2)
+    return out.transpose(1, 2)
+
+
+# ---- the kernel ------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base, v_base,
+                   skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One online-softmax update with the keys at positions [start, start + BLOCK_N)."""
+        p = start + tl.arange(0, BLOCK_N)
+        in_ring = p < off  # p >= 0 always (start >= 0)
+        in_new = (p >= off) & (p < new_end)
+        ridx = p % W
+        nidx = p - off
+        rmask = in_ring[:, None] & dmask[None, :]
+        nmask = in_new[:, None] & dmask[None, :]
+        kr = tl.load(kc_base + ridx[:, None] * skc_w + dd[None, :], mask=rmask, other=0.0)
+        kn = tl.load(k_base + nidx[:, None] * sk_t + dd[None, :], mask=nmask, other=0.0)
+        kb = tl.where(in_ring[:, None], kr, kn)
+        if INTERPRETED:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.6): same operands in fp32
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(kb), input_precision=PRECISION)
+        s = s * qk_scale  # log2 domain
+        rel = pq[:, None] - p[None, :]
+        ok = (rel >= 0) & (rel < W) & (in_ring | in_new)[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        vr = tl.load(vc_base + ridx[:, None] * svc_w + dd[None, :], mask=rmask, other=0.0)
+        vn = tl.load(v_base + nidx[:, None] * sv_t + dd[None, :], mask=nmask, other=0.0)
+        vb = tl.where(in_ring[:, None], vr, vn)
+        if INTERPRETED:
+            pv = tl.dot(pr.to(vb.dtype).to(tl.float32), vb.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(pr.to(vb.dtype), vb, input_precision=PRECISION)  # P rounded to the input dtype, as SDPA
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _window_attention_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, rows_ptr, off_ptr, o_ptr,
+                                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                                 skc_r, skc_h, skc_w, svc_r, svc_h, svc_w,
+                                 so_b, so_t, so_h,
+                                 H, TK, W, D, qk_scale,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        mb = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        off = tl.load(off_ptr + b).to(tl.int32)  # positions stay < 2**24 (session.MAX_POSITION)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+
+        i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the chunk
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        qmask = i < TK
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + i[:, None] * sq_t + dd[None, :],
+                    mask=qmask[:, None] & dmask[None, :], other=0.0)
+        pq = off + i  # absolute query positions
+
+        q_lo = off + mb * BLOCK_M
+        q_end = off + tl.minimum(mb * BLOCK_M + BLOCK_M, TK)  # one past the block's last query
+        k_lo = tl.maximum(q_lo - W + 1, 0)  # the first key any query of the block can see
+        new_end = off + TK
+
+        kc_base = kc_ptr + row * skc_r + h * skc_h
+        vc_base = vc_ptr + row * svc_r + h * svc_h
+        k_base = k_ptr + b * sk_b + h * sk_h
+        v_base = v_ptr + b * sv_b + h * sv_h
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Key blocks [k_lo, q_end) in chronological order. The interpreter cannot take tensor loop
+        # bounds (numpy 2 refuses int() of its 1-element scalars), so there the same blocks run as a
+        # while loop; compiled, it is an scf.for (software pipelined).
+        if INTERPRETED:
+            start = k_lo
+            while start < q_end:
+                m_i, l_i, acc = _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base,
+                                           v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
+                                           BLOCK_N, PRECISION, INTERPRETED)
+                start += BLOCK_N
+        else:
+            for start in range(k_lo, q_end, BLOCK_N):
+                m_i, l_i, acc = _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base,
+                                           v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
+                                           BLOCK_N, PRECISION, INTERPRETED)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding queries (i >= TK): every real one sees itself
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + b * so_b + i[:, None] * so_t + h * so_h + dd[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=qmask[:, None] & dmask[None, :])
