@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# End-to-end sweep on the two-GPU machine (nvidia-h200-x2): worker on cuda:0, vocoder on
+# cuda:1, scheduler on the CPU; every level through the real gRPC API. Then the ratios the
+# GPU issue asks for, each from one run at c16: lookahead off, CUDA graphs off, and W2 with
+# the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+DUR=${DUR:-15}
+COMMON=(--launch --device cuda --dtype bfloat16 --worker-arg=--preset=full --worker-arg=--device=cuda:0
+        --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
+        --vocoder-arg=--device=cuda:1 --vocoder-arg=--slots=256 --duration "$DUR" --warmup 5 --no-progress
+        --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
+run() {  # name, then chorus bench flags
+  local name=$1; shift
+  echo "=== $name: $*"
+  timeout 420 python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"; grep -E " (c|r)=[0-9]" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+}
+python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
+run e2e_w1_x2 --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"
+run e2e_w1_c16_no_lookahead --workload W1 --concurrency 16 --scheduler-arg=--no-lookahead
+run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs
+run e2e_w2_c16_radix --workload W2 --concurrency 16
+run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache
