@@ -3,8 +3,8 @@
 # cuda:1, scheduler on the CPU; every level through the real gRPC API. Then the ratios the
 # GPU issue asks for, each from one run at c16: lookahead off, CUDA graphs off, and W2 with
 # the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}
+OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}
 COMMON=(--launch --device cuda --dtype bfloat16 --worker-arg=--preset=full --worker-arg=--device=cuda:0
         --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
@@ -22,3 +22,6 @@ run e2e_w1_c16_no_lookahead --workload W1 --concurrency 16 --scheduler-arg=--no-
 run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs
 run e2e_w2_c16_radix --workload W2 --concurrency 16
 run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache
+python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
+python benchmarks/vocoder_profile.py --device cuda:1 --streams 1 --frames 5 --out "$OUT/vocoder_profile_first_chunk.json" | head -12
+tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .
