@@ -60,31 +60,60 @@ def backend_parity(model, device) -> dict:
     return out
 
 
-def run_requests(engine: Engine, prompts: list[np.ndarray], steps: int) -> list[list[list[int]]]:
+def run_requests(engine: Engine, prompts: list[np.ndarray], steps: int, late: np.ndarray | None = None,
+                 late_step: int = 5, pipelined: bool = False) -> list[list[list[int]]]:
+    """Prefill `prompts` together, decode `steps` steps. `late`: one more prompt prefilled at
+    `late_step` beside the decodes (a mixed step). `pipelined`: launch step N+1 before reading
+    step N's journal, as the server does under the scheduler's lookahead."""
     sampling = worker_pb2.SamplingConfig(text_temperature=1, text_top_p=1, text_top_k=50, audio_temperature=1.7,
                                          audio_top_p=0.8, audio_top_k=25, audio_repetition_penalty=1.0,
                                          seed=11, min_frames=1 << 30)
     slot = 0
-    plan = worker_pb2.StepPlan(step_id=1)
-    for rid, rows in enumerate(prompts, 1):
+    all_prompts = prompts + ([late] if late is not None else [])
+    live: list[int] = []
+
+    def prefill(plan, rid):
+        nonlocal slot
+        rows = all_prompts[rid - 1]
         item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=len(rows))
         item.rows.CopyFrom(rows_matrix(rows))
         item.kv_slots.extend(range(slot, slot + len(rows)))
         slot += len(rows)
         item.sampling.CopyFrom(sampling)
         item.sampling.seed = 1000 + rid
-    frames = [[] for _ in prompts]
-    for step in range(steps):
-        journal = engine.execute(plan)
+
+    def next_plan(step):
+        nonlocal slot
+        plan = worker_pb2.StepPlan(step_id=step + 1)
+        for rid in live:
+            plan.decode.add(request_id=rid, kv_slot=slot)
+            slot += 1
+        if step == 0:
+            for rid in range(1, len(prompts) + 1):
+                prefill(plan, rid)
+        if late is not None and step == late_step:
+            prefill(plan, len(all_prompts))
+        live.extend(it.request_id for it in plan.prefill)
+        return plan
+
+    frames = [[] for _ in all_prompts]
+
+    def record(journal):
         rows = np.frombuffer(journal.rows.data, "<i4").reshape(journal.rows.rows, journal.rows.cols)
         for i, rid in enumerate(journal.request_ids):
             frames[rid - 1].append(rows[i].tolist())
-        plan = worker_pb2.StepPlan(step_id=step + 2)
-        for rid in range(1, len(prompts) + 1):
-            plan.decode.add(request_id=rid, kv_slot=slot)
-            slot += 1
-    plan = worker_pb2.StepPlan(step_id=0, release=range(1, len(prompts) + 1))
-    engine.execute(plan)
+
+    if pipelined:
+        pending = engine.launch(next_plan(0))
+        for step in range(1, steps):
+            nxt = engine.launch(next_plan(step))
+            record(engine.finish(pending))
+            pending = nxt
+        record(engine.finish(pending))
+    else:
+        for step in range(steps):
+            record(engine.execute(next_plan(step)))
+    engine.execute(worker_pb2.StepPlan(step_id=0, release=range(1, len(all_prompts) + 1)))
     return frames
 
 
@@ -93,16 +122,32 @@ def graph_parity(model) -> dict:
     out = {}
     eager = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=False)
     graphed = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True)
+
+    def prompt(n):
+        return np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
+
+    def same(a, b):
+        return sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb)), sum(len(f) for f in a)
+
     for bs in (4, 3):
-        prompts = [np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
-                   for n in rng.integers(40, 120, bs)]
+        prompts = [prompt(n) for n in rng.integers(40, 120, bs)]
         a = run_requests(eager, prompts, 24)
         b = run_requests(graphed, prompts, 24)
-        same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))
-        total = sum(len(f) for f in a)
-        out[f"bs{bs}"] = {"identical_frames": same, "frames": total, "bucket": graphed.graphs.bucket(bs)}
-        print(f"graphed vs eager bs {bs} (bucket {graphed.graphs.bucket(bs)}): {same}/{total} frames identical",
+        n_same, total = same(a, b)
+        out[f"bs{bs}"] = {"identical_frames": n_same, "frames": total, "bucket": graphed.graphs.bucket(bs)}
+        print(f"graphed vs eager bs {bs} (bucket {graphed.graphs.bucket(bs)}): {n_same}/{total} frames identical",
               flush=True)
+    # The server's pipelining (launch N+1 before finish N) and a request prefilled beside graphed
+    # decodes (a mixed step: eager prefill + graph replay) must not move the others' frames.
+    prompts = [prompt(n) for n in rng.integers(40, 120, 3)]
+    base = run_requests(graphed, prompts, 24)
+    piped = run_requests(graphed, prompts, 24, pipelined=True)
+    mixed = run_requests(graphed, prompts, 24, late=prompt(77), pipelined=True)
+    for name, got in (("pipelined_vs_sync", piped), ("late_arrival_mixed_step", mixed[:3])):
+        n_same, total = same(base, got)
+        out[name] = {"identical_frames": n_same, "frames": total}
+        print(f"{name}: {n_same}/{total} frames identical", flush=True)
+    out["late_arrival_frames"] = len(mixed[3])
     return out
 
 

@@ -125,6 +125,42 @@ class Engine:
             self._planned.synchronize()  # the previous step's plan copies, not its kernels
             self._planned = None
 
+    def warm_up(self) -> float:
+        """Run every kernel variant serving uses once, then forget the requests: Triton compiles
+        a kernel per specialisation on first use (the fused sampler alone takes seconds per
+        variant) and flashinfer JIT-compiles its prefill kernel, which must not land on the first
+        user's request. Steps: a prefill, a mixed prefill + graphed decode with a repetition
+        penalty, a decode, a release. Uses KV slots [0, 64): call before serving. Returns seconds."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        ids = (1 << 63, (1 << 63) + 1)
+        rows = np.full((16, cfg.row_width), cfg.audio_pad_code, dtype=np.int32)
+        rows[:, 0] = np.arange(16) + 100
+        rows[8:, 1:] = np.arange(8)[:, None] % min(cfg.codebook_sizes)
+        matrix = common_pb2.IntMatrix(rows=rows.shape[0], cols=rows.shape[1], data=rows.astype("<i4").tobytes())
+
+        def prefill(plan: worker_pb2.StepPlan, rid: int, first_slot: int, penalty: float) -> None:
+            item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=16)
+            item.rows.CopyFrom(matrix)
+            item.kv_slots.extend(range(first_slot, first_slot + 16))
+            item.sampling.CopyFrom(worker_pb2.SamplingConfig(
+                text_temperature=1.0, text_top_k=50, text_top_p=1.0, audio_temperature=1.7, audio_top_k=25,
+                audio_top_p=0.8, audio_repetition_penalty=penalty, seed=rid & 0xFFFF, min_frames=1 << 20))
+
+        plans = [worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan()]
+        prefill(plans[0], ids[0], 0, 1.0)
+        prefill(plans[1], ids[1], 16, 1.1)
+        plans[1].decode.add(request_id=ids[0], kv_slot=32)
+        plans[2].decode.add(request_id=ids[0], kv_slot=33)
+        plans[2].decode.add(request_id=ids[1], kv_slot=34)
+        plans[3].release.extend(ids)
+        for plan in plans:
+            journal = self.execute(plan)
+            if journal.error:
+                raise StepError(f"warm-up failed: {journal.error}")
+        self.steps = self.prefill_rows = self.decode_rows = 0
+        return time.perf_counter() - t0
+
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
         """launch + finish: one step, synchronously."""
@@ -175,28 +211,44 @@ class Engine:
         self.decode_rows += len(decode_rows)
         pending = PendingStep(worker_pb2.Journal(step_id=plan.step_id, skipped=skipped), t0=t0)
         if spans:
+            n_prefill = len(embeds)  # spans[:n_prefill] are prefill chunks, the rest decodes
             rows_list = [s.row for _, s in samplers]
-            if not embeds and self.graphs is not None and self.graphs.fits(len(spans)):
-                out = self.graphs.run(decode_rows, spans)
+            if decode_rows and self.graphs is not None and self.graphs.fits(len(decode_rows)):
+                # Decodes replay their graph even when prefill chunks share the step: those run
+                # eagerly beside it (a mixed step run all eagerly costs ~4x a graphed one).
+                outs = []
+                n_sampling_prefills = len(samplers) - len(decode_rows)
+                if embeds:
+                    out = self._eager(embeds, spans[:n_prefill], sample_at[:n_sampling_prefills],
+                                      rows_list[:n_sampling_prefills], [])
+                    if out is not None:
+                        outs.append(out)
+                outs.append(self.graphs.run(decode_rows, spans[n_prefill:])[:len(decode_rows)])
+                out = outs[0] if len(outs) == 1 else torch.cat(outs)
             else:
-                if decode_rows:
-                    embeds.append(self.pool.feedback[torch.as_tensor(decode_rows, device=self.device)])
-                batch = AttentionBatch.build(spans, self.device)
-                self.kv.begin(batch)
-                self.mark_planned()
-                hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
-                out = None
-                if samplers:  # a step of non-final prefill chunks samples nothing
-                    ends = np.cumsum([sp.num_new for sp in spans]) - 1
-                    last = torch.as_tensor(ends[sample_at], device=self.device)
-                    rows_t = torch.as_tensor(rows_list, dtype=torch.int64, device=self.device)
-                    out = sample_and_commit(self.model, self.pool, hidden[last], rows_t,
-                                            self.pool.any_penalised(rows_list))
+                out = self._eager(embeds, spans, sample_at, rows_list, decode_rows)
             if out is not None:
                 pending.samplers = samplers
                 pending.out, pending.done = self._to_host(out, len(samplers))
         self.steps += 1
         return pending
+
+    def _eager(self, embeds: list[torch.Tensor], spans: list[SequenceSpan], sample_at: list[int],
+               rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
+        """One eager forward over prefill chunks (embeds) then decodes (their feedback rows), and
+        the frame decode of the spans in sample_at (pool rows rows_list). None if none samples."""
+        if decode_rows:
+            embeds = embeds + [self.pool.feedback[torch.as_tensor(decode_rows, device=self.device)]]
+        batch = AttentionBatch.build(spans, self.device)
+        self.kv.begin(batch)
+        self.mark_planned()
+        hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
+        if not rows_list:  # a step of non-final prefill chunks samples nothing
+            return None
+        ends = np.cumsum([sp.num_new for sp in spans]) - 1
+        last = torch.as_tensor(ends[sample_at], device=self.device)
+        rows_t = torch.as_tensor(rows_list, dtype=torch.int64, device=self.device)
+        return sample_and_commit(self.model, self.pool, hidden[last], rows_t, self.pool.any_penalised(rows_list))
 
     def finish(self, pending: PendingStep) -> worker_pb2.Journal:
         """Wait for the step's journal tensor and build its Journal."""

@@ -265,8 +265,9 @@ class Scheduler:
             req.rows_sent += 1
             req.frames_planned += 1
             writes[req.id] = 1
-        # A step with prefill rows cannot replay the decode graph, so while requests are
-        # decoding, prefill work is gathered into every `prefill_interval`-th step.
+        # While requests decode, prefill work may be gathered into every
+        # `prefill_interval`-th step (the worker runs prefill chunks eagerly beside the
+        # graphed decode, so a mixed step costs the graph plus the prefill's own work).
         prefill_now = not plan.decode or self._steps_since_prefill + 1 >= self.config.prefill_interval
         if prefill_now:
             self._admit()

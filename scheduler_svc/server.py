@@ -233,9 +233,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse KV of shared prefixes (voice references, retracted requests)")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                    help="wait for each step's journal before sending the next")
-    p.add_argument("--prefill-interval", type=int, default=0,
-                   help="while requests decode, admit and prefill only every n-th step, so the steps between "
-                        "replay the worker's decode graph (0 = auto: 4 on a CUDA worker, 1 on CPU)")
+    p.add_argument("--prefill-interval", type=int, default=1,
+                   help="while requests decode, admit and prefill only every n-th step (default 1: a new "
+                        "request starts at the next step; larger batches prefills for throughput at a TTFA cost)")
     p.add_argument("--lookahead-max-batch", type=int, default=256,
                    help="decode batches larger than this wait for their journal instead of overlapping")
     p.add_argument("--max-text-chars", type=int, default=5000, help="longest accepted text")
@@ -258,7 +258,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue, max_running=args.max_running or hello.max_batch,
         prefill_chunk=args.prefill_chunk, page_size=args.page_size, radix_cache=args.radix_cache,
         lookahead=args.lookahead, lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key,
-        prefill_interval=args.prefill_interval or (4 if hello.device.startswith("cuda") else 1)))
+        prefill_interval=args.prefill_interval))
     scheduler.start()
     metrics.KV_TOTAL.set(hello.kv_slots)
     limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,

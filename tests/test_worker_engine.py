@@ -117,3 +117,12 @@ def test_pipelined_launch_equals_synchronous(model):
         pending = launched
     assert out == want
     assert skipped == len(prompts)  # each stop was followed by one decode the worker dropped
+
+
+def test_warm_up_leaves_nothing_behind(model):
+    d = Driver(model)
+    assert d.engine.warm_up() >= 0
+    assert len(d.engine.pool) == 0 and d.engine.steps == 0 and d.engine.prefill_rows == 0
+    tok = load_tokenizer(None)
+    prompts = {1: (build_prompt_rows(model.cfg, tok, "Hello there.", language="English"), 7)}
+    assert d.run(prompts, frames=8) == Driver(model).run(prompts, frames=8)
