@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--n-q", type=int, default=12)
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.device.startswith("cuda"):
+    if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
     codec = build_codec(PRESETS[args.preset](), seed=0, dtype=torch.bfloat16, device=args.device)
     session = CodecSession(codec, slots=args.streams, n_q=args.n_q, compute_dtype=torch.bfloat16, graphs=False)

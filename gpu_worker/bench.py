@@ -67,7 +67,7 @@ class Bench:
         self.batches = [int(x) for x in args.batches.split(",")]
         self.contexts = [int(x) for x in args.contexts.split(",")]
         t0 = time.perf_counter()
-        if args.device.startswith("cuda"):
+        if torch.device(args.device).index is not None:
             torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
         self.model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                                  dtype=args.dtype, device=args.device, seed=0)

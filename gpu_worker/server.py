@@ -63,7 +63,7 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    if args.device.startswith("cuda"):
+    if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
