@@ -1,0 +1,147 @@
+"""The scheduler's loop on its own: frames per second, and CPU per frame, that
+one scheduler process can plan, send, receive and hand to its requests.
+
+At the two-GPU target (1,500 s of audio per second) the scheduler must turn
+~18,750 frames per second through a single asyncio thread, next to the audio
+relay (benchmarks/relay_bench.py). This bench runs the real Scheduler (radix
+cache, KV allocator, lookahead, prefill, journals over ZeroMQ) against an
+instant worker in another process that answers every StepPlan at once with
+random codes, and consumes each request's frame events as the relay would.
+The instant worker is a benchmark fixture: a real worker's step time would
+hide the scheduler's own cost, which is what is measured here.
+
+    python benchmarks/scheduler_bench.py --streams 16,64,256 --frames 75 --out results/scheduler_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+
+import numpy as np
+
+from chorus.v1 import common_pb2, worker_pb2
+from scheduler_svc.scheduler import FinishEvent, Request, Scheduler, SchedulerConfig
+from scheduler_svc.worker_client import WorkerClient
+
+N_VQ, PROMPT = 12, 90
+
+
+def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    port_q.put(port)
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 1024, (max_batch * 4, 1 + N_VQ)).astype("<i4")
+    steps: dict[int, int] = {}  # request id -> frames sampled
+    while True:
+        ident, payload = sock.recv_multipart()
+        cmd = worker_pb2.WorkerCommand.FromString(payload)
+        reply = worker_pb2.WorkerEvent()
+        kind = cmd.WhichOneof("kind")
+        if kind == "hello":
+            reply.hello.CopyFrom(worker_pb2.Hello(model_name="instant", architecture="moss_tts_local",
+                                                  kv_slots=kv_slots, max_batch=max_batch, max_context=1 << 16,
+                                                  device="cpu", dtype="none", pid=os.getpid()))
+        elif kind == "step":
+            plan = cmd.step
+            for rid in plan.release:
+                steps.pop(rid, None)
+            ids = [it.request_id for it in plan.prefill if it.last_chunk] + [it.request_id for it in plan.decode]
+            j = reply.journal
+            j.step_id = plan.step_id
+            j.request_ids.extend(ids)
+            j.rows.CopyFrom(common_pb2.IntMatrix(rows=len(ids), cols=1 + N_VQ, data=codes[:len(ids)].tobytes()))
+            j.stopped.extend([False] * len(ids))
+            gen = []
+            for rid in ids:
+                n = steps.get(rid, 0)
+                gen.append(n)
+                steps[rid] = n + 1
+            j.generation_steps.extend(gen)
+        elif kind == "shutdown":
+            break
+        sock.send_multipart([ident, reply.SerializeToString()])
+
+
+async def _level(scheduler: Scheduler, streams: int, requests: int, frames: int, prompts: list[np.ndarray]) -> dict:
+    todo = list(range(requests))
+    done_frames = 0
+
+    async def client() -> None:
+        nonlocal done_frames
+        while todo:
+            i = todo.pop()
+            req = scheduler.submit(Request(prompt_rows=prompts[i % len(prompts)], max_frames=frames,
+                                           sampling=worker_pb2.SamplingConfig(seed=i, min_frames=frames)))
+            while True:
+                event = await req.events.get()
+                if isinstance(event, FinishEvent):
+                    break
+                done_frames += 1
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"streams": streams, "requests": requests, "frames": done_frames, "wall_s": wall, "cpu_s": cpu,
+            "frames_per_s": done_frames / wall, "cpu_us_per_frame": cpu / done_frames * 1e6}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    max_batch = max(args.streams)
+    proc = ctx.Process(target=_instant_worker, args=(port_q, 1 << 20, max_batch), daemon=True)
+    proc.start()
+    try:
+        port = port_q.get(timeout=60)
+        worker = WorkerClient(f"tcp://127.0.0.1:{port}")
+        hello = await worker.hello(timeout=30)
+        scheduler = Scheduler(worker, hello, SchedulerConfig(max_queue=4096, max_running=max_batch,
+                                                             lookahead=not args.no_lookahead))
+        scheduler.start()
+        rng = np.random.default_rng(1)
+        prompts = [np.concatenate([rng.integers(0, 150000, (PROMPT, 1)), np.full((PROMPT, N_VQ), 1024)],
+                                  1).astype(np.int32) for _ in range(64)]
+        await _level(scheduler, 4, 8, args.frames, prompts)  # warm-up
+        print(f"{'streams':>8} {'requests':>9} {'frames/s':>9} {'CPU us/frame':>13} {'CPU %':>6}", flush=True)
+        levels = []
+        for n in args.streams:
+            lv = await _level(scheduler, n, max(n * 2, args.requests), args.frames, prompts)
+            levels.append(lv)
+            print(f"{n:>8} {lv['requests']:>9} {lv['frames_per_s']:>9,.0f} {lv['cpu_us_per_frame']:>13.1f} "
+                  f"{100 * lv['cpu_s'] / lv['wall_s']:>6.0f}", flush=True)
+        await scheduler.stop()
+        await worker.close()
+        return {"benchmark": "scheduler", "host": platform.node(), "cpus": os.cpu_count(),
+                "python": platform.python_version(), "config": vars(args), "levels": levels}
+    finally:
+        proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="16,64,256", help="concurrent requests per level")
+    ap.add_argument("--requests", type=int, default=256, help="requests per level (at least 2x --streams)")
+    ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = W1's 6 s)")
+    ap.add_argument("--no-lookahead", action="store_true")
+    ap.add_argument("--out", help="JSON results path")
+    args = ap.parse_args()
+    args.streams = [int(x) for x in args.streams.split(",")]
+    result = asyncio.run(run(args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
