@@ -8,7 +8,9 @@ scheduler receives ~576 MB/s of float32 PCM from the vocoders and sends
 the real relay (scheduler_svc.audio_relay.AudioRelay: Decode streams over
 gRPC, failover bookkeeping, format conversion) for N concurrent requests whose
 frames are all generated already, and serialises every SynthesizeResponse as
-the public gRPC server would. The vocoder is a separate process that answers
+the public gRPC server would. By default the vocoder sends int16 PCM, as the
+real one does for PCM16 clients at the native rate; --float-pcm measures the
+float32 path (other formats and rates). The vocoder is a separate process that answers
 Decode instantly with a fixed PCM buffer chunked like the real service (first
 chunk, then steady chunks, then the tail): a real codec would hide the relay's
 own cost, which is what is measured here. It is a benchmark fixture, not a
@@ -42,8 +44,8 @@ RATE, CHANNELS, HOP, N_VQ = 48000, 2, 3840, 12
 class InstantVocoder(vocoder_pb2_grpc.VocoderServicer):
     """Decode answers each chunk at once with zeros of the right size (chunking as the real service)."""
 
-    def __init__(self, first: int, chunk: int):
-        self.first, self.chunk = first, chunk
+    def __init__(self, first: int, chunk: int, float_only: bool):
+        self.first, self.chunk, self.float_only = first, chunk, float_only
         self.pcm = bytes(HOP * CHANNELS * 4 * max(first, chunk))
 
     async def Info(self, request, context):
@@ -53,16 +55,20 @@ class InstantVocoder(vocoder_pb2_grpc.VocoderServicer):
     async def Decode(self, request_iterator, context):
         first = chunk = 0
         pending = done = 0
+        width, encoding = 4, vocoder_pb2.PCM_FLOAT32
 
         def emit(n: int) -> vocoder_pb2.DecodeResponse:
             return vocoder_pb2.DecodeResponse(first_sample=done * HOP, num_samples=n * HOP,
-                                              pcm=self.pcm[:n * HOP * CHANNELS * 4], first_frame=done, frames=n)
+                                              pcm=self.pcm[:n * HOP * CHANNELS * width], first_frame=done,
+                                              frames=n, pcm_encoding=encoding)
 
         async for req in request_iterator:
             kind = req.WhichOneof("kind")
             if kind == "start":
                 first = req.start.first_chunk_frames or self.first
                 chunk = req.start.chunk_frames or self.chunk
+                if not self.float_only and req.start.pcm_encoding == vocoder_pb2.PCM_INT16:
+                    width, encoding = 2, vocoder_pb2.PCM_INT16
             elif kind == "frames":
                 pending += req.frames.rows
                 while pending >= (first if done == 0 else chunk):
@@ -76,10 +82,10 @@ class InstantVocoder(vocoder_pb2_grpc.VocoderServicer):
                 return
 
 
-def _serve(port_q: mp.Queue, first: int, chunk: int) -> None:
+def _serve(port_q: mp.Queue, first: int, chunk: int, float_only: bool) -> None:
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
-        vocoder_pb2_grpc.add_VocoderServicer_to_server(InstantVocoder(first, chunk), server)
+        vocoder_pb2_grpc.add_VocoderServicer_to_server(InstantVocoder(first, chunk, float_only), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_q.put(port)
@@ -103,7 +109,8 @@ async def _one(relay: AudioRelay, frames: int, first: int, chunk: int) -> int:
     return sent
 
 
-async def _level(relay: AudioRelay, streams: int, requests: int, frames: int, first: int, chunk: int) -> dict:
+async def _level(relay: AudioRelay, streams: int, requests: int, frames: int, first: int, chunk: int,
+                 float_pcm: bool) -> dict:
     queue = list(range(requests))
     out_bytes = 0
 
@@ -120,24 +127,25 @@ async def _level(relay: AudioRelay, streams: int, requests: int, frames: int, fi
     audio_s = requests * frames * HOP / RATE
     return {"streams": streams, "requests": requests, "frames": frames, "wall_s": wall, "cpu_s": cpu,
             "audio_s_per_s": audio_s / wall, "audio_s_per_cpu_s": audio_s / cpu,
-            "in_mb_per_s": audio_s * RATE * CHANNELS * 4 / wall / 1e6, "out_mb_per_s": out_bytes / wall / 1e6}
+            "in_mb_per_s": audio_s * RATE * CHANNELS * (4 if float_pcm else 2) / wall / 1e6, "out_mb_per_s": out_bytes / wall / 1e6}
 
 
 async def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(port_q, args.first_chunk, args.chunk), daemon=True)
+    proc = ctx.Process(target=_serve, args=(port_q, args.first_chunk, args.chunk, args.float_pcm), daemon=True)
     proc.start()
     try:
         port = port_q.get(timeout=60)
         pool = VocoderPool([f"127.0.0.1:{port}"])
         relay = AudioRelay(pool, await pool.info(timeout=30), N_VQ)
-        await _level(relay, 4, 8, args.frames, args.first_chunk, args.chunk)  # warm-up
+        await _level(relay, 4, 8, args.frames, args.first_chunk, args.chunk, args.float_pcm)  # warm-up
         levels = []
         print(f"{'streams':>8} {'requests':>9} {'audio s/s':>10} {'per CPU s':>10} {'in MB/s':>8} {'out MB/s':>9} "
               f"{'CPU %':>6}", flush=True)
         for n in args.streams:
-            lv = await _level(relay, n, max(n, args.requests), args.frames, args.first_chunk, args.chunk)
+            lv = await _level(relay, n, max(n, args.requests), args.frames, args.first_chunk, args.chunk,
+                              args.float_pcm)
             levels.append(lv)
             print(f"{n:>8} {lv['requests']:>9} {lv['audio_s_per_s']:>10,.0f} {lv['audio_s_per_cpu_s']:>10,.0f} "
                   f"{lv['in_mb_per_s']:>8,.0f} {lv['out_mb_per_s']:>9,.0f} {100 * lv['cpu_s'] / lv['wall_s']:>6.0f}",
@@ -157,6 +165,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = W1's 6 s)")
     ap.add_argument("--first-chunk", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=25)
+    ap.add_argument("--float-pcm", action="store_true",
+                    help="the vocoder always sends float32 (as before PcmEncoding): the relay converts to PCM16")
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
     args.streams = [int(x) for x in args.streams.split(",")]

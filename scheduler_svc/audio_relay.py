@@ -262,7 +262,10 @@ class _Session:
     def _deliver(self, att: _Attempt, resp: vocoder_pb2.DecodeResponse) -> None:
         """Hand the part of resp the client does not have yet to the output converter (no awaits here:
         the sample count and the converter move together)."""
-        pcm = np.frombuffer(resp.pcm, dtype="<f4").reshape(-1, self.channels)
+        int16 = resp.pcm_encoding == vocoder_pb2.PCM_INT16
+        if int16 and not self.output.passes_pcm16:
+            raise _StreamBroke(grpc.StatusCode.INTERNAL, "int16 PCM for an output that needs float32")
+        pcm = np.frombuffer(resp.pcm, dtype="<i2" if int16 else "<f4").reshape(-1, self.channels)
         if pcm.shape[0] != resp.num_samples or resp.first_frame != att.returned:
             raise _StreamBroke(grpc.StatusCode.INTERNAL,
                                f"malformed chunk: frame {resp.first_frame} (expected {att.returned}), "
@@ -276,7 +279,10 @@ class _Session:
         if skip >= n:
             return
         self.sent_native = first + n
-        chunk = self.output.convert(pcm[skip:])
+        if int16:  # already the client's bytes: forwarded, sliced only when replayed samples are dropped
+            chunk = self.output.forward_pcm16(pcm[skip:].tobytes() if skip else resp.pcm, n - skip)
+        else:
+            chunk = self.output.convert(pcm[skip:])
         if chunk is not None:
             self.out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=chunk))
 
@@ -292,8 +298,9 @@ class AudioRelay:
 
     async def stream(self, req: Request, output: AudioOutput, first_chunk_frames: int, chunk_frames: int,
                      return_codes: bool) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        encoding = vocoder_pb2.PCM_INT16 if output.passes_pcm16 else vocoder_pb2.PCM_FLOAT32
         start = vocoder_pb2.DecodeStart(stream_id=str(req.id), first_chunk_frames=first_chunk_frames,
-                                        chunk_frames=chunk_frames, codebooks=self.n_vq)
+                                        chunk_frames=chunk_frames, codebooks=self.n_vq, pcm_encoding=encoding)
         session = _Session(self, req, output, start, chunk_frames, return_codes)
         try:
             session.begin(self.vocoders.pick())

@@ -1,6 +1,10 @@
 """Turns the codec's float32 PCM stream into what the client asked for:
 its sample rate (streaming resampler) and format (PCM16, FLOAT32, or WAV
-with the header in front of the first chunk), counting samples as it goes."""
+with the header in front of the first chunk), counting samples as it goes.
+
+PCM16 or WAV at the native rate needs no resampling, so the vocoder can encode
+it (vocoder PcmEncoding INT16, with this module's very function): the relay
+then forwards those bytes (`forward_pcm16`) instead of converting float32."""
 
 from __future__ import annotations
 
@@ -20,6 +24,11 @@ class AudioOutput:
         self._header_pending = fmt == tts_pb2.WAV
         self._resampler = audio.StreamingResampler(native_rate, out_rate, channels)
 
+    @property
+    def passes_pcm16(self) -> bool:
+        """Whether the client's audio is exactly the vocoder's int16 encoding (PCM16 or WAV, native rate)."""
+        return self.out_rate == self.native_rate and self.format in (tts_pb2.PCM16, tts_pb2.WAV)
+
     def _chunk(self, pcm: np.ndarray) -> tts_pb2.AudioChunk | None:
         """pcm: float32 [n, channels] at out_rate."""
         if pcm.shape[0] == 0 and not self._header_pending:
@@ -28,12 +37,23 @@ class AudioOutput:
             data = audio.encode_float32(pcm)
         else:
             data = audio.encode_pcm16(pcm)
+        return self._emit(data, pcm.shape[0])
+
+    def _emit(self, data: bytes, n: int) -> tts_pb2.AudioChunk:
         if self._header_pending:
             data = audio.wav_header(self.out_rate, self.channels, bits=16) + data
             self._header_pending = False
-        chunk = tts_pb2.AudioChunk(data=data, first_sample=self.samples_sent, num_samples=pcm.shape[0])
-        self.samples_sent += pcm.shape[0]
+        chunk = tts_pb2.AudioChunk(data=data, first_sample=self.samples_sent, num_samples=n)
+        self.samples_sent += n
         return chunk
+
+    def forward_pcm16(self, data: bytes, n: int) -> tts_pb2.AudioChunk | None:
+        """n samples per channel of int16 LE PCM already in the client's encoding (passes_pcm16)."""
+        if not self.passes_pcm16:
+            raise ValueError("int16 PCM can only be forwarded to a PCM16/WAV client at the native rate")
+        if n == 0 and not self._header_pending:
+            return None
+        return self._emit(data, n)
 
     def convert(self, pcm: np.ndarray) -> tts_pb2.AudioChunk | None:
         return self._chunk(self._resampler.process(pcm))

@@ -23,6 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from chorus.audio import encode_pcm16
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import build_codec, tiny_v2
 from vocoder_svc.server import (DecodeWorker, Metrics, SessionWorker, VocoderServicer, check_batch_invariance,
@@ -81,13 +82,14 @@ def matrix(codes: np.ndarray) -> common_pb2.IntMatrix:
     return common_pb2.IntMatrix(rows=codes.shape[0], cols=codes.shape[1], data=codes.astype("<i4").tobytes())
 
 
-def start(codebooks=12, first=5, chunk=25) -> vocoder_pb2.DecodeRequest:
+def start(codebooks=12, first=5, chunk=25, encoding=vocoder_pb2.PCM_FLOAT32) -> vocoder_pb2.DecodeRequest:
     return vocoder_pb2.DecodeRequest(start=vocoder_pb2.DecodeStart(stream_id="t", codebooks=codebooks,
-                                                                   first_chunk_frames=first, chunk_frames=chunk))
+                                                                   first_chunk_frames=first, chunk_frames=chunk,
+                                                                   pcm_encoding=encoding))
 
 
-def decode_requests(codes: np.ndarray, pieces: list[int]):
-    yield start()
+def decode_requests(codes: np.ndarray, pieces: list[int], encoding=vocoder_pb2.PCM_FLOAT32):
+    yield start(encoding=encoding)
     i = 0
     for n in pieces:
         yield vocoder_pb2.DecodeRequest(frames=matrix(codes[i:i + n]))
@@ -119,6 +121,13 @@ def test_decode_chunks_match_offline(server):
     assert [r.frames for r in again] == [5, 25, 3]
     assert b"".join(r.pcm for r in again) == b"".join(r.pcm for r in responses)
 
+    # int16 PCM (for PCM16 clients at the native rate) is exactly the scheduler's encoding of the float32
+    as_int16 = list(stub.Decode(decode_requests(codes, [33], vocoder_pb2.PCM_INT16), timeout=60))
+    assert all(r.pcm_encoding == vocoder_pb2.PCM_INT16 for r in as_int16)
+    assert all(r.pcm_encoding == vocoder_pb2.PCM_FLOAT32 for r in responses)
+    assert [(r.frames, r.num_samples) for r in as_int16] == [(r.frames, r.num_samples) for r in responses]
+    assert b"".join(r.pcm for r in as_int16) == encode_pcm16(pcm)
+
 
 def test_decode_invalid_arguments(server):
     stub = server["stub"]
@@ -130,6 +139,7 @@ def test_decode_invalid_arguments(server):
         ([start(), vocoder_pb2.DecodeRequest(frames=matrix(random_codes(2)[:, :8]))], "8 columns"),
         ([start(codebooks=33)], "1..32 codebooks"),
         ([start(), start()], "twice"),
+        ([start(encoding=7)], "start.pcm_encoding=7"),
     ]
     for reqs, message in cases:
         with pytest.raises(grpc.RpcError) as e:

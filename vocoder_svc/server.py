@@ -90,7 +90,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from chorus.audio import decode_audio, prepare_reference
+from chorus.audio import decode_audio, encode_pcm16, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
 from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
@@ -115,6 +115,7 @@ class _Stream:
     codebooks: int
     first_chunk: int
     chunk: int
+    pcm_encoding: int = vocoder_pb2.PCM_FLOAT32
     pending: list[np.ndarray] = field(default_factory=list)  # [n, codebooks] int32 blocks
     pending_frames: int = 0
     next_frame: int = 0  # first frame of the next chunk
@@ -179,9 +180,12 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         if chunk > MAX_CHUNK_FRAMES:
             raise _BadRequest(f"start.chunk_frames={chunk} is over the limit {MAX_CHUNK_FRAMES}")
         first = min(start.first_chunk_frames or self.first_chunk_frames, chunk)  # never above the steady size
+        if start.pcm_encoding not in (vocoder_pb2.PCM_FLOAT32, vocoder_pb2.PCM_INT16):
+            raise _BadRequest(f"start.pcm_encoding={start.pcm_encoding}: use PCM_FLOAT32 (0) or PCM_INT16 (1)")
         if self.session_worker is not None and codebooks == self.session.n_q:
-            return _Stream(start.stream_id, None, self.session_worker.open(), codebooks, first, chunk)
-        return _Stream(start.stream_id, self.codec.new_stream(), None, codebooks, first, chunk)
+            return _Stream(start.stream_id, None, self.session_worker.open(), codebooks, first, chunk,
+                           start.pcm_encoding)
+        return _Stream(start.stream_id, self.codec.new_stream(), None, codebooks, first, chunk, start.pcm_encoding)
 
     def _parse_frames(self, m: common_pb2.IntMatrix, stream: _Stream) -> np.ndarray:
         if m.cols != stream.codebooks:
@@ -214,9 +218,12 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         stream.next_frame += n
         num = wav.shape[1]
         self.metrics.audio_seconds.inc(num / self.codec.sample_rate)
-        return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num,
-                                          pcm=np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes(),
-                                          first_frame=first_frame, frames=n)
+        if stream.pcm_encoding == vocoder_pb2.PCM_INT16:
+            pcm = encode_pcm16(wav.T)  # the scheduler's own PCM16 encoding, so its output bytes do not change
+        else:
+            pcm = np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes()
+        return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num, pcm=pcm,
+                                          first_frame=first_frame, frames=n, pcm_encoding=stream.pcm_encoding)
 
     async def Decode(self, request_iterator, context):
         stream: _Stream | None = None

@@ -1,4 +1,5 @@
 from chorus.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -6,17 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PcmEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PCM_FLOAT32: _ClassVar[PcmEncoding]
+    PCM_INT16: _ClassVar[PcmEncoding]
+PCM_FLOAT32: PcmEncoding
+PCM_INT16: PcmEncoding
+
 class DecodeStart(_message.Message):
-    __slots__ = ("stream_id", "first_chunk_frames", "chunk_frames", "codebooks")
+    __slots__ = ("stream_id", "first_chunk_frames", "chunk_frames", "codebooks", "pcm_encoding")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    PCM_ENCODING_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     first_chunk_frames: int
     chunk_frames: int
     codebooks: int
-    def __init__(self, stream_id: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., codebooks: _Optional[int] = ...) -> None: ...
+    pcm_encoding: PcmEncoding
+    def __init__(self, stream_id: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., codebooks: _Optional[int] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("start", "frames", "end")
@@ -29,18 +39,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., frames: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("first_sample", "num_samples", "pcm", "first_frame", "frames")
+    __slots__ = ("first_sample", "num_samples", "pcm", "first_frame", "frames", "pcm_encoding")
     FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PCM_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PCM_ENCODING_FIELD_NUMBER: _ClassVar[int]
     first_sample: int
     num_samples: int
     pcm: bytes
     first_frame: int
     frames: int
-    def __init__(self, first_sample: _Optional[int] = ..., num_samples: _Optional[int] = ..., pcm: _Optional[bytes] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
+    pcm_encoding: PcmEncoding
+    def __init__(self, first_sample: _Optional[int] = ..., num_samples: _Optional[int] = ..., pcm: _Optional[bytes] = ..., first_frame: _Optional[int] = ..., frames: _Optional[int] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("audio", "codebooks")
