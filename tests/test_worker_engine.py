@@ -35,14 +35,18 @@ class Driver:
         self.next_slot += n
         return s
 
-    def run(self, prompts: dict[int, tuple[np.ndarray, int]], frames: int) -> dict[int, list]:
-        out = {rid: [] for rid in prompts}
+    def prefill_plan(self, prompts: dict[int, tuple[np.ndarray, int]]) -> worker_pb2.StepPlan:
         plan = worker_pb2.StepPlan(step_id=0)
         for rid, (rows, seed) in prompts.items():
             it = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=len(rows))
             it.rows.CopyFrom(rows_matrix(rows))
             it.kv_slots.extend(self.slots(len(rows)))
             it.sampling.CopyFrom(_sampling(seed))
+        return plan
+
+    def run(self, prompts: dict[int, tuple[np.ndarray, int]], frames: int) -> dict[int, list]:
+        out = {rid: [] for rid in prompts}
+        plan = self.prefill_plan(prompts)
         live = set(prompts)
         for _ in range(frames):
             j = self.engine.execute(plan)
@@ -90,14 +94,8 @@ def test_pipelined_launch_equals_synchronous(model):
 
     d = Driver(model)
     out = {rid: [] for rid in prompts}
-    plan = worker_pb2.StepPlan(step_id=0)
-    for rid, (rows, seed) in prompts.items():
-        it = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=len(rows))
-        it.rows.CopyFrom(rows_matrix(rows))
-        it.kv_slots.extend(d.slots(len(rows)))
-        it.sampling.CopyFrom(_sampling(seed))
     live = set(prompts)
-    pending = d.engine.launch(plan)
+    pending = d.engine.launch(d.prefill_plan(prompts))
     skipped = 0
     for _ in range(16):
         nxt = worker_pb2.StepPlan(step_id=0)  # built before the previous journal is read
