@@ -30,6 +30,10 @@ On CUDA the run starts with a check of the Triton window-attention kernel
 (vocoder_svc/window_attention.py) against the torch path, bf16, at one
 realistic shape (max abs diff and time of each; see window_attention_check).
 --attention picks the session's attention path (auto = the kernel on CUDA).
+--glue picks the session's elementwise glue (vocoder_svc/session_kernels.py: fused
+LayerNorm/residual/RoPE Triton kernels, self-tested when the session is built;
+auto = the kernels on CUDA unless the self-test fails); the path in use is
+recorded as session.glue_impl (and glue_fallback says why auto fell back).
 
 Results go to stdout as a table and to --out as JSON, rewritten after every
 section, so a run cut short still leaves what it measured.
@@ -200,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
                     help="CodecSession window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
+    ap.add_argument("--glue", default="auto", choices=["auto", "triton", "torch"],
+                    help="CodecSession elementwise glue: fused Triton kernels (auto: on CUDA, self-tested) or torch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
     ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
@@ -267,11 +273,15 @@ def main(argv: list[str] | None = None) -> int:
 
     session = CodecSession(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
                            graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [],
-                           attention=args.attention)
+                           attention=args.attention, glue=args.glue)
     res["session"] = {"slots": session.slots, "buckets": list(session.buckets), "scratch_rows": session.scratch,
                       "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype),
                       "attention": args.attention,
-                      "attention_kernel": wa.kernel_selected(dtype, device, 64, args.attention)}
+                      "attention_kernel": wa.kernel_selected(dtype, device, 64, args.attention),
+                      "glue": args.glue, "glue_impl": session.glue_impl, "glue_fallback": session.glue_fallback}
+    log(f"session: attention kernel {res['session']['attention_kernel']} ({args.attention}), "
+        f"glue {session.glue_impl} ({args.glue})"
+        + (f"; glue self-test FAILED, torch fallback: {session.glue_fallback}" if session.glue_fallback else ""))
     save()
     gen = torch.Generator().manual_seed(args.seed + 1)
 
@@ -320,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"max abs diff kernel vs torch {c['max_abs_diff_kernel_vs_torch']:.3e} "
                 f"(kernel vs fp32 {c['max_abs_diff_kernel_vs_fp32']:.3e}, torch vs fp32 "
                 f"{c['max_abs_diff_torch_vs_fp32']:.3e}) {'OK' if c['ok'] else 'FAIL'}; "
-                f"triton {c['triton_ms']:.3f} ms, torch {c['torch_ms']:.3f} ms")
+                f"triton {c['triton_ms']:.3f} ms, torch {c['torch_ms']:.3f} ms; session glue {session.glue_impl}")
             if not c["ok"]:
                 raise RuntimeError(f"window attention kernel disagrees with the torch path: {c}")
 

@@ -82,11 +82,21 @@ LayerNorm, RoPE and the residual stream stay in fp32. With compute dtype
 equal to the codec dtype (fp32/fp64) the session uses the codec's own tensors
 and its result equals ``codec.decode`` up to rounding.
 
+Glue (vocoder_svc/session_kernels.py, ``glue=``): the elementwise work between
+the GEMMs runs as fused Triton kernels on CUDA: LN1 + cast, RoPE of q and k
+straight from the fused QKV output, and each LayerScale residual add together
+with the LayerNorm after it (LN2, or the next layer's LN1), so the layer loop
+carries ``(y, a)``: the residual stream and its normalised copy. The torch
+path is the same math op for op (CPU results are unchanged); the kernels equal
+it bitwise except LayerNorm's mean/variance rounding (at most a bf16 ulp of
+its output). On CUDA they are self-tested against the torch path when the
+session is built (``glue_impl`` says which path runs).
+
 CUDA graphs: one per (bucket, T), captured lazily on first use (for T in
 ``graph_frames``) or up front with ``capture()``, largest first, into one
 shared memory pool. Warm-up and capture run on scratch rows only, so
 capturing while streams are live is safe (the warm-up also compiles the
-attention kernel for the shape before capture). Replay copies codes, row ids and
+attention and glue kernels for the shape before capture). Replay copies codes, row ids and
 the valid mask into the graph's static input buffers. A (bucket, T) without a
 graph runs eagerly with the same bucket (same GEMM shapes). A capture or
 replay failure disables graphs for the session (``graphs_disabled`` says
@@ -109,9 +119,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vocoder_svc import session_kernels as sk
 from vocoder_svc import window_attention as wa
-from vocoder_svc.codec import (LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer,
-                               apply_rope)
+from vocoder_svc.codec import LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer
 from vocoder_svc.window_attention import chunk_window_mask  # noqa: F401 - re-exported (tests, older callers)
 
 HALF = (torch.bfloat16, torch.float16)
@@ -194,12 +204,17 @@ class CodecSession:
     graph_frames: the T values that get graphs (lazily on first use); default 1..25.
     attention: window attention implementation (vocoder_svc/window_attention.py): "auto" (the Triton
         kernel on CUDA for fp16/bf16/fp32, else torch), "triton" or "torch".
+    glue: the layers' elementwise glue (vocoder_svc/session_kernels.py: LayerNorm + cast, LayerScale
+        residual + the next LayerNorm, RoPE of q/k): "auto" (fused Triton kernels on CUDA for
+        fp16/bf16/fp32 compute, after a self-test against the torch path at construction; a failure
+        logs a warning and keeps the torch path), "triton" (the kernels; a failed self-test raises) or
+        "torch". ``glue_impl`` says which runs; ``glue_fallback`` why "auto" fell back, if it did.
     """
 
     def __init__(self, codec: MossAudioTokenizer, slots: int = 16, n_q: int | None = None,
                  compute_dtype: torch.dtype | None = None, buckets: Iterable[int] | None = None,
                  graphs: bool | str | None = None, graph_frames: Iterable[int] | None = None,
-                 warmup: int = 2, attention: str = "auto"):
+                 warmup: int = 2, attention: str = "auto", glue: str = "auto"):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.codec = codec
@@ -228,6 +243,9 @@ class CodecSession:
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be 'auto', 'triton' or 'torch', got {attention!r}")
         self.attention_impl = attention
+        if glue not in ("auto", "triton", "torch"):
+            raise ValueError(f"glue must be 'auto', 'triton' or 'torch', got {glue!r}")
+        self.glue = glue
         self.graphs_disabled: str | None = None
         self.last_step_graphed = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -239,6 +257,13 @@ class CodecSession:
         self._frames_host = [0] * slots
         with torch.inference_mode():
             self._build()
+            # Before any step or graph capture: on CUDA the fused kernels are self-tested here first.
+            shapes = [(st.d_model, st.heads, st.head_dim) for kind, st in self._plan if kind == "stage"]
+            self.glue_impl, self.glue_fallback = sk.select_impl(glue, self.device, self.compute_dtype, shapes)
+        # What the step passes as impl=: on CUDA "auto" (the kernels for the inputs they support, which are
+        # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
+        self._glue_call = ("torch" if self.glue_impl == "torch" else
+                           "auto" if self.device.type == "cuda" else "triton")
 
     # ---- construction -------------------------------------------------------------
     def _build(self) -> None:
@@ -406,19 +431,28 @@ class CodecSession:
             angle = pos_q.to(torch.float32).unsqueeze(-1) * st.freq  # §3.3 fp32 recipe
             cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)  # [B, 1, Tk, D/2]
             y = x.to(rd) if st.w_in is None else F.linear(x.to(cd), st.w_in).to(rd)  # [B, Tk, d]
+            # The residual stream y is carried with the next pre-norm's output: each LayerScale residual
+            # add is fused with the LayerNorm after it (session_kernels; the torch path is the plain
+            # `y = y + s*o; a = LN(y).to(cd)`), the last one of the stage is a plain scaled add.
+            glue = self._glue_call
+            nl = len(st.layers)
+            if nl:
+                a = sk.layer_norm_cast(y, st.layers[0].ln1_w, st.layers[0].ln1_b, LN_EPS, cd, impl=glue)
             for li, lay in enumerate(st.layers):
-                a = F.layer_norm(y, (d,), lay.ln1_w, lay.ln1_b, LN_EPS).to(cd)
-                qkv = F.linear(a, lay.wqkv).reshape(bsz, tk, 3, nh, hd).permute(2, 0, 3, 1, 4)
-                q, k, v = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]
+                # q, k rotated (interleaved-pair RoPE, fp32 math), v: [B, H, Tk, D]
+                q, k, v = sk.rope_qk(F.linear(a, lay.wqkv), cos, sin, nh, hd, impl=glue)
                 o = wa.window_attention(q, k, v, st.k[li], st.v[li], rows, offset, w, impl=self.attention_impl,
                                         mask=mask, index=gather)  # [B, H, Tk, D]
                 wa.ring_write(st.k[li], k, write)  # after the read: it overwrites keys this chunk still needed
                 wa.ring_write(st.v[li], v, write)
                 o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
-                y = y + (o if lay.s1 is None else lay.s1 * o)
-                f = F.layer_norm(y, (d,), lay.ln2_w, lay.ln2_b, LN_EPS).to(cd)
+                y, f = sk.scaled_add_layer_norm(y, o, lay.s1, lay.ln2_w, lay.ln2_b, LN_EPS, cd, impl=glue)
                 f = F.linear(F.gelu(F.linear(f, lay.w1), approximate="none"), lay.w2)
-                y = y + (f if lay.s2 is None else lay.s2 * f)
+                if li + 1 < nl:
+                    nxt = st.layers[li + 1]
+                    y, a = sk.scaled_add_layer_norm(y, f, lay.s2, nxt.ln1_w, nxt.ln1_b, LN_EPS, cd, impl=glue)
+                else:
+                    y = sk.scaled_add(y, f, lay.s2, impl=glue)
             x = y if st.w_out is None else F.linear(y.to(cd), st.w_out)
         self._frames.index_copy_(0, rows, frames + t)
         # §3.5: [B, C*M, 1] interleaved -> [B, C, M]

@@ -1,0 +1,383 @@
+"""Fused elementwise glue of CodecSession's Transformer layers (vocoder_svc/session.py), Triton with torch paths.
+
+A 64-stream x 25-frame bf16 step of the full codec spent more GPU time in elementwise glue than in
+its GEMMs and attention together: RoPE as ~10 generic kernels per tensor (promote, slice, 4 muls,
+sub/add, stack, flatten, cast back) for q and for k, LayerScale residuals as separate mul and add,
+and every LayerNorm followed by a cast kernel. These functions do each group in one launch:
+
+- `layer_norm_cast(y, w, b, eps, out_dtype)`:
+  ``F.layer_norm(y, (d,), w, b, eps).to(out_dtype)``.
+- `scaled_add_layer_norm(y, u, s, w, b, eps, out_dtype)` -> ``(y_new, normed)``:
+  ``y_new = y + (u if s is None else s * u)``, ``normed = layer_norm_cast(y_new, ...)``: a LayerScale
+  residual and the next pre-norm (LN2 after attention; LN1 of the next layer after the FFN).
+- `scaled_add(y, u, s)`: ``y + (u if s is None else s * u)`` (the last FFN residual of a stage).
+- `rope_qk(qkv, cos, sin, nh, hd)` -> ``(q, k, v)`` ``[B, H, Tk, D]``: the fused QKV projection
+  ``[B, Tk, 3*H*D]`` split into heads, q and k rotated as codec.apply_rope rotates them.
+
+Every function takes ``impl`` as gpu_worker/kernels.py's do: "auto" runs the kernel for supported CUDA
+inputs and the torch path elsewhere; "triton" forces the kernel (CUDA, or CPU tensors under
+TRITON_INTERPRET=1 set before this module is imported); "torch" forces the torch path. The torch paths
+ARE the session's math, op for op (so CPU / fp64 results do not change by a bit).
+
+Numerics of the kernels (fp32 residual stream y, u in the compute dtype, s/w/b fp32):
+- ``s * u`` and the add round in fp32 exactly as torch's promoted ops do (FMA contraction is off,
+  ``enable_fp_fusion=False``), so ``y_new`` is bit-identical to the torch path.
+- RoPE: ``x0*cos - x1*sin`` and ``x0*sin + x1*cos`` in fp32, each product and the sum rounded, then one
+  rounding to the activation dtype: bit-identical to apply_rope (cos/sin are the session's fp32 tables).
+- LayerNorm: two passes in fp32 in one program per row (torch uses Welford): the same value up to fp32
+  rounding of the mean / variance, so after the cast to bf16 an element differs by at most one bf16
+  ulp, and rarely at all. fp32 outputs differ at the 1e-7 relative level.
+- Under the interpreter fp32 -> bf16 casts truncate; `_cast` rounds to nearest even on the bits there.
+
+Outputs are fresh tensors (y_new: [B, Tk, d] fp32; q, k, v: contiguous [B, H, Tk, D] views of one
+[3, B, H, Tk, D] buffer, which window_attention and ring_write take; ring_write's reshape of the chunk
+is then a view whenever Tk <= W). Launches are sync-free, so a step can be captured in a CUDA graph
+(after a warm-up call per shape compiles the kernels).
+
+Safety: `select_impl` (used by CodecSession(glue=...)) runs `self_test` (each kernel against its torch
+path on small inputs of the session's widths) before the kernels are used on CUDA; "auto" falls back
+to the torch path, with a warning on the "chorus.vocoder" logger, when a kernel fails to compile or
+disagrees beyond rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vocoder_svc.codec import apply_rope
+
+log = logging.getLogger("chorus.vocoder")
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Import triton only where it can run: with CUDA, or in interpreter mode (the pattern of
+# gpu_worker/kernels.py; tests/test_session_kernels.py reloads this module in interpreter mode).
+HAVE_TRITON = False
+triton = tl = None
+if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
+    try:
+        import triton
+        import triton.language as tl
+        HAVE_TRITON = True
+    except ImportError:  # CI has no triton: the torch path everywhere
+        pass
+
+# Triton decides at decoration time whether @triton.jit functions run in the interpreter.
+INTERPRET = HAVE_TRITON and _interpret_env()
+
+__all__ = ["HAVE_TRITON", "INTERPRET", "layer_norm_cast", "scaled_add_layer_norm", "scaled_add", "rope_qk",
+           "kernels_usable", "select_impl", "self_test"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_KERNEL_WIDTH = 16384
+# Device types on which glue="auto" takes the kernels, and on which select_impl self-tests them first
+# (tests add "cpu" to exercise both under the interpreter).
+AUTO_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+SELF_TEST_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
+
+def _use_kernel(impl: str, supported: bool, *tensors: Tensor) -> bool:
+    """Kernel or torch path (gpu_worker/kernels.py's rule): "auto" takes the kernel for supported CUDA
+    inputs, "triton" forces it (raises when it cannot run), "torch" forces the torch path."""
+    if impl == "torch":
+        return False
+    if impl not in ("auto", "triton"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "auto":
+        return supported and HAVE_TRITON and all(t.is_cuda for t in tensors)
+    if not (HAVE_TRITON and all(t.is_cuda or (INTERPRET and t.device.type == "cpu") for t in tensors)):
+        raise RuntimeError("impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
+                           "set before vocoder_svc.session_kernels is imported, with CPU tensors)")
+    if not supported:
+        raise ValueError("impl='triton': these inputs need the torch path (fp32 residual / norm parameters, "
+                         "fp32/bf16/fp16 activations, unit stride in the last dim, matching shapes)")
+    return True
+
+
+def _launch_opts(num_warps: int) -> dict:
+    # No FMA contraction: torch rounds every product before the add or sub.
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+# =============================================================================
+# Triton kernels
+# =============================================================================
+if HAVE_TRITON:
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr, CUDA: tl.constexpr):
+        """fp32 x rounded to dtype, to nearest even (as torch rounds)."""
+        if CUDA:
+            return x.to(dtype)
+        elif dtype == tl.bfloat16:
+            # The interpreter's fp32 -> bf16 cast truncates: round on the bits instead.
+            b = x.to(tl.uint32, bitcast=True)
+            r = tl.where(x != x, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
+
+    @triton.jit
+    def _residual_norm_kernel(y_ptr, u_ptr, s_ptr, w_ptr, b_ptr, ynew_ptr, out_ptr,
+                              y_stride, u_stride, ynew_stride, out_stride, D, inv_d, eps,
+                              HAS_U: tl.constexpr, HAS_S: tl.constexpr, HAS_NORM: tl.constexpr,
+                              BLOCK: tl.constexpr, CUDA: tl.constexpr):
+        """One row: [y_new = y + (s *) u, stored], then LayerNorm(y_new) cast to out's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_U:
+            u = tl.load(u_ptr + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_S:  # torch: (s * u) in fp32 (u promoted), rounded, then the fp32 add
+                u = tl.load(s_ptr + cols, mask=mask, other=0.0) * u
+            x = x + u
+            tl.store(ynew_ptr + row * ynew_stride + cols, x, mask=mask)
+        if HAS_NORM:
+            # Two passes in fp32 (torch: Welford, the same value up to fp32 rounding).
+            mean = tl.sum(x, axis=0) * inv_d
+            xc = tl.where(mask, x - mean, 0.0)
+            rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) * inv_d + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+            tl.store(out_ptr + row * out_stride + cols, _cast(w * (xc * rstd) + b, out_ptr.dtype.element_ty, CUDA),
+                     mask=mask)
+
+    @triton.jit
+    def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, out_ptr, s_b, s_t, c_b, c_t, o_3, o_b, o_h, o_t,
+                         TK, H, HD, HALF, WIDTH,
+                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, CUDA: tl.constexpr):
+        """One token: q, k (rotated) and v of every head, from the fused projection row [3 * H * HD]."""
+        pid = tl.program_id(0)
+        b = (pid // TK).to(tl.int64)
+        t = (pid % TK).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        i = tl.arange(0, BLOCK_I)
+        im = i < HALF
+        m = (h < H)[:, None] & im[None, :]
+        c = tl.load(cos_ptr + b * c_b + t * c_t + i, mask=im, other=0.0)[None, :]  # fp32 [1, HALF]
+        s = tl.load(sin_ptr + b * c_b + t * c_t + i, mask=im, other=0.0)[None, :]
+        # Pair (2i, 2i+1) of head h: column h*HD + 2i of the q (k, v) third of the row.
+        src = qkv_ptr + b * s_b + t * s_t + h[:, None] * HD + 2 * i[None, :]
+        dst = out_ptr + b * o_b + h[:, None] * o_h + t * o_t + 2 * i[None, :]
+        dt = out_ptr.dtype.element_ty
+        # q (third 0) and k (third 1): apply_rope's fp32 math, one rounding to the activation dtype.
+        x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, _cast(x0 * c - x1 * s, dt, CUDA), mask=m)
+        tl.store(dst + 1, _cast(x0 * s + x1 * c, dt, CUDA), mask=m)
+        x0 = tl.load(src + WIDTH, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(src + WIDTH + 1, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst + o_3, _cast(x0 * c - x1 * s, dt, CUDA), mask=m)
+        tl.store(dst + o_3 + 1, _cast(x0 * s + x1 * c, dt, CUDA), mask=m)
+        # v (third 2): copied as is.
+        tl.store(dst + 2 * o_3, tl.load(src + 2 * WIDTH, mask=m, other=0.0), mask=m)
+        tl.store(dst + 2 * o_3 + 1, tl.load(src + 2 * WIDTH + 1, mask=m, other=0.0), mask=m)
+
+
+# =============================================================================
+# Public API
+# =============================================================================
+def _norm_supported(y: Tensor, u: Tensor | None, s: Tensor | None, w: Tensor | None, b: Tensor | None,
+                    out_dtype: torch.dtype | None) -> bool:
+    d = y.shape[-1] if y.dim() else 0
+    vec_ok = all(p is None or (p.dtype == torch.float32 and p.shape == (d,) and p.is_contiguous())
+                 for p in (s, w, b))
+    return (y.dtype == torch.float32 and y.dim() >= 1 and y.numel() > 0 and 1 <= d <= MAX_KERNEL_WIDTH
+            and y.stride(-1) == 1 and vec_ok and (out_dtype is None or out_dtype in _KERNEL_DTYPES)
+            and (u is None or (u.dtype in _KERNEL_DTYPES and u.shape == y.shape and u.stride(-1) == 1)))
+
+
+def _residual_norm(y: Tensor, u: Tensor | None, s: Tensor | None, w: Tensor | None, b: Tensor | None,
+                   eps: float, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    d = y.shape[-1]
+    y2 = y.reshape(-1, d)  # a view for the session's contiguous [B, Tk, d]
+    u2 = y2 if u is None else u.reshape(-1, d)
+    n = y2.shape[0]
+    y_new = torch.empty((n, d), dtype=torch.float32, device=y.device) if u is not None else y2
+    out = torch.empty((n, d), dtype=out_dtype, device=y.device) if w is not None else y2
+    block = triton.next_power_of_2(d)
+    _residual_norm_kernel[(n,)](
+        y2, u2, y2 if s is None else s, y2 if w is None else w, y2 if b is None else b, y_new, out,
+        y2.stride(0), u2.stride(0), y_new.stride(0), out.stride(0), d, 1.0 / d, float(eps),
+        HAS_U=u is not None, HAS_S=s is not None, HAS_NORM=w is not None, BLOCK=block, CUDA=y.is_cuda,
+        **_launch_opts(max(1, min(8, block // 256))))
+    return (y_new.view(y.shape) if u is not None else y), (out.view(y.shape) if w is not None else None)
+
+
+def layer_norm_cast(y: Tensor, w: Tensor, b: Tensor, eps: float, out_dtype: torch.dtype, *,
+                    impl: str = "auto") -> Tensor:
+    """``F.layer_norm(y, (d,), w, b, eps).to(out_dtype)`` (y [..., d] fp32 for the kernel, w/b [d] fp32)."""
+    if not _use_kernel(impl, _norm_supported(y, None, None, w, b, out_dtype), y, w, b):
+        return F.layer_norm(y, (y.shape[-1],), w, b, eps).to(out_dtype)
+    return _residual_norm(y, None, None, w, b, eps, out_dtype)[1]
+
+
+def scaled_add_layer_norm(y: Tensor, u: Tensor, s: Tensor | None, w: Tensor, b: Tensor, eps: float,
+                          out_dtype: torch.dtype, *, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """``y_new = y + (u if s is None else s * u)`` and ``F.layer_norm(y_new, (d,), w, b, eps).to(out_dtype)``.
+
+    y [..., d] fp32 (the residual stream), u [..., d] (a projection's output, fp32/bf16/fp16), s [d] fp32
+    (LayerScale) or None: torch's promotion, i.e. ``s * u`` in fp32 then an fp32 add. Returns (y_new, normed)."""
+    tensors = (y, u, w, b) + (() if s is None else (s,))
+    if not _use_kernel(impl, _norm_supported(y, u, s, w, b, out_dtype), *tensors):
+        y = y + (u if s is None else s * u)
+        return y, F.layer_norm(y, (y.shape[-1],), w, b, eps).to(out_dtype)
+    return _residual_norm(y, u, s, w, b, eps, out_dtype)
+
+
+def scaled_add(y: Tensor, u: Tensor, s: Tensor | None, *, impl: str = "auto") -> Tensor:
+    """``y + (u if s is None else s * u)`` (as scaled_add_layer_norm, without the norm)."""
+    tensors = (y, u) + (() if s is None else (s,))
+    if not _use_kernel(impl, _norm_supported(y, u, s, None, None, None), *tensors):
+        return y + (u if s is None else s * u)
+    return _residual_norm(y, u, s, None, None, 0.0, None)[0]
+
+
+def _rope_qk_torch(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int) -> tuple[Tensor, Tensor, Tensor]:
+    bsz, tk = qkv.shape[0], qkv.shape[1]
+    qkv = qkv.reshape(bsz, tk, 3, nh, hd).permute(2, 0, 3, 1, 4)
+    return apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]
+
+
+def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int, *,
+            impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v [B, H, Tk, D] from the fused QKV projection qkv [B, Tk, 3*H*D] (channel order (3, H, D)),
+    q and k rotated by codec.apply_rope at the angles behind cos/sin [B, 1, Tk, D/2] (fp32).
+
+    Torch path: the session's ``qkv.reshape(B, Tk, 3, H, D).permute(2, 0, 3, 1, 4)`` views, q and k through
+    apply_rope, v a strided view. Kernel: q, k, v contiguous [B, H, Tk, D] (views of one [3, B, H, Tk, D]
+    buffer), the same values."""
+    supported = (qkv.dim() == 3 and qkv.dtype in _KERNEL_DTYPES and qkv.numel() > 0 and hd % 2 == 0 and hd >= 2
+                 and qkv.shape[2] == 3 * nh * hd and qkv.stride(2) == 1
+                 and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+                 and tuple(cos.shape) == (qkv.shape[0], 1, qkv.shape[1], hd // 2)
+                 and cos.stride() == sin.stride() and cos.stride(3) == 1)
+    if not _use_kernel(impl, supported, qkv, cos, sin):
+        return _rope_qk_torch(qkv, cos, sin, nh, hd)
+    bsz, tk, _ = qkv.shape
+    out = torch.empty((3, bsz, nh, tk, hd), dtype=qkv.dtype, device=qkv.device)
+    half = hd // 2
+    block_h, block_i = triton.next_power_of_2(nh), triton.next_power_of_2(half)
+    _rope_qkv_kernel[(bsz * tk,)](
+        qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), tk, nh, hd, half, nh * hd,
+        BLOCK_H=block_h, BLOCK_I=block_i, CUDA=qkv.is_cuda,
+        **_launch_opts(max(1, min(8, block_h * block_i // 256))))
+    return out[0], out[1], out[2]
+
+
+# =============================================================================
+# Selection and the self-test
+# =============================================================================
+def kernels_usable(device: torch.device | str, compute_dtype: torch.dtype) -> bool:
+    """Whether the kernels can run for a session of this compute dtype on this device (fp32 residual
+    stream: compute dtype fp32, bf16 or fp16; CUDA, or CPU under the interpreter)."""
+    dev = torch.device(device)
+    return (HAVE_TRITON and compute_dtype in _KERNEL_DTYPES
+            and (dev.type == "cuda" or (INTERPRET and dev.type == "cpu")))
+
+
+def _close(out: Tensor, ref: Tensor, what: str) -> str | None:
+    """None when out equals ref up to the rounding the kernels may differ by, else why not."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"{what}: got {out.dtype} {list(out.shape)}, want {ref.dtype} {list(ref.shape)}"
+    o, r = out.double(), ref.double()
+    if not bool(torch.isfinite(o).all()):
+        return f"{what}: non-finite output"
+    # Two ulps of the output dtype relative, plus a small absolute floor (LayerNorm's mean and variance
+    # round differently from torch's Welford, which may move a bf16 output by one ulp; the rest is exact).
+    rel = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}.get(out.dtype, 1e-5)
+    err = (o - r).abs()
+    bound = rel * r.abs() + rel * max(1.0, r.abs().max().item()) * 1e-2
+    if bool((err > bound).any()):
+        return f"{what}: max abs diff {err.max().item():.3e} from the torch path (max |ref| {r.abs().max().item():.3e})"
+    return None
+
+
+def self_test(device: torch.device | str, compute_dtype: torch.dtype, shapes: Iterable[tuple[int, int, int]],
+              batch: int = 2, tokens: int = 3, seed: int = 0) -> str | None:
+    """Run every kernel against its torch path on small random inputs of each (d, heads, head_dim) in
+    `shapes`, in `compute_dtype` on `device`. Returns None when all agree up to rounding, else a reason
+    (a kernel that raised, e.g. failed to compile, or disagreed)."""
+    dev = torch.device(device)
+    cd, f32 = compute_dtype, torch.float32
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0, shift: float = 0.0) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dev)
+
+    for d, nh, hd in sorted(set((int(d), int(nh), int(hd)) for d, nh, hd in shapes)):
+        where = f"d={d}, heads={nh}, head_dim={hd}, {cd}"
+        try:
+            y = rnd(batch, tokens, d, scale=2.0, shift=0.5)
+            u = rnd(batch, tokens, d).to(cd)
+            s = rnd(d, scale=0.1)
+            w = rnd(d, scale=0.2, shift=1.0)
+            b = rnd(d, scale=0.1)
+            checks = [("layer_norm_cast", layer_norm_cast(y, w, b, 1e-5, cd, impl="triton"),
+                       layer_norm_cast(y, w, b, 1e-5, cd, impl="torch"))]
+            for scale in (s, None):
+                tag = "scaled_add_layer_norm" + ("" if scale is not None else " (no scale)")
+                got = scaled_add_layer_norm(y, u, scale, w, b, 1e-5, cd, impl="triton")
+                ref = scaled_add_layer_norm(y, u, scale, w, b, 1e-5, cd, impl="torch")
+                checks += [(tag + " y", got[0], ref[0]), (tag + " normed", got[1], ref[1])]
+            checks.append(("scaled_add", scaled_add(y, u, s, impl="triton"), scaled_add(y, u, s, impl="torch")))
+            if hd % 2 == 0:
+                qkv = rnd(batch, tokens, 3 * nh * hd).to(cd)
+                offsets = torch.tensor([1000 * (r % 2) for r in range(batch)], device=dev)  # fresh / far
+                pos = offsets.unsqueeze(1) + torch.arange(tokens, device=dev)
+                freq = torch.exp(torch.arange(hd // 2, dtype=f32, device=dev) * (-2.0 * 9.21 / hd))
+                angle = pos.to(f32).unsqueeze(-1) * freq
+                cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)
+                got = rope_qk(qkv, cos, sin, nh, hd, impl="triton")
+                ref = rope_qk(qkv, cos, sin, nh, hd, impl="torch")
+                checks += [(f"rope_qk {n}", g, r) for n, g, r in zip("qkv", got, ref)]
+            for name, got, ref in checks:
+                why = _close(got, ref, name)
+                if why is not None:
+                    return f"{where}: {why}"
+        except Exception as e:  # noqa: BLE001 - a compile or launch error means: do not use the kernels
+            return f"{where}: {e!r}"
+    return None
+
+
+def select_impl(glue: str, device: torch.device | str, compute_dtype: torch.dtype,
+                shapes: Iterable[tuple[int, int, int]]) -> tuple[str, str | None]:
+    """The glue path of a session: ("triton" | "torch", why the kernels were rejected or None).
+
+    "torch": the torch path. "auto": the kernels on CUDA for fp32/bf16/fp16 compute when triton is
+    importable, after `self_test` passes (else a warning and the torch path). "triton": the kernels
+    (ValueError when they cannot run here; RuntimeError when the self-test fails on CUDA)."""
+    if glue not in ("auto", "triton", "torch"):
+        raise ValueError(f"glue must be 'auto', 'triton' or 'torch', got {glue!r}")
+    if glue == "torch":
+        return "torch", None
+    dev = torch.device(device)
+    usable = kernels_usable(dev, compute_dtype)
+    if glue == "auto" and not (usable and dev.type in AUTO_DEVICE_TYPES):
+        return "torch", None
+    if not usable:
+        raise ValueError("glue='triton' needs triton, compute dtype fp32/bf16/fp16 and a CUDA device (or CPU "
+                         f"with TRITON_INTERPRET=1 set before import); got {compute_dtype} on {dev}")
+    if dev.type in SELF_TEST_DEVICE_TYPES:
+        shapes = list(shapes)
+        why = self_test(dev, compute_dtype, shapes)
+        if why is not None:
+            if glue == "triton":
+                raise RuntimeError(f"glue='triton': the fused glue kernels failed their self-test: {why}")
+            log.warning("fused session glue kernels failed their self-test, using the torch path: %s", why)
+            return "torch", why
+        log.info("fused session glue kernels passed their self-test (%s, widths %s)", compute_dtype,
+                 sorted({d for d, _, _ in shapes}))
+    return "triton", None
