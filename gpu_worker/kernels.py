@@ -47,81 +47,25 @@ benchmarks/kernel_checks.py measures all of this on the GPU.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import torch
 
-
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Import triton only where it can run: with CUDA, or in interpreter mode. A CPU
-# process never imports it, which also keeps it free to import triton in
-# interpreter mode later (tests/test_kernels.py reloads this module that way).
-HAVE_TRITON = False
-triton = tl = libdevice = None
-if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
-    try:
-        import triton
-        import triton.language as tl
-        from triton.language.extra import libdevice
-        HAVE_TRITON = True
-    except ImportError:  # CI has no triton: every function uses its torch path
-        pass
+from chorus.triton_support import HAVE_TRITON, INTERPRET, triton, tl, libdevice  # noqa: F401 - re-exported
+from chorus.triton_support import KERNEL_DTYPES as _KERNEL_DTYPES, launch_opts as _launch_opts
+from chorus.triton_support import use_kernel
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "fused_sample", "rms_norm", "add_rms_norm", "add_layer_norm",
            "qk_norm_rope_store", "local_attention", "silu_mul"]
-
-# Triton decides at decoration time whether @triton.jit functions run in the
-# interpreter, so this module records the mode it was built in.
-INTERPRET = HAVE_TRITON and _interpret_env()
 
 MAX_SAMPLE_VOCAB = 2048
 # fused_sample sorts only the 2**6 largest scores of a row whose top-k is at most 64 and
 # whose ties with the k-th score do not reach past them (a bitonic top-k: half the work of
 # a full sort of 1024); any other row sorts all. Rows of a batch may take either path.
 FAST_TOP_K_LOG2 = 6
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _use_kernel(impl: str, supported: bool, *tensors: torch.Tensor) -> bool:
-    """Kernel or torch path. `supported`: the inputs fit the kernel (dtypes, strides,
-    sizes); "auto" falls back to torch when they do not, "triton" raises."""
-    if impl == "torch":
-        return False
-    if impl not in ("auto", "triton"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "auto":
-        return supported and HAVE_TRITON and all(t.is_cuda for t in tensors)
-    if not (HAVE_TRITON and all(t.is_cuda or (INTERPRET and t.device.type == "cpu") for t in tensors)):
-        raise RuntimeError("impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
-                           "set before gpu_worker.kernels is imported, with CPU tensors)")
-    if not supported:
-        raise ValueError("impl='triton': these inputs need the torch path (dtype, strides or size)")
-    return True
-
-
-_reflect_ftz_option: bool | None = None
-
-
-def _launch_opts(num_warps: int) -> dict:
-    """No FMA contraction (torch rounds every product before the add or sub), and,
-    where this Triton has the option, libdevice without flush-to-zero, as nvcc
-    compiles torch's kernels (only denormal inputs/outputs could differ)."""
-    global _reflect_ftz_option
-    if _reflect_ftz_option is None:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-            _reflect_ftz_option = "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__
-        except Exception:  # pragma: no cover - non-NVIDIA builds
-            _reflect_ftz_option = False
-    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
-    if _reflect_ftz_option and not INTERPRET:
-        opts["enable_reflect_ftz"] = False
-    return opts
+    return use_kernel(impl, supported, *tensors, unsupported="dtype, strides or size")
 
 
 def _inv(n: int) -> float:
@@ -133,48 +77,7 @@ def _inv(n: int) -> float:
 # Triton kernels
 # =============================================================================
 if HAVE_TRITON:
-
-    @triton.jit
-    def _div(a, b):
-        """IEEE division. Triton's `/` on fp32 lowers to the approximate div.full.f32;
-        div_rn gives div.rn.f32 (and, unlike libdevice's, keeps denormals as torch does).
-        fp64 `/` is already div.rn.f64."""
-        if a.dtype == tl.float64:
-            return a / b
-        else:
-            return tl.math.div_rn(a, b)
-
-    @triton.jit
-    def _exp(x, CUDA: tl.constexpr):
-        if CUDA:
-            return libdevice.exp(x)  # __nv_expf / __nv_exp, as torch's exp kernels
-        else:
-            return tl.exp(x)
-
-    @triton.jit
-    def _log(x, CUDA: tl.constexpr):
-        if CUDA:
-            return libdevice.log(x)
-        else:
-            return tl.log(x)
-
-    @triton.jit
-    def _cast(x, dtype: tl.constexpr, CUDA: tl.constexpr):
-        """fp32 x rounded to dtype, to nearest even (as torch rounds)."""
-        if CUDA:
-            return x.to(dtype)
-        elif dtype == tl.bfloat16:
-            # The interpreter's fp32 -> bf16 cast truncates: round on the bits instead.
-            b = x.to(tl.uint32, bitcast=True)
-            r = tl.where(x != x, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dtype)
-
-    @triton.jit
-    def _rnd(x, dtype: tl.constexpr, CUDA: tl.constexpr):
-        """x rounded through dtype and back to fp32: one torch op's output rounding."""
-        return _cast(x, dtype, CUDA).to(tl.float32)
+    from chorus.triton_support import cast as _cast, div as _div, exp as _exp, log as _log, rnd as _rnd
 
     @triton.jit
     def _rstd(sum_sq, n, inv_n, eps, CUDA: tl.constexpr):

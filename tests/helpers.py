@@ -3,6 +3,7 @@ services' own debug surfaces (scheduler /metrics, worker stats, vocoder Info).""
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import time
 import urllib.request
@@ -73,3 +74,14 @@ def seeded_request(text: str = "Hello from the test suite.", seed: int = 1, fram
     req = tts_pb2.SynthesizeRequest(text=text, language="English", min_frames=frames, max_frames=frames, **kw)
     req.sampling.seed = seed
     return req
+
+
+def triton_skip_reason() -> str | None:
+    """Why Triton kernels cannot run on the CPU here (None: they can, in the interpreter).
+    conftest.py sets TRITON_INTERPRET=1 before anything imports triton, where it is installed."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    from chorus import triton_support
+    if not triton_support.INTERPRET:
+        return "triton was imported in compiled mode: run the tests with TRITON_INTERPRET=1"
+    return None

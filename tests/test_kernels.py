@@ -8,35 +8,18 @@ so exp-based results are compared exactly against the torch formula with
 numpy's exp, and against the torch op to within a few ulp.
 """
 
-import importlib
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-# Triton picks interpreter or compiler when a function is decorated (its own
-# standard library at `import triton`), so TRITON_INTERPRET must be set before
-# triton is first imported, and while kernels run (the autouse fixture).
-_prev_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    if sys.modules.get("triton") is not None:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(sys.modules["triton"].language.standard.max, InterpretedFunction):
-            pytest.skip("triton was imported before this module without TRITON_INTERPRET=1; "
-                        "run TRITON_INTERPRET=1 pytest tests/test_kernels.py", allow_module_level=True)
-    pytest.importorskip("triton")
-    import gpu_worker.kernels as K
-    if not K.INTERPRET:  # imported earlier without triton: rebuild it in interpreter mode
-        K = importlib.reload(K)
-finally:
-    if _prev_interpret is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev_interpret
+from helpers import triton_skip_reason  # noqa: E402
+
+_SKIP_TRITON = triton_skip_reason()
+if _SKIP_TRITON is not None:
+    pytest.skip(_SKIP_TRITON, allow_module_level=True)
+import gpu_worker.kernels as K  # noqa: E402
 
 from gpu_worker.model import RMSNorm, rope_inv_freq, rotate_half_split  # noqa: E402
 from gpu_worker.sampler import apply_repetition_penalty, sample  # noqa: E402

@@ -7,41 +7,16 @@ interpreter fp32 -> bf16 casts truncate, so the kernels round on the bits (`_cas
 residual adds are then bitwise equal to torch, LayerNorm within one ulp of the output dtype.
 """
 
-import importlib
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-# Triton picks interpreter or compiler when a function is decorated (its own
-# standard library at `import triton`), so TRITON_INTERPRET must be set before
-# triton is first imported, and while kernels run (the autouse fixture).
-# (As tests/test_window_attention.py: a missing triton skips only the kernel tests.)
-_SKIP_TRITON = None
-_prev_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    if sys.modules.get("triton") is not None:
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(sys.modules["triton"].language.standard.max, InterpretedFunction):
-            _SKIP_TRITON = ("triton was imported before this module without TRITON_INTERPRET=1; "
-                            "run TRITON_INTERPRET=1 pytest tests/test_session_kernels.py")
-    if _SKIP_TRITON is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            _SKIP_TRITON = "triton is not installed"
-    import vocoder_svc.session_kernels as SK
-    if _SKIP_TRITON is None and not SK.INTERPRET:  # imported earlier without triton: rebuild it in interpreter mode
-        SK = importlib.reload(SK)
-finally:
-    if _prev_interpret is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev_interpret
+from helpers import triton_skip_reason  # noqa: E402
+
+_SKIP_TRITON = triton_skip_reason()  # a missing triton skips only the kernel tests
+import vocoder_svc.session_kernels as SK  # noqa: E402
 
 from vocoder_svc import window_attention as WA  # noqa: E402
 from vocoder_svc.codec import apply_rope, build_codec, tiny_v2  # noqa: E402

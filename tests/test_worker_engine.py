@@ -22,6 +22,16 @@ def _sampling(seed: int) -> worker_pb2.SamplingConfig:
     return resolve_sampling(tts_pb2.SamplingParams(seed=seed), min_frames=6)
 
 
+def record(j: worker_pb2.Journal, live: set[int], out: dict[int, list]) -> None:
+    """A journal's frames into out; stopped requests leave `live`."""
+    rows = np.frombuffer(j.rows.data, "<i4").reshape(j.rows.rows, j.rows.cols)
+    for i, rid in enumerate(j.request_ids):
+        if j.stopped[i]:
+            live.discard(rid)
+        else:
+            out[rid].append(rows[i].tolist())
+
+
 class Driver:
     """A minimal scheduler: whole-prompt prefill, then decode until stop or budget."""
 
@@ -49,13 +59,7 @@ class Driver:
         plan = self.prefill_plan(prompts)
         live = set(prompts)
         for _ in range(frames):
-            j = self.engine.execute(plan)
-            rows = np.frombuffer(j.rows.data, "<i4").reshape(j.rows.rows, j.rows.cols)
-            for i, rid in enumerate(j.request_ids):
-                if j.stopped[i]:
-                    live.discard(rid)
-                else:
-                    out[rid].append(rows[i].tolist())
+            record(self.engine.execute(plan), live, out)
             plan = worker_pb2.StepPlan(step_id=0)
             for rid in sorted(live):
                 plan.decode.add(request_id=rid, kv_slot=self.slots(1)[0])
@@ -104,12 +108,7 @@ def test_pipelined_launch_equals_synchronous(model):
         launched = d.engine.launch(nxt) if live else None
         j = d.engine.finish(pending)
         skipped += len(j.skipped)
-        rows = np.frombuffer(j.rows.data, "<i4").reshape(j.rows.rows, j.rows.cols)
-        for i, rid in enumerate(j.request_ids):
-            if j.stopped[i]:
-                live.discard(rid)
-            else:
-                out[rid].append(rows[i].tolist())
+        record(j, live, out)
         if launched is None:
             break
         pending = launched

@@ -43,8 +43,6 @@ disagrees beyond rounding.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from typing import Iterable
 
 import torch
@@ -56,29 +54,12 @@ from vocoder_svc.codec import apply_rope
 log = logging.getLogger("chorus.vocoder")
 
 
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Import triton only where it can run: with CUDA, or in interpreter mode (the pattern of
-# gpu_worker/kernels.py; tests/test_session_kernels.py reloads this module in interpreter mode).
-HAVE_TRITON = False
-triton = tl = None
-if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
-    try:
-        import triton
-        import triton.language as tl
-        HAVE_TRITON = True
-    except ImportError:  # CI has no triton: the torch path everywhere
-        pass
-
-# Triton decides at decoration time whether @triton.jit functions run in the interpreter.
-INTERPRET = HAVE_TRITON and _interpret_env()
+from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES as _KERNEL_DTYPES, triton, tl, use_kernel
+from chorus.triton_support import launch_opts as _launch_opts
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "layer_norm_cast", "scaled_add_layer_norm", "scaled_add", "rope_qk",
            "kernels_usable", "select_impl", "self_test"]
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_KERNEL_WIDTH = 16384
 # Device types on which glue="auto" takes the kernels, and on which select_impl self-tests them first
 # (tests add "cpu" to exercise both under the interpreter).
@@ -87,26 +68,8 @@ SELF_TEST_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 def _use_kernel(impl: str, supported: bool, *tensors: Tensor) -> bool:
-    """Kernel or torch path (gpu_worker/kernels.py's rule): "auto" takes the kernel for supported CUDA
-    inputs, "triton" forces it (raises when it cannot run), "torch" forces the torch path."""
-    if impl == "torch":
-        return False
-    if impl not in ("auto", "triton"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "auto":
-        return supported and HAVE_TRITON and all(t.is_cuda for t in tensors)
-    if not (HAVE_TRITON and all(t.is_cuda or (INTERPRET and t.device.type == "cpu") for t in tensors)):
-        raise RuntimeError("impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
-                           "set before vocoder_svc.session_kernels is imported, with CPU tensors)")
-    if not supported:
-        raise ValueError("impl='triton': these inputs need the torch path (fp32 residual / norm parameters, "
-                         "fp32/bf16/fp16 activations, unit stride in the last dim, matching shapes)")
-    return True
-
-
-def _launch_opts(num_warps: int) -> dict:
-    # No FMA contraction: torch rounds every product before the add or sub.
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+    return use_kernel(impl, supported, *tensors, unsupported="fp32 residual / norm parameters, fp32/bf16/fp16 "
+                      "activations, unit stride in the last dim, matching shapes")
 
 
 # =============================================================================
@@ -114,18 +77,7 @@ def _launch_opts(num_warps: int) -> dict:
 # =============================================================================
 if HAVE_TRITON:
 
-    @triton.jit
-    def _cast(x, dtype: tl.constexpr, CUDA: tl.constexpr):
-        """fp32 x rounded to dtype, to nearest even (as torch rounds)."""
-        if CUDA:
-            return x.to(dtype)
-        elif dtype == tl.bfloat16:
-            # The interpreter's fp32 -> bf16 cast truncates: round on the bits instead.
-            b = x.to(tl.uint32, bitcast=True)
-            r = tl.where(x != x, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
-            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dtype)
+    from chorus.triton_support import cast as _cast
 
     @triton.jit
     def _residual_norm_kernel(y_ptr, u_ptr, s_ptr, w_ptr, b_ptr, ynew_ptr, out_ptr,

@@ -36,37 +36,17 @@ a CUDA graph (after one warm-up call per shape compiles the kernel).
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Import triton only where it can run: with CUDA, or in interpreter mode (the pattern of
-# gpu_worker/kernels.py; tests/test_window_attention.py reloads this module in interpreter mode).
-HAVE_TRITON = False
-triton = tl = None
-if _interpret_env() or "triton" in sys.modules or torch.cuda.is_available():
-    try:
-        import triton
-        import triton.language as tl
-        HAVE_TRITON = True
-    except ImportError:  # CI has no triton: the torch path everywhere
-        pass
-
-# Triton decides at decoration time whether @triton.jit functions run in the interpreter.
-INTERPRET = HAVE_TRITON and _interpret_env()
+from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES as _KERNEL_DTYPES, triton, tl, use_kernel
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "window_attention", "use_triton", "ring_gather_index", "ring_write_index",
            "ring_write", "chunk_window_mask", "additive_window_mask"]
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_KERNEL_HEAD_DIM = 256
 
 
@@ -154,21 +134,9 @@ def _supported(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
 
 
 def use_triton(impl: str, supported: bool, *tensors: Tensor) -> bool:
-    """Kernel or torch path (gpu_worker/kernels.py's rule): "auto" takes the kernel for supported CUDA
-    inputs, "triton" forces it (raises when it cannot run), "torch" forces the torch path."""
-    if impl == "torch":
-        return False
-    if impl not in ("auto", "triton"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "auto":
-        return supported and HAVE_TRITON and all(t.is_cuda for t in tensors)
-    if not (HAVE_TRITON and all(t.is_cuda or (INTERPRET and t.device.type == "cpu") for t in tensors)):
-        raise RuntimeError("impl='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1 "
-                           "set before vocoder_svc.window_attention is imported, with CPU tensors)")
-    if not supported:
-        raise ValueError("impl='triton': these inputs need the torch path (dtype fp16/bf16/fp32, head dim "
-                         f"<= {MAX_KERNEL_HEAD_DIM}, unit stride in the head dim, matching shapes)")
-    return True
+    """Kernel or torch path (chorus/triton_support.py's rule)."""
+    return use_kernel(impl, supported, *tensors, unsupported=f"dtype fp16/bf16/fp32, head dim <= "
+                      f"{MAX_KERNEL_HEAD_DIM}, unit stride in the head dim, matching shapes")
 
 
 def kernel_selected(dtype: torch.dtype, device: torch.device, head_dim: int, impl: str = "auto") -> bool:
