@@ -580,6 +580,32 @@ def test_session_engine_queues_streams_beyond_slots(session_vocoder, tiny_codec)
     assert wait_for(lambda: settled(v)) and gauge() == 0
 
 
+def test_session_worker_runs_first_chunks_first(tiny_codec):
+    """A new stream's first step (its listener hears nothing yet) goes before an older steady step."""
+    session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])
+    worker = SessionWorker(session, Metrics())
+    codes = random_codes(10, 1)
+    order: list[str] = []
+
+    async def run() -> None:
+        steady, new = worker.open(), worker.open()
+        await worker.submit(steady, codes[:5])  # steady now holds a slot
+        with worker._cond:  # queue both before the worker looks: the steady step is older
+            older = worker.submit(steady, codes[5:8])
+            starter = worker.submit(new, codes[:5])
+        older.add_done_callback(lambda _: order.append("steady"))
+        starter.add_done_callback(lambda _: order.append("first chunk"))
+        await asyncio.gather(older, starter)
+        worker.release(steady)
+        worker.release(new)
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+    assert order == ["first chunk", "steady"]
+
+
 def test_session_worker_batches_same_frame_counts(tiny_codec):
     """Steps due together with the same T are one session step (different T: separate steps); each
     stream's PCM is bitwise what it is alone in the same bucket."""

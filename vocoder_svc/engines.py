@@ -180,18 +180,21 @@ class SessionWorker:
 
     # ---- the thread -------------------------------------------------------------------------------
     def _group(self) -> list[_SessionJob]:
-        """(Under the lock.) The oldest runnable step and the runnable steps with its frame count;
-        runnable = the stream holds a slot, or a free one is left for it."""
+        """(Under the lock.) The leading runnable step and the runnable steps with its frame count;
+        runnable = the stream holds a slot, or a free one is left for it. The lead is the oldest
+        first step of a new stream if one can run (its listener hears nothing until it is done:
+        time to first audio), else the oldest step (later chunks have audio buffered ahead)."""
         self._pending = [j for j in self._pending if not j.future.cancelled()]
         free = self.session.free_slots
+        starters = [j for j in self._pending if j.stream.slot is None] if free else []
+        slotted = (j for j in self._pending if j.stream.slot is not None)
+        lead = starters[0] if starters else next(slotted, None)
+        key = lead.codes.shape if lead is not None else None
         group: list[_SessionJob] = []
-        key = None
         for j in self._pending:
             if j.stream.slot is None and free == 0:
                 continue
-            if key is None:
-                key = j.codes.shape
-            elif j.codes.shape != key or any(g.stream is j.stream for g in group):
+            if j.codes.shape != key or any(g.stream is j.stream for g in group):
                 continue
             if j.stream.slot is None:
                 free -= 1
