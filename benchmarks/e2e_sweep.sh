@@ -14,7 +14,7 @@ run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
   timeout 420 python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E " (c|r)=[0-9]" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+  echo "rc=$?"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
 }
 python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
 run e2e_w1_x2 --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"

@@ -559,7 +559,14 @@ def table_row(lv: dict) -> str:
     return " ".join(v.rjust(w) for v, (_, w) in zip(vals, _TABLE_COLS))
 
 
-async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict) -> None:
+def _service_cpu(services: list) -> dict[str, float | None]:
+    return {s.name: s.cpu_seconds() for s in services}
+
+
+async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
+                      services: list | None = None) -> None:
+    """services: the launched processes (chorus.launcher.Service), whose CPU use each level records."""
+    services = services or []
     runner = _Runner(args, address, seed)
     progress = _Progress(not args.no_progress)
     await runner.connect()
@@ -572,7 +579,7 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
             wl = WORKLOADS[wname]
             for value in values:
                 level = _Level(wl, mode, value, runner.now(), max(0.0, args.warmup), args.duration, args.requests)
-                cpu0, wall0 = time.process_time(), runner.now()
+                cpu0, wall0, server_cpu0 = time.process_time(), runner.now(), _service_cpu(services)
                 bar = asyncio.create_task(progress.run(runner, level))
                 try:
                     await (runner.closed_level(level) if mode == "closed" else runner.open_level(level))
@@ -594,13 +601,20 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                       "rate": value if mode == "open" else None,
                       "frames_per_request": args.frames or wl.frames,
                       **level_metrics(level.records, window),
-                      "wall_s": wall, "client_cpu": (time.process_time() - cpu0) / wall if wall > 0 else None}
+                      "wall_s": wall, "client_cpu": (time.process_time() - cpu0) / wall if wall > 0 else None,
+                      # cores each launched service kept busy over the level (warm-up and drain included)
+                      "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
+                                     and server_cpu0[name] is not None else None
+                                     for name, t in _service_cpu(services).items()}}
                 results["levels"].append(lv)
                 for r in level.records:
                     r["level"] = idx
                     del r["_chunks"]
                 results["records"].extend(level.records)
                 print(table_row(lv), flush=True)
+                if any(v is not None for v in lv["server_cpu"].values()):
+                    print("           server CPU (cores busy): " + ", ".join(
+                        f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None), flush=True)
     finally:
         await runner.close()
 
@@ -687,7 +701,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
-        asyncio.run(_run_levels(args, address, seed, results))
+        asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)

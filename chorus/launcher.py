@@ -59,6 +59,15 @@ class Service:
             raise LaunchError(f"{self.name} exited with code {self.proc.poll()}:\n" + "\n".join(self.lines[-30:]))
         return self.address
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, all threads) the process has used so far; None off Linux."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
