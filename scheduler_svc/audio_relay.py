@@ -247,7 +247,7 @@ class _Session:
                                                             f"{len(self.codes)} frames")
             tail = self.output.flush()
             if tail is not None:
-                self.out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=tail))
+                self.out_q.put_nowait(tail)
             self.out_q.put_nowait(None)
             self.pool.mark_healthy(att.replica)
         except asyncio.CancelledError:
@@ -280,11 +280,11 @@ class _Session:
             return
         self.sent_native = first + n
         if int16:  # already the client's bytes: forwarded, sliced only when replayed samples are dropped
-            chunk = self.output.forward_pcm16(pcm[skip:].tobytes() if skip else resp.pcm, n - skip)
+            out = self.output.forward_pcm16(pcm[skip:].tobytes() if skip else resp.pcm, n - skip)
         else:
-            chunk = self.output.convert(pcm[skip:])
-        if chunk is not None:
-            self.out_q.put_nowait(tts_pb2.SynthesizeResponse(audio=chunk))
+            out = self.output.convert(pcm[skip:])
+        if out is not None:
+            self.out_q.put_nowait(out)
 
 
 class AudioRelay:
