@@ -6,14 +6,20 @@ inside one CUDA graph. These kernels collapse the worst offenders:
 - `fused_sample`: repetition penalty + the whole seeded sampler of
   gpu_worker/sampler.py (greedy, temperature, top-k, top-p, MurmurHash3
   Gumbel noise, argmax) in ONE launch, one program per row (V <= 2048).
-- `rms_norm`: model.RMSNorm (fp32 normalise, cast, then the weight multiply).
-- `qk_norm_rope`: per-head RMSNorm of q and k + half-split RoPE, one launch.
+- `rms_norm` / `add_rms_norm`: model.RMSNorm (fp32 normalise, cast, then the
+  weight multiply), optionally after the residual add it follows.
+- `add_layer_norm`: the local transformer's residual add + LayerNorm.
+- `qk_norm_rope_store`: per-head RMSNorm of q and k + half-split RoPE, and
+  the store of k, v in their paged KV slots, one launch.
+- `local_attention`: the local transformer's interleaved RoPE, cache append
+  and attention over its <= 13 positions, one launch.
+- `embed_rows`: the summed text + audio-code row embedding.
 - `silu_mul`: F.silu(gate) * up with torch's two bf16 roundings.
 
-Every function takes `impl`: "auto" runs the kernel on CUDA tensors and the
-torch path elsewhere (the CPU tests and the tiny model never touch Triton);
-"triton" forces the kernel (CUDA, or CPU under TRITON_INTERPRET=1, which must
-be set before this module is imported); "torch" forces the torch path.
+Every function takes `impl` (chorus/triton_support.py): "auto" runs the
+kernel on CUDA tensors and the torch path elsewhere (the CPU tests and the
+tiny model never touch Triton); "triton" forces the kernel (CUDA, or CPU
+under TRITON_INTERPRET=1); "torch" forces the torch path.
 Every launch is sync-free and allocation-only, so it can be captured in a
 CUDA graph (after one warm-up call per shape compiles it).
 
