@@ -1,0 +1,3 @@
+from chorus.bench import cmd_bench, parse_args
+
+cmd_bench(parse_args())
