@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
-import os
-import platform
 import time
 
 import grpc
 import numpy as np
 
+import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 from scheduler_svc.audio_relay import AudioRelay
 from scheduler_svc.output import AudioOutput
@@ -130,13 +128,9 @@ async def _level(relay: AudioRelay, streams: int, requests: int, frames: int, fi
             "in_mb_per_s": audio_s * RATE * CHANNELS * (4 if float_pcm else 2) / wall / 1e6, "out_mb_per_s": out_bytes / wall / 1e6}
 
 
-async def run(args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    port_q = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(port_q, args.first_chunk, args.chunk, args.float_pcm), daemon=True)
-    proc.start()
+async def run(args: argparse.Namespace) -> list[dict]:
+    proc, port = cpu_fixture.spawn(_serve, args.first_chunk, args.chunk, args.float_pcm)
     try:
-        port = port_q.get(timeout=60)
         pool = VocoderPool([f"127.0.0.1:{port}"])
         relay = AudioRelay(pool, await pool.info(timeout=30), N_VQ)
         await _level(relay, 4, 8, args.frames, args.first_chunk, args.chunk, args.float_pcm)  # warm-up
@@ -151,29 +145,19 @@ async def run(args: argparse.Namespace) -> dict:
                   f"{lv['in_mb_per_s']:>8,.0f} {lv['out_mb_per_s']:>9,.0f} {100 * lv['cpu_s'] / lv['wall_s']:>6.0f}",
                   flush=True)
         await pool.close()
-        return {"benchmark": "relay", "host": platform.node(), "cpus": os.cpu_count(),
-                "python": platform.python_version(), "config": vars(args), "levels": levels}
+        return levels
     finally:
         proc.kill()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", default="16,64,256", help="concurrent requests per level")
-    ap.add_argument("--requests", type=int, default=256, help="requests per level (at least --streams)")
-    ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = W1's 6 s)")
+    ap = cpu_fixture.parser(__doc__, "--streams")
     ap.add_argument("--first-chunk", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=25)
     ap.add_argument("--float-pcm", action="store_true",
                     help="the vocoder always sends float32 (as before PcmEncoding): the relay converts to PCM16")
-    ap.add_argument("--out", help="JSON results path")
-    args = ap.parse_args()
-    args.streams = [int(x) for x in args.streams.split(",")]
-    result = asyncio.run(run(args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    args = cpu_fixture.parse(ap)
+    cpu_fixture.save("relay", args, asyncio.run(run(args)))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
-import platform
 import time
 
 import numpy as np
 
+import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
 from chorus.v1 import common_pb2, worker_pb2
 from scheduler_svc.scheduler import FinishEvent, Request, Scheduler, SchedulerConfig
 from scheduler_svc.worker_client import WorkerClient
@@ -95,14 +94,10 @@ async def _level(scheduler: Scheduler, streams: int, requests: int, frames: int,
             "frames_per_s": done_frames / wall, "cpu_us_per_frame": cpu / done_frames * 1e6}
 
 
-async def run(args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    port_q = ctx.Queue()
+async def run(args: argparse.Namespace) -> list[dict]:
     max_batch = max(args.streams)
-    proc = ctx.Process(target=_instant_worker, args=(port_q, 1 << 20, max_batch), daemon=True)
-    proc.start()
+    proc, port = cpu_fixture.spawn(_instant_worker, 1 << 20, max_batch)
     try:
-        port = port_q.get(timeout=60)
         worker = WorkerClient(f"tcp://127.0.0.1:{port}")
         hello = await worker.hello(timeout=30)
         scheduler = Scheduler(worker, hello, SchedulerConfig(max_queue=4096, max_running=max_batch,
@@ -121,26 +116,16 @@ async def run(args: argparse.Namespace) -> dict:
                   f"{100 * lv['cpu_s'] / lv['wall_s']:>6.0f}", flush=True)
         await scheduler.stop()
         await worker.close()
-        return {"benchmark": "scheduler", "host": platform.node(), "cpus": os.cpu_count(),
-                "python": platform.python_version(), "config": vars(args), "levels": levels}
+        return levels
     finally:
         proc.kill()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", default="16,64,256", help="concurrent requests per level")
-    ap.add_argument("--requests", type=int, default=256, help="requests per level (at least 2x --streams)")
-    ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = W1's 6 s)")
+    ap = cpu_fixture.parser(__doc__, "2x --streams")
     ap.add_argument("--no-lookahead", action="store_true")
-    ap.add_argument("--out", help="JSON results path")
-    args = ap.parse_args()
-    args.streams = [int(x) for x in args.streams.split(",")]
-    result = asyncio.run(run(args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    args = cpu_fixture.parse(ap)
+    cpu_fixture.save("scheduler", args, asyncio.run(run(args)))
 
 
 if __name__ == "__main__":
