@@ -80,6 +80,7 @@ def test_session_equals_offline_float32_and_codec_stream(v2_32):
     codes = codes_for(30, n_q=12, seed=4)
     ref = v2_32.decode(codes)[0]
     s = CodecSession(v2_32, slots=2, n_q=12)
+    assert (s.attention_path, s.glue_impl, s.glue_fallback) == ("torch", "torch", None)  # auto on the CPU
     for parts in PARTS:
         out = s.decode_stream(codes[:, 0], parts)
         assert (out - ref).abs().max().item() <= bound(ref, 4e-6), parts

@@ -15,7 +15,7 @@ class Metrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
         self.decode_batch_streams = Histogram(
             "chorus_vocoder_decode_batch_streams", "Streams decoded together in one step",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256), registry=r)
         # audio-s/s is the rate of this counter: rate(chorus_vocoder_audio_seconds_total[1m])
         self.audio_seconds = Counter("chorus_vocoder_audio_seconds", "Seconds of audio decoded", registry=r)
         self.encode_cache_hits = Counter("chorus_vocoder_encode_cache_hits", "Encode requests served from cache",
@@ -28,6 +28,10 @@ class Metrics:
         self.session_waiting_streams = Gauge(
             "chorus_vocoder_session_waiting_streams", "Streams with a due step waiting for a free session slot",
             registry=r)
+        self.session_kernels = Gauge(
+            "chorus_vocoder_session_kernels", "Implementation the session runs, per part (1 = in use): "
+            "attention and glue are 'triton' or 'torch' (a glue self-test failure shows as torch)",
+            ["part", "impl"], registry=r)
         self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
                                      ["path"], registry=r)
 

@@ -472,6 +472,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     session = None
     if engine == "session":
         session = build_session(codec, args)
+        metrics.session_kernels.labels("attention", session.attention_path).set(1)
+        metrics.session_kernels.labels("glue", session.glue_impl).set(1)
+        if session.glue_fallback:
+            print(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
+                  flush=True)
         first = max(1, min(args.first_chunk_frames, args.chunk_frames))
         print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"

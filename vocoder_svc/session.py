@@ -260,6 +260,10 @@ class CodecSession:
             # Before any step or graph capture: on CUDA the fused kernels are self-tested here first.
             shapes = [(st.d_model, st.heads, st.head_dim) for kind, st in self._plan if kind == "stage"]
             self.glue_impl, self.glue_fallback = sk.select_impl(glue, self.device, self.compute_dtype, shapes)
+        # Which attention implementation the steps take (the kernel needs CUDA, the dtype and head dims).
+        stages = [st for kind, st in self._plan if kind == "stage"]
+        self.attention_path = ("triton" if stages and all(
+            wa.kernel_selected(self.compute_dtype, self.device, st.head_dim, attention) for st in stages) else "torch")
         # What the step passes as impl=: on CUDA "auto" (the kernels for the inputs they support, which are
         # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
         self._glue_call = ("torch" if self.glue_impl == "torch" else
