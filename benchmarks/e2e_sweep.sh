@@ -6,9 +6,9 @@
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}
-COMMON=(--launch --device cuda --dtype bfloat16 --worker-arg=--preset=full --worker-arg=--device=cuda:0
+COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --worker-arg=--preset=full
         --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
-        --vocoder-arg=--device=cuda:1 --vocoder-arg=--slots=256 --duration "$DUR" --warmup 5 --no-progress
+        --vocoder-arg=--slots=256 --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
 run() {  # name, then chorus bench flags
   local name=$1; shift

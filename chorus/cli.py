@@ -39,6 +39,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="MOSS-TTS Local v1.5 checkpoint directory (default: tiny preset)")
     p.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
     p.add_argument("--device", default="cpu", help="torch device for the worker and vocoder (cpu, cuda, cuda:1)")
+    p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
+                   help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
     p.add_argument("--port", type=int, default=50051, help="scheduler (public API) port; 0 = any free port")
@@ -47,17 +49,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cluster(args: argparse.Namespace):
-    from chorus.launcher import Cluster
+    from chorus.launcher import Cluster, service_args
 
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    worker = ["--device", args.device, "--dtype", dtype]
-    vocoder = ["--device", args.device, "--dtype", dtype]
-    scheduler = ["--metrics-port", str(args.metrics_port)]
-    if args.model:
-        worker += ["--model", args.model]
-        scheduler += ["--tokenizer", args.model]
-    if args.codec:
-        vocoder += ["--codec", args.codec]
+    worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
+    scheduler += ["--metrics-port", str(args.metrics_port)]
     return Cluster(worker_args=worker, vocoder_args=vocoder, scheduler_args=scheduler, host=args.host,
                    scheduler_port=args.port, echo=not args.quiet)
 

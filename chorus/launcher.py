@@ -79,6 +79,22 @@ class Service:
             self.proc.wait()
 
 
+def service_args(model: str | None, codec: str | None, device: str, dtype: str | None,
+                 vocoder_device: str | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(worker, vocoder, scheduler) flags for a model/codec on devices: the vocoder on its own GPU
+    with vocoder_device (per-service scaling on one host), else beside the worker."""
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    worker = ["--device", device, "--dtype", dtype]
+    vocoder = ["--device", vocoder_device or device, "--dtype", dtype]
+    scheduler: list[str] = []
+    if model:
+        worker += ["--model", model]
+        scheduler += ["--tokenizer", model]
+    if codec:
+        vocoder += ["--codec", codec]
+    return worker, vocoder, scheduler
+
+
 @dataclass
 class Cluster:
     """worker + vocoder(s) + scheduler on this machine."""

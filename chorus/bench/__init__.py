@@ -115,6 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     la.add_argument("--model", metavar="DIR", help="MOSS-TTS Local checkpoint directory (default: tiny preset)")
     la.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
     la.add_argument("--device", default="cpu", help="torch device of the worker and vocoder (default cpu)")
+    la.add_argument("--vocoder-device", default=None, metavar="DEVICE",
+                    help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
     la.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
     la.add_argument("--vocoders", type=int, default=1, metavar="N", help="vocoder replicas to start (default 1)")
     la.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
@@ -277,17 +279,9 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
-    from chorus.launcher import Cluster
+    from chorus.launcher import Cluster, service_args
 
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    worker = ["--device", args.device, "--dtype", dtype]
-    vocoder = ["--device", args.device, "--dtype", dtype]
-    scheduler: list[str] = []
-    if args.model:
-        worker += ["--model", args.model]
-        scheduler += ["--tokenizer", args.model]
-    if args.codec:
-        vocoder += ["--codec", args.codec]
+    worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
     return Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
                    scheduler_args=scheduler + list(args.scheduler_arg), scheduler_port=0,
                    vocoder_ports=[0] * max(1, args.vocoders), echo=args.server_logs)
