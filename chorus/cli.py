@@ -36,12 +36,8 @@ def _service_parsers(sub) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="MOSS-TTS Local v1.5 checkpoint directory (default: tiny preset)")
-    p.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
-    p.add_argument("--device", default="cpu", help="torch device for the worker and vocoder (cpu, cuda, cuda:1)")
-    p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
-                   help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
-    p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 on cuda)")
+    from chorus.launcher import add_service_flags
+    add_service_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
     p.add_argument("--port", type=int, default=50051, help="scheduler (public API) port; 0 = any free port")
     p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0 = off)")

@@ -79,6 +79,17 @@ class Service:
             self.proc.wait()
 
 
+def add_service_flags(p) -> None:
+    """The model, codec, device and dtype flags that service_args turns into service flags
+    (chorus up / demo, chorus bench --launch); p is a parser or an argument group."""
+    p.add_argument("--model", metavar="DIR", help="MOSS-TTS Local v1.5 checkpoint directory (default: tiny preset)")
+    p.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
+    p.add_argument("--device", default="cpu", help="torch device for the worker and vocoder (cpu, cuda, cuda:1)")
+    p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
+                   help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
+
+
 def service_args(model: str | None, codec: str | None, device: str, dtype: str | None,
                  vocoder_device: str | None = None) -> tuple[list[str], list[str], list[str]]:
     """(worker, vocoder, scheduler) flags for a model/codec on devices: the vocoder on its own GPU

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
+from chorus.launcher import Cluster, add_service_flags, service_args
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
@@ -112,12 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stop them at the end; tiny random-weight model on the CPU unless --model/--codec/--device")
 
     la = p.add_argument_group("with --launch")
-    la.add_argument("--model", metavar="DIR", help="MOSS-TTS Local checkpoint directory (default: tiny preset)")
-    la.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
-    la.add_argument("--device", default="cpu", help="torch device of the worker and vocoder (default cpu)")
-    la.add_argument("--vocoder-device", default=None, metavar="DEVICE",
-                    help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
-    la.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
+    add_service_flags(la)
     la.add_argument("--vocoders", type=int, default=1, metavar="N", help="vocoder replicas to start (default 1)")
     la.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                     help="extra gpu_worker flag, repeatable; attach with '=': --worker-arg=--kv-slots=65536")
@@ -279,8 +275,6 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
-    from chorus.launcher import Cluster, service_args
-
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
     return Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
                    scheduler_args=scheduler + list(args.scheduler_arg), scheduler_port=0,
