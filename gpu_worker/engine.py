@@ -35,8 +35,8 @@ def matrix_to_tensor(m: common_pb2.IntMatrix) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
-def tensor_to_matrix(t: torch.Tensor) -> common_pb2.IntMatrix:
-    arr = np.ascontiguousarray(t.cpu().numpy().astype("<i4"))
+def tensor_to_matrix(t: torch.Tensor | np.ndarray) -> common_pb2.IntMatrix:
+    arr = np.ascontiguousarray((t.cpu().numpy() if isinstance(t, torch.Tensor) else t).astype("<i4"))
     return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
 
 
@@ -269,8 +269,7 @@ class Engine:
             for (_, state), stopped in zip(samplers, stop_list):
                 state.stopped = stopped
             journal.request_ids.extend(rid for rid, _ in samplers)
-            rows = np.ascontiguousarray(out[:, :width].astype("<i4"))
-            journal.rows.CopyFrom(common_pb2.IntMatrix(rows=rows.shape[0], cols=width, data=rows.tobytes()))
+            journal.rows.CopyFrom(tensor_to_matrix(out[:, :width]))
             journal.stopped.extend(stop_list)
             journal.generation_steps.extend(out[:, width + 1].tolist())
         journal.step_ms = (time.perf_counter() - pending.t0) * 1e3

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from vocoder_svc.codec import build_codec, rope_cos_sin, tiny_v2, window_mask
-from vocoder_svc.session import CodecSession, chunk_window_mask, default_buckets, rope_freq
+from vocoder_svc.session import CodecSession, default_buckets, rope_freq
+from vocoder_svc.window_attention import chunk_window_mask
 
 F64 = torch.float64
 ROOT = Path(__file__).resolve().parents[1]

@@ -122,7 +122,6 @@ from torch import Tensor
 from vocoder_svc import session_kernels as sk
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec import LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer
-from vocoder_svc.window_attention import chunk_window_mask  # noqa: F401 - re-exported (tests, older callers)
 
 HALF = (torch.bfloat16, torch.float16)
 # Positions go through fp32 for RoPE (§3.3), exact only below 2**24.
