@@ -40,11 +40,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=300)
+    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--out")
     args = p.parse_args()
     b, ctx = args.batch, args.context
+    stride = -(-(ctx + 200) // args.page_size) * args.page_size  # each request's slots start on a page
     model = build_model(preset="full", load_format="dummy", dtype="bfloat16", device="cuda")
-    engine = Engine(model, num_kv_slots=b * (ctx + 200) + 2, max_batch=max(b, 1), max_context=ctx + 200)
+    engine = Engine(model, num_kv_slots=(b + 1) * stride, max_batch=max(b, 1), max_context=ctx + 200,
+                    page_size=args.page_size)
     cfg = model.cfg
     rng = np.random.default_rng(0)
     plan = worker_pb2.StepPlan(step_id=1)
@@ -52,11 +55,11 @@ def main() -> None:
         rows = np.concatenate([rng.integers(0, 151000, (ctx, 1)), rng.integers(0, 1024, (ctx, 12))], 1)
         item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=ctx)
         item.rows.CopyFrom(rows_matrix(rows.astype(np.int32)))
-        item.kv_slots.extend(range((rid - 1) * (ctx + 200), (rid - 1) * (ctx + 200) + ctx))
+        item.kv_slots.extend(range((rid - 1) * stride, (rid - 1) * stride + ctx))
         item.sampling.CopyFrom(worker_pb2.SamplingConfig(
             text_temperature=1, text_top_p=1, text_top_k=50, audio_temperature=1.7, audio_top_p=0.8,
             audio_top_k=25, audio_repetition_penalty=1.0, seed=rid, min_frames=1 << 30))
-    report = {"batch": b, "context": ctx, "device": torch.cuda.get_device_name()}
+    report = {"batch": b, "context": ctx, "page_size": args.page_size, "device": torch.cuda.get_device_name()}
     with torch.inference_mode():
         engine.execute(plan)
         # the whole graphed step, through the engine (host work included)
@@ -65,7 +68,7 @@ def main() -> None:
         for step in range(25):
             plan = worker_pb2.StepPlan(step_id=step + 2)
             for rid in range(1, b + 1):
-                plan.decode.add(request_id=rid, kv_slot=(rid - 1) * (ctx + 200) + ctx + step)
+                plan.decode.add(request_id=rid, kv_slot=(rid - 1) * stride + ctx + step)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             engine.execute(plan)
@@ -124,7 +127,7 @@ def main() -> None:
         engine_eager.graphs, saved = None, engine.graphs
         plan = worker_pb2.StepPlan(step_id=999)
         for rid in range(1, b + 1):
-            plan.decode.add(request_id=rid, kv_slot=(rid - 1) * (ctx + 200) + ctx + 30)
+            plan.decode.add(request_id=rid, kv_slot=(rid - 1) * stride + ctx + 25)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             engine_eager.execute(plan)
             torch.cuda.synchronize()

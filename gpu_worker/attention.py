@@ -10,8 +10,12 @@ once per step, and then serves every layer's `attend()`.
 - `FlashInferPagedAttention`: CUDA, flashinfer paged decode (tensor cores)
   for pure-decode steps and paged prefill for mixed steps.
 
-Both keep K/V as [layers, slots, kv_heads, head_dim]; a slot is a page of one
-row, so the same slot ids work for both.
+Both keep K/V as [layers, slots, kv_heads, head_dim] and take the same slot
+ids. flashinfer reads the cache as pages of `page_size` rows: the scheduler
+allocates whole pages (its allocator gets the page size from the worker's
+Hello), so a sequence's slots fill its pages in order and the page table is
+every page_size-th slot divided by page_size (`page_table`). Pages of 16
+rows read KV far faster than pages of one row.
 """
 
 from __future__ import annotations
@@ -73,6 +77,33 @@ class AttentionBatch:
         )
 
 
+def page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray,
+               page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot CSR -> page CSR: (page_indptr, page ids, last_page_len), int32.
+
+    Position j of a sequence must sit at slot pages[j // P] * P + j % P. Checked cheaply (every
+    page starts on a page boundary, every sequence's last slot is where its table says): a
+    misaligned allocation would otherwise make attention read other requests' rows."""
+    kv_indptr = np.asarray(kv_indptr, dtype=np.int64)
+    kv_indices = np.asarray(kv_indices, dtype=np.int64)
+    lens = np.diff(kv_indptr)
+    if page_size == 1:
+        return kv_indptr.astype(np.int32), kv_indices.astype(np.int32), np.ones(lens.size, dtype=np.int32)
+    n_pages = -(-lens // page_size)
+    page_indptr = np.concatenate([[0], np.cumsum(n_pages)])
+    seq = np.repeat(np.arange(lens.size), n_pages)
+    first = kv_indptr[:-1][seq] + (np.arange(page_indptr[-1]) - page_indptr[:-1][seq]) * page_size
+    starts = kv_indices[first]
+    last_len = lens - (n_pages - 1) * page_size
+    nonempty = lens > 0
+    ends = kv_indices[kv_indptr[1:][nonempty] - 1]
+    expect = starts[page_indptr[1:][nonempty] - 1] + last_len[nonempty] - 1
+    if (starts % page_size).any() or (ends != expect).any():
+        raise ValueError(f"KV slots are not laid out in whole pages of {page_size} rows: the scheduler's "
+                         f"allocator page size must be a multiple of the worker's")
+    return page_indptr.astype(np.int32), (starts // page_size).astype(np.int32), last_len.astype(np.int32)
+
+
 class AttentionBackend(Protocol):
     def begin(self, batch: AttentionBatch) -> None:
         """Plan the step (once, before the first layer)."""
@@ -90,7 +121,10 @@ class AttentionBackend(Protocol):
 
 class _SlotCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1):
+        if num_slots % page_size:
+            raise ValueError(f"{num_slots} KV slots are not a whole number of pages of {page_size}")
+        self.page_size = page_size
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -108,6 +142,8 @@ class TorchPagedAttention(_SlotCache):
     """Reference backend: gathers each sequence's slots into a padded batch."""
 
     def begin(self, batch: AttentionBatch) -> None:
+        if self.page_size > 1:  # reads slots directly, but holds the scheduler to flashinfer's layout
+            page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
         dev = self.k_cache.device
         qo, kv = batch.qo_indptr.long(), batch.kv_indptr.long()
         q_lens, kv_lens = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
@@ -139,13 +175,13 @@ class TorchPagedAttention(_SlotCache):
 
 
 class FlashInferPagedAttention(_SlotCache):
-    """CUDA backend over the same slot cache, viewed as pages of one row (NHD)."""
+    """CUDA backend over the same slot cache, viewed as pages of page_size rows (NHD)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
-                 dtype: torch.dtype, device: torch.device, workspace_bytes: int = 256 << 20):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 256 << 20):
         import flashinfer  # CUDA-only dependency, imported lazily
 
-        super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -153,29 +189,32 @@ class FlashInferPagedAttention(_SlotCache):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.active = self.decode_wrapper
 
-    def plan_decode(self, wrapper, kv_indptr: Tensor, kv_indices: Tensor) -> None:
-        ones = torch.ones(kv_indptr.numel() - 1, dtype=torch.int32)
-        wrapper.plan(kv_indptr, kv_indices, ones, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-                     q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+    def plan_decode(self, wrapper, pages: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Plan a decode over a page table from `page_table`."""
+        indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
+        wrapper.plan(indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                     self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
 
     def begin(self, batch: AttentionBatch) -> None:
+        pages = page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
         if batch.decode_only:
-            self.plan_decode(self.decode_wrapper, batch.kv_indptr, batch.kv_indices)
+            self.plan_decode(self.decode_wrapper, pages)
             self.active = self.decode_wrapper
         else:
-            ones = torch.ones(batch.num_sequences, dtype=torch.int32)
-            self.prefill_wrapper.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, ones,
-                                      self.num_qo_heads, self.num_kv_heads, self.head_dim, 1, causal=True,
-                                      q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+            indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
+            self.prefill_wrapper.plan(batch.qo_indptr, indptr, indices, last_len,
+                                      self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                                      causal=True, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
             self.active = self.prefill_wrapper
 
     def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
-        pages = (self.k_cache[layer].unsqueeze(1), self.v_cache[layer].unsqueeze(1))  # [slots, 1, n_kv, d]
+        k, v = self.k_cache[layer], self.v_cache[layer]
+        pages = (k.view(-1, self.page_size, *k.shape[1:]), v.view(-1, self.page_size, *v.shape[1:]))
         return self.active.run(q.contiguous(), pages)
 
 
 def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 num_qo_heads: int, dtype: torch.dtype, device: torch.device):
+                 num_qo_heads: int, dtype: torch.dtype, device: torch.device, page_size: int = 1):
     """'auto' = flashinfer on CUDA when installed, else the torch reference."""
     if name == "auto":
         name = "torch"
@@ -183,7 +222,8 @@ def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, 
             if importlib.util.find_spec("flashinfer") is not None:
                 name = "flashinfer"
     if name == "flashinfer":
-        return FlashInferPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, num_qo_heads, dtype, device)
+        return FlashInferPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, num_qo_heads, dtype, device,
+                                        page_size)
     if name == "torch":
-        return TorchPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        return TorchPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
     raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")

@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="torch device")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
@@ -75,11 +76,13 @@ class Bench:
         max_b = max(self.batches)
         # every request holds its context plus one row per decode step of every point it joins
         growth = (2 * args.steps + args.warmup + 1) * len(self.batches)
-        slots = max_b * (max(self.contexts) + growth + 1) + 2
+        P = args.page_size
+        slots = max_b * (-(-(max(self.contexts) + growth + 1) // P) + 1) * P + 2 * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=max_b, max_context=1 << 20,
-                             attention=args.attention, cuda_graphs=args.cuda_graphs)
+                             attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P)
         self.device = self.engine.device
-        self.next_slot = 0
+        self.next_page = 0
+        self.rows: dict[int, list[int]] = {}  # request id -> its KV slots, page-aligned like the scheduler's
         self.step_id = 0
         self.rng = np.random.default_rng(0)
         print(f"model {self.cfg.name} built in {time.perf_counter() - t0:.1f}s on {self.device} "
@@ -108,10 +111,20 @@ class Bench:
         return (self.weight_bytes() + kv_bytes) / self.args.bandwidth, flops / self.args.flops
 
     # ---- plans -----------------------------------------------------------------
-    def _slots(self, n: int) -> list[int]:
-        s = list(range(self.next_slot, self.next_slot + n))
-        self.next_slot += n
-        return s
+    def _slots(self, rid: int, n: int) -> list[int]:
+        """The next n slots of request rid: its last page's free rows, then fresh pages."""
+        P = self.engine.page_size
+        held = self.rows.setdefault(rid, [])
+        out = []
+        for pos in range(len(held), len(held) + n):
+            if pos % P == 0:
+                page = self.next_page
+                self.next_page += 1
+            else:
+                page = (out[-1] if out else held[-1]) // P
+            out.append(page * P + pos % P)
+        held.extend(out)
+        return out
 
     def _plan(self) -> worker_pb2.StepPlan:
         self.step_id += 1
@@ -131,7 +144,7 @@ class Bench:
                 rows[:, 1:] = self.rng.integers(0, self.cfg.audio_vocab_size, (ctx, self.cfg.n_vq))
                 item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=ctx)
                 item.rows.CopyFrom(rows_matrix(rows))
-                item.kv_slots.extend(self._slots(ctx))
+                item.kv_slots.extend(self._slots(rid, ctx))
                 item.sampling.CopyFrom(sampling)
             _sync(self.device)
             t0 = time.perf_counter()
@@ -142,8 +155,8 @@ class Bench:
 
     def _decode_plan(self, ids: list[int]) -> worker_pb2.StepPlan:
         plan = self._plan()
-        for rid, slot in zip(ids, self._slots(len(ids))):
-            plan.decode.add(request_id=rid, kv_slot=slot)
+        for rid in ids:
+            plan.decode.add(request_id=rid, kv_slot=self._slots(rid, 1)[0])
         return plan
 
     def _check(self, journal: worker_pb2.Journal, n: int) -> None:
@@ -201,7 +214,10 @@ class Bench:
         plan = self._plan()
         plan.release.extend(ids)
         self.engine.execute(plan)
-        self.next_slot = 0
+        for rid in ids:
+            self.rows.pop(rid, None)
+        if not self.rows:
+            self.next_page = 0
 
     def run(self) -> dict:
         max_b = max(self.batches)

@@ -6,7 +6,7 @@ Launch overhead dominates a decode step (hundreds of small kernels), so the
 graph is what makes small batches fast. Inputs are copied into static
 buffers; the flashinfer decode wrapper of the bucket is re-planned with the
 step's page table before each replay (plan is host work, outside the graph).
-Padding rows read and write only the pool's spare row and the scratch KV slot.
+Padding rows read and write only the pool's spare row and the scratch KV page.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionBatch, SequenceSpan
+from gpu_worker.attention import AttentionBatch, SequenceSpan, page_table
 
 log = logging.getLogger("chorus.worker")
 
@@ -84,13 +84,13 @@ class GraphedDecode:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             e.kv.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=torch.zeros(e.kv.num_slots, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(e.kv.num_slots // e.page_size, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=dev))
         rows = torch.full((b,), e.pool.spare_row, dtype=torch.int64, device=dev)
         positions = torch.zeros(b, dtype=torch.int64, device=dev)
         write_slots = torch.full((b,), e.scratch_slot, dtype=torch.int64, device=dev)
         indptr = torch.arange(b + 1, dtype=torch.int32)
-        e.kv.plan_decode(wrapper, indptr, torch.full((b,), e.scratch_slot, dtype=torch.int32))
+        e.kv.plan_decode(wrapper, self._padding_pages(b))
         batch = AttentionBatch(positions=positions, write_slots=write_slots, qo_indptr=indptr,
                                kv_indptr=indptr, kv_indices=torch.zeros(b, dtype=torch.int32))
 
@@ -107,16 +107,25 @@ class GraphedDecode:
         log.info("captured decode graph for batch %d", b)
         return _Graph(b, graph, wrapper, rows, positions, write_slots, out)
 
+    def _padding_pages(self, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Page table of `pad` padding sequences: one row each, on the scratch page."""
+        page = self.engine.scratch_slot // self.engine.page_size
+        return (np.arange(pad + 1, dtype=np.int32), np.full(pad, page, dtype=np.int32),
+                np.ones(pad, dtype=np.int32))
+
     def run(self, decode_rows: list[int], spans: Sequence[SequenceSpan]) -> torch.Tensor:
         e = self.engine
         n = len(spans)
         g = self._get(self.bucket(n))
         pad = g.size - n
         kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=n)
-        kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int32) for sp in spans]
-                                    + [np.full(pad, e.scratch_slot, dtype=np.int32)])
-        indptr = np.concatenate([[0], np.cumsum(np.concatenate([kv_lens, np.ones(pad, np.int64)]))])
-        newest = kv_indices[indptr[1:n + 1] - 1]  # each request's new row is its last slot
+        kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int64) for sp in spans])
+        indptr = np.concatenate([[0], np.cumsum(kv_lens)])
+        newest = kv_indices[indptr[1:] - 1]  # each request's new row is its last slot
+        p_indptr, p_indices, p_last = page_table(indptr, kv_indices, e.page_size)
+        q_indptr, q_indices, q_last = self._padding_pages(pad)
+        pages = (np.concatenate([p_indptr, p_indptr[-1] + q_indptr[1:]]), np.concatenate([p_indices, q_indices]),
+                 np.concatenate([p_last, q_last]))
         host = np.stack([
             np.concatenate([decode_rows, np.full(pad, e.pool.spare_row)]),
             np.concatenate([kv_lens - 1, np.zeros(pad, np.int64)]),
@@ -126,7 +135,7 @@ class GraphedDecode:
         g.rows.copy_(staged[0])
         g.positions.copy_(staged[1])
         g.write_slots.copy_(staged[2])
-        e.kv.plan_decode(g.wrapper, torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(kv_indices))
+        e.kv.plan_decode(g.wrapper, pages)
         e.mark_planned()
         g.graph.replay()
         return g.out

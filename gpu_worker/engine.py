@@ -71,17 +71,23 @@ class PendingStep:
 
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
-                 attention: str = "auto", cuda_graphs: bool = True):
+                 attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1):
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         bb = self.cfg.backbone
+        if page_size < 1 or num_kv_slots < 2 * page_size:
+            raise ValueError(f"need page_size >= 1 and at least two pages of KV slots, got page_size {page_size} "
+                             f"and {num_kv_slots} slots")
+        num_kv_slots -= num_kv_slots % page_size
+        self.page_size = page_size
         self.kv = make_backend(attention, bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
-                               bb.head_dim, bb.num_attention_heads, self.dtype, self.device)
-        # The last slot is the worker's scratch row (padding targets); the scheduler never sees it.
-        self.scratch_slot = num_kv_slots - 1
-        self.kv_capacity = num_kv_slots - 1
+                               bb.head_dim, bb.num_attention_heads, self.dtype, self.device, page_size)
+        # The last page is the worker's scratch (padding rows write and read its first slot);
+        # the scheduler never sees it.
+        self.kv_capacity = num_kv_slots - page_size
+        self.scratch_slot = self.kv_capacity
         self.pool = DecodeStatePool(max_batch, self.cfg.hidden_size, self.cfg.n_vq,
                                     max(self.cfg.codebook_sizes), self.dtype, self.device)
         self.max_batch = max_batch
@@ -125,12 +131,19 @@ class Engine:
             self._planned.synchronize()  # the previous step's plan copies, not its kernels
             self._planned = None
 
+    @property
+    def warm_up_slots(self) -> int:
+        """KV slots `warm_up` writes: two requests of 18 rows, each starting on a page."""
+        per_request = -(-32 // self.page_size) * self.page_size
+        return 2 * per_request
+
     def warm_up(self) -> float:
         """Run every kernel variant serving uses once, then forget the requests: Triton compiles
         a kernel per specialisation on first use (the fused sampler alone takes seconds per
         variant) and flashinfer JIT-compiles its prefill kernel, which must not land on the first
         user's request. Steps: a prefill, a mixed prefill + graphed decode with a repetition
-        penalty, a decode, a release. Uses KV slots [0, 64): call before serving. Returns seconds."""
+        penalty, a decode, a release. Uses KV slots [0, warm_up_slots): call before serving.
+        Returns seconds."""
         t0 = time.perf_counter()
         cfg = self.cfg
         ids = (1 << 63, (1 << 63) + 1)
@@ -147,12 +160,14 @@ class Engine:
                 text_temperature=1.0, text_top_k=50, text_top_p=1.0, audio_temperature=1.7, audio_top_k=25,
                 audio_top_p=0.8, audio_repetition_penalty=penalty, seed=rid & 0xFFFF, min_frames=1 << 20))
 
+        # Each request owns a page-aligned run of slots, so any page size lays them out right.
+        a, b = 0, self.warm_up_slots // 2
         plans = [worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan()]
-        prefill(plans[0], ids[0], 0, 1.0)
-        prefill(plans[1], ids[1], 16, 1.1)
-        plans[1].decode.add(request_id=ids[0], kv_slot=32)
-        plans[2].decode.add(request_id=ids[0], kv_slot=33)
-        plans[2].decode.add(request_id=ids[1], kv_slot=34)
+        prefill(plans[0], ids[0], a, 1.0)
+        prefill(plans[1], ids[1], b, 1.1)
+        plans[1].decode.add(request_id=ids[0], kv_slot=a + 16)
+        plans[2].decode.add(request_id=ids[0], kv_slot=a + 17)
+        plans[2].decode.add(request_id=ids[1], kv_slot=b + 16)
         plans[3].release.extend(ids)
         for plan in plans:
             journal = self.execute(plan)

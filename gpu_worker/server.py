@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (bfloat16 on GPU; float64 for exact CPU parity tests)")
     p.add_argument("--kv-slots", type=int, default=32768,
                    help="KV cache capacity in rows (tokens), shared by all requests")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="KV rows per page; the scheduler allocates whole pages (flashinfer reads 16-row pages "
+                        "much faster than 1-row ones)")
     p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
     p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
@@ -68,16 +71,16 @@ def run(args: argparse.Namespace) -> None:
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
     engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
-                    attention=args.attention, cuda_graphs=args.cuda_graphs)
+                    attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=args.page_size)
     if engine.graphs is not None and args.capture_graphs:
         print("capturing CUDA graphs for decode batches up to", args.max_batch, flush=True)
         engine.graphs.capture_all()
-    if engine.kv_capacity >= 64 and engine.pool.capacity >= 2:
+    if engine.kv_capacity >= engine.warm_up_slots and engine.pool.capacity >= 2:
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
     hello = worker_pb2.Hello(
         model_name=model.cfg.name, architecture="moss_tts_local", model_config_json=model.cfg.to_json(),
         kv_slots=engine.kv_capacity, max_batch=args.max_batch, max_context=args.max_context,
-        device=str(engine.device), dtype=args.dtype, pid=os.getpid())
+        device=str(engine.device), dtype=args.dtype, pid=os.getpid(), page_size=engine.page_size)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)

@@ -118,7 +118,7 @@ class SchedulerConfig:
     max_queue: int = 256
     max_running: int = 64
     prefill_chunk: int = 512       # prompt rows per step, all requests together; 0 = unlimited
-    page_size: int = 1
+    page_size: int = 0             # KV rows per allocator page; 0 = the worker's (Hello.page_size)
     radix_cache: bool = True
     lookahead: bool = True
     lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
@@ -142,7 +142,12 @@ class Scheduler:
         self.worker = worker
         self.hello = hello
         self.config = config
-        self.kv = KVSlotAllocator(hello.kv_slots, config.page_size)
+        worker_page = max(hello.page_size, 1)
+        page_size = config.page_size or worker_page
+        if page_size % worker_page:
+            raise ValueError(f"page size {page_size} is not a multiple of the worker's page size {worker_page}: "
+                             f"its attention reads whole pages (leave --page-size at 0 to use the worker's)")
+        self.kv = KVSlotAllocator(hello.kv_slots, page_size)
         self.cache = RadixCache(self.kv)
         self.max_running = min(config.max_running, hello.max_batch)
         self.waiting: deque[Request] = deque()

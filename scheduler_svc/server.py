@@ -228,7 +228,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max requests decoding at once (0 = the worker's max batch)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt rows prefilled per step over all requests (chunked prefill; 0 = whole prompts)")
-    p.add_argument("--page-size", type=int, default=1, help="KV rows per allocator page (1 for the torch backend)")
+    p.add_argument("--page-size", type=int, default=0,
+                   help="KV rows per allocator page (default 0: the worker's page size; else a multiple of it)")
     p.add_argument("--no-radix-cache", dest="radix_cache", action="store_false",
                    help="do not reuse KV of shared prefixes (voice references, retracted requests)")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",

@@ -87,9 +87,13 @@ def test_radix_warm_equals_cold_and_prefills_only_the_rest(baseline):
         assert metric(c, "chorus_radix_hit_rows_total") > 0
 
 
-def test_forced_retraction_equals_unretracted(baseline):
-    # Room for the three prompts but not for their 30 frames each: decode must retract.
-    with make_cluster(WORKER + ["--kv-slots", "260"], ["--max-running", "8"]) as c:
+@pytest.mark.parametrize("page_size,kv_slots", [(1, 260), (4, 260)], ids=["rows", "pages4"])
+def test_forced_retraction_equals_unretracted(baseline, page_size, kv_slots):
+    # Room for the three prompts but not for their 30 frames each: decode must retract. Pages of 4
+    # run out before frame 14 (the earliest stop) whatever order the requests arrive in; with pages
+    # of 16 whether they do depends on when the requests stop.
+    worker = WORKER + ["--kv-slots", str(kv_slots), "--page-size", str(page_size)]
+    with make_cluster(worker, ["--max-running", "8"]) as c:
         assert_same(run(c, concurrent=True), baseline)
         assert metric(c, "chorus_retractions_total") > 0
         assert wait_until_idle(c) == (0, 0, 0, 0)

@@ -96,7 +96,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid")
+    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Hello(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     model_config_json: str
@@ -115,7 +116,8 @@ class Hello(_message.Message):
     device: str
     dtype: str
     pid: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    page_size: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("active_requests", "steps", "prefill_rows", "decode_rows")
