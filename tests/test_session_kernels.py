@@ -156,14 +156,15 @@ def test_rope_qk(nh, hd, tk, cd):
     qkv, cos, sin = _rope_inputs(nh * hd + tk, 2, tk, nh, hd, cd, strided=tk == 5)
     got = SK.rope_qk(qkv, cos, sin, nh, hd, impl="triton")
     ref = SK.rope_qk(qkv, cos, sin, nh, hd, impl="torch")
-    for g, r in zip(got, ref):
+    for g, r in zip(got[:2], ref[:2]):
         assert g.shape == r.shape == (2, nh, tk, hd) and g.dtype == cd and g.is_contiguous()
         assert torch.equal(g, r)  # fp32 math rounded once, as apply_rope
+    assert got[2].data_ptr() == ref[2].data_ptr() and got[2].stride() == ref[2].stride()  # v: the same view
 
 
 @needs_triton
 def test_rope_qk_outputs_feed_attention_and_ring():
-    """The kernel's contiguous q/k/v give window_attention and ring_write exactly what the session's strided
+    """The kernel's contiguous q/k (and v view) give window_attention and ring_write exactly what the session's strided
     views give them (bf16, a chunk longer than the window and one shorter)."""
     h, hd, w = 2, 16, 6
     for tk in (4, 9):
@@ -213,7 +214,7 @@ def test_self_test_catches_wrong_and_failing_kernels(monkeypatch):
         def __getitem__(self, grid):
             raise RuntimeError("PTX compile failed (simulated)")
 
-    monkeypatch.setattr(SK, "_rope_qkv_kernel", Broken())
+    monkeypatch.setattr(SK, "_rope_qk_kernel", Broken())
     why = SK.self_test("cpu", F32, [(32, 2, 16)])
     assert why is not None and "PTX compile failed" in why
 

@@ -622,7 +622,7 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
             with worker._cond:  # hold the worker off until every stream's step is queued
                 futures = {s: worker.submit(handles[s], codes[s][pos[s]:pos[s] + sizes[s][k]]) for s in streams}
             for s, f in futures.items():
-                out[s] += np.ascontiguousarray((await f).T).astype("<f4").tobytes()
+                out[s] += await f  # float32 wire PCM
                 pos[s] += sizes[s][k]
         for h in handles.values():
             worker.release(h)

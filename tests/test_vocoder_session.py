@@ -316,3 +316,26 @@ def test_forced_bucket_and_stream_limit(v2_32):
     assert s.max_stream_frames == (1 << 24) // 7680  # 2184 frames (~175 s) for the v2 hop
     with pytest.raises(ValueError, match="2184 frames"):
         s.step({y: torch.zeros(12, s.max_stream_frames, dtype=torch.long)})
+
+
+def test_step_pcm_is_the_wire_encoding_of_step(v2_32):
+    """step_pcm's bytes are exactly what the service built from step's tensors before: encode_pcm16 of the
+    interleaved audio for int16 slots, little-endian float32 for the others, both kinds in one step."""
+    import numpy as np
+
+    from chorus.audio import encode_pcm16
+
+    codes = codes_for(10, n_q=12, b=3, seed=21)
+    ref = CodecSession(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
+    got = CodecSession(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
+    slots = [ref.acquire() for _ in range(3)]
+    assert [got.acquire() for _ in range(3)] == slots
+    for t in (0, 5):
+        chunk = {s: codes[:, i, t:t + 5] for i, s in enumerate(slots)}
+        want = ref.step(chunk, to_cpu=True)
+        pcm = got.step_pcm(chunk, int16=[slots[0], slots[2]])
+        for s in slots:
+            wav = want[s].numpy().T  # [T*hop, C]
+            expect = encode_pcm16(wav) if s != slots[1] else np.ascontiguousarray(wav).astype("<f4").tobytes()
+            assert pcm[s] == expect
+    assert got.step_pcm({}) == {}

@@ -119,6 +119,7 @@ class _SessionJob:
     codes: np.ndarray  # [T, n_q] int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    int16: bool        # wire PCM16, else float32
 
 
 class SessionWorker:
@@ -146,7 +147,9 @@ class SessionWorker:
     def open(self) -> SessionStream:
         return SessionStream()
 
-    def submit(self, stream: SessionStream, codes: np.ndarray) -> asyncio.Future:
+    def submit(self, stream: SessionStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
+        """Queue one step of codes [T, n_q]; the future gets its audio as wire PCM bytes (interleaved,
+        little-endian; int16 when `int16`, else float32: CodecSession.step_pcm)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._cond:
@@ -154,7 +157,7 @@ class SessionWorker:
                 raise RuntimeError("session worker is closed")
             if stream.released:
                 raise RuntimeError("decode stream already released")
-            self._pending.append(_SessionJob(stream, codes, fut, loop))
+            self._pending.append(_SessionJob(stream, codes, fut, loop, int16))
             self._cond.notify()
         return fut
 
@@ -255,11 +258,12 @@ class SessionWorker:
             try:
                 codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
                 t0 = time.perf_counter()
-                out = s.step({j.stream.slot: codes[i] for i, j in enumerate(runnable)}, to_cpu=True)
+                out = s.step_pcm({j.stream.slot: codes[i] for i, j in enumerate(runnable)},
+                                 int16=[j.stream.slot for j in runnable if j.int16])
                 self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
                 self.metrics.decode_batch_streams.observe(len(runnable))
                 self.metrics.session_steps.labels("graph" if s.last_step_graphed else "eager").inc()
-                done = {id(j): (out[j.stream.slot].to(torch.float32).numpy(), None) for j in runnable}
+                done = {id(j): (out[j.stream.slot], None) for j in runnable}
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
                 done = {id(j): (None, e) for j in runnable}
             results = [done.get(id(j), r) for j, r in zip(group, results)]

@@ -210,18 +210,18 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise StreamTooLong(f"decode stream longer than {self.session.max_stream_frames} frames: the session "
                                 f"engine keeps positions exact in fp32 only that far")
         codes = stream.take(n)
-        if stream.handle is not None:
-            wav = await self.session_worker.submit(stream.handle, codes)  # [C, n*hop] float32
+        int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
+        if stream.handle is not None:  # the session converts on the device: PCM bytes come back
+            pcm = await self.session_worker.submit(stream.handle, codes, int16=int16)
+            num = n * self.codec.hop
         else:
-            wav = await self.worker.submit(stream.state, codes)
+            wav = await self.worker.submit(stream.state, codes)  # [C, n*hop] float32
+            num = wav.shape[1]
+            # the scheduler's own PCM16 encoding, so its output bytes do not change
+            pcm = encode_pcm16(wav.T) if int16 else np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes()
         first_frame = stream.next_frame
         stream.next_frame += n
-        num = wav.shape[1]
         self.metrics.audio_seconds.inc(num / self.codec.sample_rate)
-        if stream.pcm_encoding == vocoder_pb2.PCM_INT16:
-            pcm = encode_pcm16(wav.T)  # the scheduler's own PCM16 encoding, so its output bytes do not change
-        else:
-            pcm = np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes()
         return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num, pcm=pcm,
                                           first_frame=first_frame, frames=n, pcm_encoding=stream.pcm_encoding)
 

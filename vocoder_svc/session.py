@@ -254,6 +254,7 @@ class CodecSession:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._active: set[int] = set()
         self._frames_host = [0] * slots
+        self._staging: Tensor | None = None  # step_pcm's host buffer
         with torch.inference_mode():
             self._build()
             # Before any step or graph capture: on CUDA the fused kernels are self-tested here first.
@@ -549,48 +550,99 @@ class CodecSession:
         if not codes:
             return {}
         with self._lock, torch.inference_mode():
-            slots = list(codes)
-            for s in slots:
-                self._check_slot(s)
-            batch = self._batch_codes([codes[s] for s in slots])  # [n_q, n, T] long (on its own device)
-            n, t = len(slots), batch.shape[2]
-            if t == 0:
-                raise ValueError("a step needs at least one frame")
-            for s in slots:
-                if (self._frames_host[s] + t) * self._max_mult > MAX_POSITION:
-                    raise ValueError(f"slot {s}: stream longer than the {MAX_POSITION // self._max_mult} frames "
-                                     f"whose positions are exact in fp32")
-            bucket = self.bucket_for(max(n, bucket or 0))
-            pad = bucket - n
-            if pad:
-                batch = torch.cat((batch, batch.new_zeros(self.n_q, pad, t)), dim=1)
-            rows = torch.tensor(slots + list(range(self.slots, self.slots + pad)), dtype=torch.long)
-            valid = torch.tensor([True] * n + [False] * pad)
-            gr = None if eager else self._graph_for(bucket, t)
-            out = None
-            if gr is not None:
-                try:
-                    gr.codes.copy_(batch)
-                    gr.rows.copy_(rows)
-                    gr.valid.copy_(valid)
-                    gr.replay()
-                    out = gr.out
-                except Exception as e:  # noqa: BLE001
-                    # A failed replay may have run partly; nothing is committed host-side, but device
-                    # state of these rows is unknown, so the step fails and graphs are switched off.
-                    self.graphs_disabled = f"replay of (bucket {bucket}, T {t}) failed: {e!r}"
-                    self._graphs.clear()
-                    self._keep.clear()
-                    raise
-            self.last_step_graphed = out is not None
-            if out is None:
-                dev = self.device
-                out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
-            out = out[:n]
+            slots, out = self._decode(codes, eager, bucket)
             out = out.to("cpu", copy=True) if to_cpu else out.clone()  # never a view of graph memory
-            for s in slots:
-                self._frames_host[s] += t
             return {s: out[i] for i, s in enumerate(slots)}
+
+    def step_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
+                 bucket: int | None = None) -> dict[int, bytes]:
+        """As `step`, but each stream's audio comes back as the wire's interleaved little-endian PCM
+        bytes ([T*hop, C]): int16 for the slots in `int16` (chorus.audio.encode_pcm16's values: scale
+        by 32767 in fp32, clip, round half to even), float32 for the others.
+
+        The conversion runs on the device and the copy goes through a pinned host buffer: a
+        64-stream step's float32 audio is ~50 MB, which a pageable copy moved at a few GB/s."""
+        if not codes:
+            return {}
+        want16 = set(int16)
+        with self._lock, torch.inference_mode():
+            slots, out = self._decode(codes, eager, bucket)
+            groups = [(torch.int16, [i for i, s in enumerate(slots) if s in want16]),
+                      (torch.float32, [i for i, s in enumerate(slots) if s not in want16])]
+            staged = []
+            offset = 0
+            for dtype, idx in groups:
+                if not idx:
+                    continue
+                x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
+                x = x.to(torch.float32).transpose(1, 2)  # [n, T*hop, C]: interleaved channels
+                if dtype == torch.int16:
+                    x = (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16)
+                else:
+                    x = x.contiguous()
+                nbytes = x.numel() * x.element_size()
+                host = self._pinned_bytes(offset + nbytes)[offset:offset + nbytes].view(dtype).view(x.shape)
+                host.copy_(x, non_blocking=True)
+                staged.append((idx, host))
+                offset += nbytes
+            if out.is_cuda:
+                torch.cuda.current_stream(out.device).synchronize()
+            result: dict[int, bytes] = {}
+            for idx, host in staged:
+                for j, i in enumerate(idx):
+                    result[slots[i]] = host[j].numpy().tobytes()
+            return result
+
+    def _pinned_bytes(self, n: int) -> Tensor:
+        """A host byte buffer of at least n bytes, pinned on CUDA, reused by every step_pcm (under the lock)."""
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 2 * (0 if self._staging is None else self._staging.numel())),
+                                        dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._staging
+
+    def _decode(self, codes: Mapping[int, Tensor], eager: bool, bucket: int | None) -> tuple[list[int], Tensor]:
+        """One step on the device (call under the lock): the slots in order and pcm [n, C, T*hop], which
+        may alias graph memory until the next step."""
+        slots = list(codes)
+        for s in slots:
+            self._check_slot(s)
+        batch = self._batch_codes([codes[s] for s in slots])  # [n_q, n, T] long (on its own device)
+        n, t = len(slots), batch.shape[2]
+        if t == 0:
+            raise ValueError("a step needs at least one frame")
+        for s in slots:
+            if (self._frames_host[s] + t) * self._max_mult > MAX_POSITION:
+                raise ValueError(f"slot {s}: stream longer than the {MAX_POSITION // self._max_mult} frames "
+                                 f"whose positions are exact in fp32")
+        bucket = self.bucket_for(max(n, bucket or 0))
+        pad = bucket - n
+        if pad:
+            batch = torch.cat((batch, batch.new_zeros(self.n_q, pad, t)), dim=1)
+        rows = torch.tensor(slots + list(range(self.slots, self.slots + pad)), dtype=torch.long)
+        valid = torch.tensor([True] * n + [False] * pad)
+        gr = None if eager else self._graph_for(bucket, t)
+        out = None
+        if gr is not None:
+            try:
+                gr.codes.copy_(batch)
+                gr.rows.copy_(rows)
+                gr.valid.copy_(valid)
+                gr.replay()
+                out = gr.out
+            except Exception as e:  # noqa: BLE001
+                # A failed replay may have run partly; nothing is committed host-side, but device
+                # state of these rows is unknown, so the step fails and graphs are switched off.
+                self.graphs_disabled = f"replay of (bucket {bucket}, T {t}) failed: {e!r}"
+                self._graphs.clear()
+                self._keep.clear()
+                raise
+        self.last_step_graphed = out is not None
+        if out is None:
+            dev = self.device
+            out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
+        for s in slots:
+            self._frames_host[s] += t
+        return slots, out[:n]
 
     def _batch_codes(self, items: list[Tensor]) -> Tensor:
         shapes = {tuple(c.shape) for c in items}

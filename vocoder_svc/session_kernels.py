@@ -12,7 +12,7 @@ and every LayerNorm followed by a cast kernel. These functions do each group in 
   residual and the next pre-norm (LN2 after attention; LN1 of the next layer after the FFN).
 - `scaled_add(y, u, s)`: ``y + (u if s is None else s * u)`` (the last FFN residual of a stage).
 - `rope_qk(qkv, cos, sin, nh, hd)` -> ``(q, k, v)`` ``[B, H, Tk, D]``: the fused QKV projection
-  ``[B, Tk, 3*H*D]`` split into heads, q and k rotated as codec.apply_rope rotates them.
+  ``[B, Tk, 3*H*D]`` split into heads, q and k rotated as codec.apply_rope rotates them (v stays a view).
 
 Every function takes ``impl`` as gpu_worker/kernels.py's do: "auto" runs the kernel for supported CUDA
 inputs and the torch path elsewhere; "triton" forces the kernel (CUDA, or CPU tensors under
@@ -106,35 +106,29 @@ if HAVE_TRITON:
                      mask=mask)
 
     @triton.jit
-    def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, out_ptr, s_b, s_t, c_b, c_t, o_3, o_b, o_h, o_t,
-                         TK, H, HD, HALF, WIDTH,
-                         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, CUDA: tl.constexpr):
-        """One token: q, k (rotated) and v of every head, from the fused projection row [3 * H * HD]."""
+    def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, out_ptr, s_b, s_t, c_b, c_t, o_2, o_b, o_h, o_t,
+                        TK, HD, HALF, WIDTH,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CUDA: tl.constexpr):
+        """BLOCK_T tokens of one head of q (axis 2 = 0) or k (= 1), rotated: every load and store is a
+        run of whole head rows (the pairs are split and re-joined in registers, not read with stride 2)."""
+        n_tb = tl.cdiv(TK, BLOCK_T)
         pid = tl.program_id(0)
-        b = (pid // TK).to(tl.int64)
-        t = (pid % TK).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)
-        i = tl.arange(0, BLOCK_I)
-        im = i < HALF
-        m = (h < H)[:, None] & im[None, :]
-        c = tl.load(cos_ptr + b * c_b + t * c_t + i, mask=im, other=0.0)[None, :]  # fp32 [1, HALF]
-        s = tl.load(sin_ptr + b * c_b + t * c_t + i, mask=im, other=0.0)[None, :]
-        # Pair (2i, 2i+1) of head h: column h*HD + 2i of the q (k, v) third of the row.
-        src = qkv_ptr + b * s_b + t * s_t + h[:, None] * HD + 2 * i[None, :]
-        dst = out_ptr + b * o_b + h[:, None] * o_h + t * o_t + 2 * i[None, :]
-        dt = out_ptr.dtype.element_ty
-        # q (third 0) and k (third 1): apply_rope's fp32 math, one rounding to the activation dtype.
-        x0 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst, _cast(x0 * c - x1 * s, dt, CUDA), mask=m)
-        tl.store(dst + 1, _cast(x0 * s + x1 * c, dt, CUDA), mask=m)
-        x0 = tl.load(src + WIDTH, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(src + WIDTH + 1, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst + o_3, _cast(x0 * c - x1 * s, dt, CUDA), mask=m)
-        tl.store(dst + o_3 + 1, _cast(x0 * s + x1 * c, dt, CUDA), mask=m)
-        # v (third 2): copied as is.
-        tl.store(dst + 2 * o_3, tl.load(src + 2 * WIDTH, mask=m, other=0.0), mask=m)
-        tl.store(dst + 2 * o_3 + 1, tl.load(src + 2 * WIDTH + 1, mask=m, other=0.0), mask=m)
+        b = (pid // n_tb).to(tl.int64)
+        t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
+        h = tl.program_id(1).to(tl.int64)
+        which = tl.program_id(2).to(tl.int64)
+        tm = (t < TK)[:, None]
+        t = t.to(tl.int64)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        i = tl.arange(0, BLOCK_D // 2)[None, :]
+        x = tl.load(qkv_ptr + b * s_b + t * s_t + which * WIDTH + h * HD + d, mask=tm & (d < HD), other=0.0)
+        x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_D // 2, 2)))
+        c = tl.load(cos_ptr + b * c_b + t * c_t + i, mask=tm & (i < HALF), other=0.0)  # fp32
+        s = tl.load(sin_ptr + b * c_b + t * c_t + i, mask=tm & (i < HALF), other=0.0)
+        # apply_rope's fp32 math, one rounding to the activation dtype
+        y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BLOCK_T, BLOCK_D))
+        dst = out_ptr + which * o_2 + b * o_b + h * o_h + t * o_t + d
+        tl.store(dst, _cast(y, out_ptr.dtype.element_ty, CUDA), mask=tm & (d < HD))
 
 
 # =============================================================================
@@ -208,8 +202,8 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int, *,
     q and k rotated by codec.apply_rope at the angles behind cos/sin [B, 1, Tk, D/2] (fp32).
 
     Torch path: the session's ``qkv.reshape(B, Tk, 3, H, D).permute(2, 0, 3, 1, 4)`` views, q and k through
-    apply_rope, v a strided view. Kernel: q, k, v contiguous [B, H, Tk, D] (views of one [3, B, H, Tk, D]
-    buffer), the same values."""
+    apply_rope. Kernel: q and k contiguous [B, H, Tk, D] (views of one [2, B, H, Tk, D] buffer), the same
+    values. v is the same strided view of qkv on both paths (attention and the ring write take strides)."""
     supported = (qkv.dim() == 3 and qkv.dtype in _KERNEL_DTYPES and qkv.numel() > 0 and hd % 2 == 0 and hd >= 2
                  and qkv.shape[2] == 3 * nh * hd and qkv.stride(2) == 1
                  and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
@@ -218,15 +212,16 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int, *,
     if not _use_kernel(impl, supported, qkv, cos, sin):
         return _rope_qk_torch(qkv, cos, sin, nh, hd)
     bsz, tk, _ = qkv.shape
-    out = torch.empty((3, bsz, nh, tk, hd), dtype=qkv.dtype, device=qkv.device)
-    half = hd // 2
-    block_h, block_i = triton.next_power_of_2(nh), triton.next_power_of_2(half)
-    _rope_qkv_kernel[(bsz * tk,)](
+    out = torch.empty((2, bsz, nh, tk, hd), dtype=qkv.dtype, device=qkv.device)
+    block_d = triton.next_power_of_2(hd)
+    block_t = max(1, min(triton.next_power_of_2(tk), 4096 // block_d))  # about 4k elements per program
+    _rope_qk_kernel[(bsz * triton.cdiv(tk, block_t), nh, 2)](
         qkv, cos, sin, out, qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3), tk, nh, hd, half, nh * hd,
-        BLOCK_H=block_h, BLOCK_I=block_i, CUDA=qkv.is_cuda,
-        **_launch_opts(max(1, min(8, block_h * block_i // 256))))
-    return out[0], out[1], out[2]
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), tk, hd, hd // 2, nh * hd,
+        BLOCK_T=block_t, BLOCK_D=block_d, CUDA=qkv.is_cuda,
+        **_launch_opts(max(1, min(8, block_t * block_d // 512))))
+    v = qkv.reshape(bsz, tk, 3, nh, hd)[:, :, 2].transpose(1, 2)
+    return out[0], out[1], v
 
 
 # =============================================================================
