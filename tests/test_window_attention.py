@@ -135,6 +135,26 @@ def test_impl_errors():
     assert not WA.kernel_selected(F32, torch.device("cpu"), 16, "torch")
 
 
+@needs_triton
+@pytest.mark.parametrize("tk", [4, 9])  # shorter and longer than the window
+def test_ring_write_kernel_equals_index_copy(tk):
+    """The fused ring write reads k and a strided v (a view of a QKV buffer, as rope_qk returns it) and
+    leaves both rings exactly as ring_write's two index_copy_ calls do."""
+    gen = torch.Generator().manual_seed(tk)
+    b, h, d, w = 3, 2, 16, 6
+    k = torch.randn(b, h, tk, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, tk, 3, h, d, generator=gen).to(torch.bfloat16)[:, :, 2].transpose(1, 2)
+    rows, offset = torch.tensor([4, 0, 2]), torch.tensor([0, 5, 12345])
+    index = WA.ring_write_index(rows, offset, h, w, tk)
+    caches = []
+    for impl in ("torch", "triton"):
+        kc = torch.randn(5, h, w, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        vc = torch.randn(5, h, w, d, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        WA.ring_write_kv(kc, vc, k, v, rows, offset, index, impl=impl)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 # ---- ring semantics: a stream through ring_write equals attention over its whole history ------------------
 
 def _dense_reference(qs, ks, vs, w):
@@ -167,8 +187,7 @@ def test_ring_stream_equals_full_history(impl):
             out = WA.window_attention(*args, impl=impl)
             assert (out[0] - ref[s][:, sl]).abs().max().item() <= tol, (s, done[s], p)
             index = WA.ring_write_index(rows[s:s + 1], off, h, w, p)
-            WA.ring_write(kc, args[1], index)
-            WA.ring_write(vc, args[2], index)
+            WA.ring_write_kv(kc, vc, args[1], args[2], rows[s:s + 1], off, index, impl=impl)
             done[s] += p
     # the rings hold exactly the last W positions of each stream, at position mod W; other rows untouched
     for s in range(2):

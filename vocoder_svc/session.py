@@ -447,8 +447,8 @@ class CodecSession:
                 q, k, v = sk.rope_qk(F.linear(a, lay.wqkv), cos, sin, nh, hd, impl=glue)
                 o = wa.window_attention(q, k, v, st.k[li], st.v[li], rows, offset, w, impl=self.attention_impl,
                                         mask=mask, index=gather)  # [B, H, Tk, D]
-                wa.ring_write(st.k[li], k, write)  # after the read: it overwrites keys this chunk still needed
-                wa.ring_write(st.v[li], v, write)
+                # after the read: it overwrites keys this chunk still needed
+                wa.ring_write_kv(st.k[li], st.v[li], k, v, rows, offset, write, impl=self.attention_impl)
                 o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
                 y, f = sk.scaled_add_layer_norm(y, o, lay.s1, lay.ln2_w, lay.ln2_b, LN_EPS, cd, impl=glue)
                 f = F.linear(F.gelu(F.linear(f, lay.w1), approximate="none"), lay.w2)

@@ -26,8 +26,9 @@ a fresh stream is just ``offset = 0`` (stale ring entries are never looked at).
   concatenation, no mask tensor. Output is written [B, Tk, H, D] and returned
   as a transposed view, so ``o.transpose(1, 2).reshape(B, Tk, H*D)`` is free.
 
-`ring_write` stores the last min(Tk, W) new tokens' K/V at their ring indices
-(an index_copy_ of min(Tk, W) entries per row and head), after attention.
+`ring_write_kv` stores the last min(Tk, W) new tokens' K and V at their ring
+indices after attention: one Triton launch for both, or (torch) `ring_write`'s
+index_copy_ of min(Tk, W) entries per row and head.
 
 Everything is sync-free with shapes fixed by (B, Tk), so it can be captured in
 a CUDA graph (after one warm-up call per shape compiles the kernel).
@@ -45,9 +46,11 @@ from torch import Tensor
 from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES as _KERNEL_DTYPES, triton, tl, use_kernel
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "window_attention", "use_triton", "ring_gather_index", "ring_write_index",
-           "ring_write", "chunk_window_mask", "additive_window_mask"]
+           "ring_write", "ring_write_kv", "chunk_window_mask", "additive_window_mask"]
 
 MAX_KERNEL_HEAD_DIM = 256
+# (largest BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention kernel
+KERNEL_CONFIG = (64, 64, 4, 2)
 
 
 # ---- index arithmetic and the torch path ---------------------------------------------------------
@@ -104,6 +107,34 @@ def ring_write(cache: Tensor, new: Tensor, index: Tensor) -> None:
     cache.view(-1, d).index_copy_(0, index, new[:, :, new.shape[2] - n:].reshape(-1, d))
 
 
+def ring_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: Tensor, offset: Tensor,
+                  index: Tensor, *, impl: str = "auto") -> None:
+    """Both rings <- the last n = min(Tk, W) tokens of k, v [B, H, Tk, D] (after the step's attention).
+
+    Kernel: one launch for k and v that reads them through their strides (rope_qk's v is a view of
+    the QKV projection) and computes each ring slot from offset. Torch path: ring_write twice with
+    `index` (ring_write_index), which copies a strided source before its index_copy."""
+    bsz, heads, tk, d = k.shape
+    window = k_cache.shape[2]
+    supported = (k.dtype in _KERNEL_DTYPES and all(t.dtype == k.dtype for t in (v, k_cache, v_cache))
+                 and k.shape == v.shape and k_cache.shape == v_cache.shape and k_cache.dim() == 4
+                 and k_cache.shape[1:] == (heads, window, d) and k_cache.is_contiguous() and v_cache.is_contiguous()
+                 and all(t.stride(-1) == 1 for t in (k, v)) and bsz > 0 and tk > 0
+                 and rows.shape == offset.shape == (bsz,) and rows.dtype == offset.dtype == torch.long)
+    if not use_triton(impl, supported, k, v, k_cache, v_cache, rows, offset):
+        ring_write(k_cache, k, index)
+        ring_write(v_cache, v, index)
+        return
+    n = min(tk, window)
+    block_t = max(1, min(triton.next_power_of_2(n), 64))
+    block_d = triton.next_power_of_2(d)
+    _ring_write_kernel[(bsz * heads, triton.cdiv(n, block_t))](
+        k, v, k_cache, v_cache, rows, offset,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        heads, tk, n, window, d, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+
+
 def _window_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                             offset: Tensor, window: int, mask: Tensor | None, index: Tensor | None) -> Tensor:
     bsz, heads, tk, d = q.shape
@@ -155,7 +186,7 @@ def kernel_selected(dtype: torch.dtype, device: torch.device, head_dim: int, imp
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor,
                      offset: Tensor, window: int, *, impl: str = "auto", mask: Tensor | None = None,
-                     index: Tensor | None = None) -> Tensor:
+                     index: Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> Tensor:
     """Softmax attention of the chunk's queries over (ring window + chunk), scale 1/sqrt(D).
 
     q, k, v: [B, H, Tk, D] (rotated q/k of positions offset + [0, Tk); any strides with a unit last one).
@@ -164,15 +195,19 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     mask, index: optional precomputed additive_window_mask / ring_gather_index for the torch path
         (shared by all layers of a stage); ignored by the kernel.
     Returns [B, H, Tk, D] in q's dtype (from the kernel: a transposed view of a [B, Tk, H, D] buffer).
-    Does not write the ring: call ring_write for k and v afterwards."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the kernel instead of KERNEL_CONFIG
+        (benchmarks/window_attention_tune.py).
+    Does not write the ring: call ring_write_kv afterwards."""
     supported = _supported(q, k, v, k_cache, v_cache, rows, offset, window)
     if not use_triton(impl, supported, q, k, v, k_cache, v_cache, rows, offset):
         return _window_attention_torch(q, k, v, k_cache, v_cache, rows, offset, window, mask, index)
     bsz, heads, tk, d = q.shape
     out = torch.empty((bsz, tk, heads, d), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = min(64, max(16, triton.next_power_of_2(tk)))
-    block_n = 64 if block_d <= 128 else 32
+    max_m, block_n, warps, stages = config or KERNEL_CONFIG
+    block_m = min(max_m, max(16, triton.next_power_of_2(tk)))
+    if block_d > 128:
+        block_n = min(block_n, 32)
     grid = (triton.cdiv(tk, block_m), bsz * heads)
     _window_attention_kernel[grid](
         q, k, v, k_cache, v_cache, rows, offset, out,
@@ -184,13 +219,34 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         heads, tk, window, d, (1.0 / math.sqrt(d)) * math.log2(math.e),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
-        num_warps=4, num_stages=2)
+        num_warps=warps, num_stages=stages)
     return out.transpose(1, 2)
 
 
 # ---- the kernel ------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, rows_ptr, off_ptr,
+                           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_r, sc_h, sc_w,
+                           H, TK, N, W, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row b, head h, BLOCK_T of the chunk's last N tokens: k and v to ring slot (offset + t) mod W."""
+        bh = tl.program_id(0)
+        b = bh // H
+        h = (bh % H).to(tl.int64)
+        t = TK - N + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = (t < TK)[:, None]
+        off = tl.load(off_ptr + b)
+        row = tl.load(rows_ptr + b)
+        slot = ((off + t) % W).to(tl.int64)[:, None]
+        t = t.to(tl.int64)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        m = tm & (d < D)
+        b = b.to(tl.int64)
+        dst = row * sc_r + h * sc_h + slot * sc_w + d
+        tl.store(kc_ptr + dst, tl.load(k_ptr + b * sk_b + h * sk_h + t * sk_t + d, mask=m), mask=m)
+        tl.store(vc_ptr + dst, tl.load(v_ptr + b * sv_b + h * sv_h + t * sv_t + d, mask=m), mask=m)
 
     @triton.jit
     def _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base, v_base,
