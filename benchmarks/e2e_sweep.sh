@@ -3,6 +3,8 @@
 # cuda:1, scheduler on the CPU; every level through the real gRPC API. Then the ratios the
 # GPU issue asks for, each from one run at c16: lookahead off, CUDA graphs off, and W2 with
 # the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
+# RATIOS picks the ratio runs (default: all four); ONE_GPU=1 adds W1 at c1 and c16 with the
+# vocoder on the worker's GPU (the issue's TTFA setting); PROFILE=1 adds vocoder profiles.
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}
@@ -15,13 +17,23 @@ run() {  # name, then chorus bench flags
   echo "=== $name: $*"
   timeout 420 python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "rc=$?"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+  tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished
 }
 python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
-run e2e_w1_x2 --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"
-run e2e_w1_c16_no_lookahead --workload W1 --concurrency 16 --scheduler-arg=--no-lookahead
-run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs
-run e2e_w2_c16_radix --workload W2 --concurrency 16
-run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache
-python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
-python benchmarks/vocoder_profile.py --device cuda:1 --streams 1 --frames 5 --out "$OUT/vocoder_profile_first_chunk.json" | head -12
+run e2e_w1_x2 --server-logs --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"
+for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
+  case $r in
+    no_lookahead) run e2e_w1_c16_no_lookahead --workload W1 --concurrency 16 --scheduler-arg=--no-lookahead ;;
+    eager) run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs ;;
+    radix) run e2e_w2_c16_radix --workload W2 --concurrency 16 ;;
+    no_radix) run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache ;;
+  esac
+done
+if [ "${ONE_GPU:-0}" = 1 ]; then
+  run e2e_w1_1gpu --workload W1 --concurrency 1,16 --vocoder-device cuda:0 --worker-arg=--max-batch=64
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
+  python benchmarks/vocoder_profile.py --device cuda:1 --streams 1 --frames 5 --out "$OUT/vocoder_profile_first_chunk.json" | head -12
+fi
 tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .
