@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -104,6 +105,13 @@ def service_args(model: str | None, codec: str | None, device: str, dtype: str |
     if codec:
         vocoder += ["--codec", codec]
     return worker, vocoder, scheduler
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (for a service started next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

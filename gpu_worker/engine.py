@@ -131,43 +131,46 @@ class Engine:
             self._planned.synchronize()  # the previous step's plan copies, not its kernels
             self._planned = None
 
+    # Prompt rows of warm_up's two requests. flashinfer's prefill picks its FA2 kernels for chunks of
+    # at most 64 query rows and FA3 above (each JIT-compiled on first use): warm both.
+    WARM_UP_PROMPTS = (80, 16)
+
     @property
     def warm_up_slots(self) -> int:
-        """KV slots `warm_up` writes: two requests of 18 rows, each starting on a page."""
-        per_request = -(-32 // self.page_size) * self.page_size
-        return 2 * per_request
+        """KV slots `warm_up` writes: one page-aligned run per request (prompt + 2 decodes)."""
+        return sum(-(-(n + 2) // self.page_size) * self.page_size for n in self.WARM_UP_PROMPTS)
 
     def warm_up(self) -> float:
         """Run every kernel variant serving uses once, then forget the requests: Triton compiles
         a kernel per specialisation on first use (the fused sampler alone takes seconds per
-        variant) and flashinfer JIT-compiles its prefill kernel, which must not land on the first
-        user's request. Steps: a prefill, a mixed prefill + graphed decode with a repetition
-        penalty, a decode, a release. Uses KV slots [0, warm_up_slots): call before serving.
-        Returns seconds."""
+        variant) and flashinfer JIT-compiles its prefill kernels, which must not land on the first
+        user's request. Steps: a long prefill, a mixed short prefill + graphed decode with a
+        repetition penalty, a decode, a release. Uses KV slots [0, warm_up_slots): call before
+        serving. Returns seconds."""
         t0 = time.perf_counter()
         cfg = self.cfg
         ids = (1 << 63, (1 << 63) + 1)
-        rows = np.full((16, cfg.row_width), cfg.audio_pad_code, dtype=np.int32)
-        rows[:, 0] = np.arange(16) + 100
-        rows[8:, 1:] = np.arange(8)[:, None] % min(cfg.codebook_sizes)
-        matrix = common_pb2.IntMatrix(rows=rows.shape[0], cols=rows.shape[1], data=rows.astype("<i4").tobytes())
 
-        def prefill(plan: worker_pb2.StepPlan, rid: int, first_slot: int, penalty: float) -> None:
-            item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=16)
-            item.rows.CopyFrom(matrix)
-            item.kv_slots.extend(range(first_slot, first_slot + 16))
+        def prefill(plan: worker_pb2.StepPlan, rid: int, first_slot: int, n: int, penalty: float) -> None:
+            rows = np.full((n, cfg.row_width), cfg.audio_pad_code, dtype=np.int32)
+            rows[:, 0] = np.arange(n) + 100
+            rows[n // 2:, 1:] = np.arange(n - n // 2)[:, None] % min(cfg.codebook_sizes)
+            item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=n)
+            item.rows.CopyFrom(common_pb2.IntMatrix(rows=n, cols=rows.shape[1], data=rows.astype("<i4").tobytes()))
+            item.kv_slots.extend(range(first_slot, first_slot + n))
             item.sampling.CopyFrom(worker_pb2.SamplingConfig(
                 text_temperature=1.0, text_top_k=50, text_top_p=1.0, audio_temperature=1.7, audio_top_k=25,
                 audio_top_p=0.8, audio_repetition_penalty=penalty, seed=rid & 0xFFFF, min_frames=1 << 20))
 
         # Each request owns a page-aligned run of slots, so any page size lays them out right.
-        a, b = 0, self.warm_up_slots // 2
+        (na, nb), p = self.WARM_UP_PROMPTS, self.page_size
+        a, b = 0, -(-(na + 2) // p) * p
         plans = [worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan(), worker_pb2.StepPlan()]
-        prefill(plans[0], ids[0], a, 1.0)
-        prefill(plans[1], ids[1], b, 1.1)
-        plans[1].decode.add(request_id=ids[0], kv_slot=a + 16)
-        plans[2].decode.add(request_id=ids[0], kv_slot=a + 17)
-        plans[2].decode.add(request_id=ids[1], kv_slot=b + 16)
+        prefill(plans[0], ids[0], a, na, 1.0)
+        prefill(plans[1], ids[1], b, nb, 1.1)
+        plans[1].decode.add(request_id=ids[0], kv_slot=a + na)
+        plans[2].decode.add(request_id=ids[0], kv_slot=a + na + 1)
+        plans[2].decode.add(request_id=ids[1], kv_slot=b + nb)
         plans[3].release.extend(ids)
         for plan in plans:
             journal = self.execute(plan)

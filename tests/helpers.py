@@ -4,21 +4,14 @@ services' own debug surfaces (scheduler /metrics, worker stats, vocoder Info).""
 from __future__ import annotations
 
 import importlib.util
-import socket
 import time
 import urllib.request
 
 import zmq
 
 from chorus.client import channel
-from chorus.launcher import Cluster
+from chorus.launcher import Cluster, free_port
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_cluster(worker_args=(), scheduler_args=(), **kw) -> Cluster:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
-from chorus.launcher import Cluster, add_service_flags, service_args
+from chorus.launcher import Cluster, add_service_flags, free_port, service_args
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
@@ -196,9 +196,44 @@ def _service_cpu(services: list) -> dict[str, float | None]:
     return {s.name: s.cpu_seconds() for s in services}
 
 
+_STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum": "step_seconds",
+                  "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames"}
+
+
+def _scheduler_counters(url: str | None) -> dict[str, float] | None:
+    """The scheduler's step counters from its Prometheus endpoint (None when there is none)."""
+    if url is None:
+        return None
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _STEP_COUNTERS:
+            out[_STEP_COUNTERS[name]] = float(value)
+    return out
+
+
+def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
+    """What the scheduler's steps did over a level: how many per second, their mean round trip
+    (plan sent to journal back), frames per step and the share sent by lookahead."""
+    if not before or not after or wall <= 0:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _STEP_COUNTERS.values()}
+    steps = d["steps"]
+    return {"steps_per_s": steps / wall, "round_trip_ms": 1e3 * d["step_seconds"] / steps if steps else None,
+            "frames_per_step": d["frames"] / steps if steps else None,
+            "lookahead_share": d["lookahead_steps"] / steps if steps else None}
+
+
 async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
-                      services: list | None = None) -> None:
-    """services: the launched processes (chorus.launcher.Service), whose CPU use each level records."""
+                      services: list | None = None, metrics_url: str | None = None) -> None:
+    """services: the launched processes (chorus.launcher.Service), whose CPU use each level records;
+    metrics_url: the scheduler's Prometheus endpoint, whose step counters each level records."""
     services = services or []
     runner = _Runner(args, address, seed)
     progress = _Progress(not args.no_progress)
@@ -213,6 +248,7 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
             for value in values:
                 level = _Level(wl, mode, value, runner.now(), max(0.0, args.warmup), args.duration, args.requests)
                 cpu0, wall0, server_cpu0 = time.process_time(), runner.now(), _service_cpu(services)
+                steps0 = _scheduler_counters(metrics_url)
                 bar = asyncio.create_task(progress.run(runner, level))
                 try:
                     await (runner.closed_level(level) if mode == "closed" else runner.open_level(level))
@@ -238,7 +274,8 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                       # cores each launched service kept busy over the level (warm-up and drain included)
                       "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
                                      and server_cpu0[name] is not None else None
-                                     for name, t in _service_cpu(services).items()}}
+                                     for name, t in _service_cpu(services).items()},
+                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_url), wall)}
                 results["levels"].append(lv)
                 for r in level.records:
                     r["level"] = idx
@@ -248,6 +285,11 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                 if any(v is not None for v in lv["server_cpu"].values()):
                     print("           server CPU (cores busy): " + ", ".join(
                         f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None), flush=True)
+                st = lv["scheduler_steps"]
+                if st and st["round_trip_ms"] is not None:
+                    print(f"           scheduler steps: {st['steps_per_s']:.0f}/s, round trip {st['round_trip_ms']:.1f} ms, "
+                          f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%",
+                          flush=True)
     finally:
         await runner.close()
 
@@ -275,10 +317,18 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
+    """The cluster to start, and the scheduler's metrics URL (a free port unless --scheduler-arg gives one)."""
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
-    return Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
-                   scheduler_args=scheduler + list(args.scheduler_arg), scheduler_port=0,
-                   vocoder_ports=[0] * max(1, args.vocoders), echo=args.server_logs)
+    extra = list(args.scheduler_arg)
+    metrics_url = None
+    if not any(a.startswith("--metrics-port") for a in extra):
+        port = free_port()
+        extra += ["--metrics-port", str(port)]
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
+    cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
+                      scheduler_args=scheduler + extra, scheduler_port=0,
+                      vocoder_ports=[0] * max(1, args.vocoders), echo=args.server_logs)
+    return cluster, metrics_url
 
 
 def _config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -313,18 +363,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "levels": [],
         "records": [],
     }
-    cluster = None
+    cluster = metrics_url = None
     try:
         if args.launch:
             print("starting worker, vocoder and scheduler ...", file=sys.stderr, flush=True)
-            cluster = _launch_cluster(args).start()
+            cluster, metrics_url = _launch_cluster(args)
+            cluster.start()
             address = cluster.address
             results["server"]["launch_args"] = {"worker": cluster.worker_args, "vocoder": cluster.vocoder_args,
                                                 "scheduler": cluster.scheduler_args}
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
-        asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None))
+        asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
+                                metrics_url))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)
