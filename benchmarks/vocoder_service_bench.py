@@ -1,0 +1,128 @@
+"""The vocoder service on its own, through gRPC: N concurrent Decode streams, each sending its
+codes in steady chunks as fast as the service answers, PCM16 back. Reports seconds of audio per
+second delivered to the streams, the service's CPU, and per-step time from its metrics.
+
+Issue #5's target is ">= 2,000 s of audio per second per GPU at 64 concurrent streams (steady
+25-frame chunks), through the real service"; benchmarks/vocoder_bench.py measures the session
+alone, this one adds the service: gRPC, the session worker's grouping, PCM16 conversion.
+
+    python benchmarks/vocoder_service_bench.py --device cuda --dtype bfloat16 --streams 64 \\
+        --frames 250 --out results/vocoder_service_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import grpc
+import numpy as np
+
+from chorus.launcher import Service, free_port
+from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
+
+
+async def one_stream(stub, i: int, frames: int, chunk: int, n_q: int, codebook: int, seed: int) -> tuple[int, float]:
+    """One Decode call: all frames in `chunk`-frame messages, then end; returns (samples, first-PCM s)."""
+    codes = np.random.default_rng(seed + i).integers(0, codebook, size=(frames, n_q), dtype=np.int32)
+    start = vocoder_pb2.DecodeStart(stream_id=f"bench-{i}", first_chunk_frames=chunk, chunk_frames=chunk,
+                                    codebooks=n_q, pcm_encoding=vocoder_pb2.PCM_INT16)
+
+    async def requests():
+        yield vocoder_pb2.DecodeRequest(start=start)
+        for a in range(0, frames, chunk):
+            block = codes[a:a + chunk]
+            yield vocoder_pb2.DecodeRequest(frames=common_pb2.IntMatrix(
+                rows=block.shape[0], cols=n_q, data=block.astype("<i4").tobytes()))
+        yield vocoder_pb2.DecodeRequest(end=True)
+
+    t0 = time.perf_counter()
+    first = None
+    samples = 0
+    async for resp in stub.Decode(requests()):
+        if first is None:
+            first = time.perf_counter() - t0
+        samples += resp.num_samples
+    return samples, first or 0.0
+
+
+async def level(address: str, streams: int, frames: int, chunk: int, n_q: int, info) -> dict:
+    """All streams at once (codes drawn below 1024, the MOSS codec's codebook size)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = vocoder_pb2_grpc.VocoderStub(ch)
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(one_stream(stub, i, frames, chunk, n_q, 1024, 7)
+                                     for i in range(streams)))
+        wall = time.perf_counter() - t0
+    audio = sum(s for s, _ in out) / info.sample_rate
+    return {"streams": streams, "frames_per_stream": frames, "chunk": chunk, "wall_s": wall,
+            "audio_s": audio, "audio_s_per_s": audio / wall,
+            "first_pcm_ms_p50": float(np.median([f for _, f in out]) * 1e3)}
+
+
+def metric_sum(port: int, name: str) -> float:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--preset", default=None, help="default full on CUDA, tiny on CPU")
+    ap.add_argument("--streams", default="64", help="comma-separated concurrent streams per level")
+    ap.add_argument("--frames", type=int, default=250, help="frames per stream (80 ms each)")
+    ap.add_argument("--chunk", type=int, default=25, help="frames per message and per decode step")
+    ap.add_argument("--n-q", type=int, default=12)
+    ap.add_argument("--slots", type=int, default=64, help="the service's --slots")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    preset = args.preset or ("full" if cuda else "tiny")
+    metrics_port = free_port()
+    svc = Service("vocoder", [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port",
+                              str(metrics_port), "--preset", preset, "--device", args.device, "--dtype", dtype,
+                              "--slots", str(args.slots), "--graph-frames", str(args.chunk)])
+    svc.start(echo=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    results = {"benchmark": "vocoder_service", "device": args.device, "dtype": dtype, "preset": preset,
+               "config": vars(args), "levels": []}
+    try:
+        address = svc.wait_ready(900)
+
+        async def info():
+            async with grpc.aio.insecure_channel(address) as ch:
+                return await vocoder_pb2_grpc.VocoderStub(ch).Info(vocoder_pb2.VocoderInfoRequest(), timeout=30)
+        inf = asyncio.run(info())
+        asyncio.run(level(address, 2, 2 * args.chunk, args.chunk, args.n_q, inf))  # warm the path
+        for n in [int(x) for x in args.streams.split(",")]:
+            cpu0 = svc.cpu_seconds()
+            steps0 = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_count")
+            ms0 = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_sum")
+            r = asyncio.run(level(address, n, args.frames, args.chunk, args.n_q, inf))
+            steps = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_count") - steps0
+            r["service_cpu_cores"] = (svc.cpu_seconds() - cpu0) / r["wall_s"]
+            r["decode_steps"] = steps
+            r["decode_step_ms_mean"] = (metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_sum") - ms0) / steps
+            results["levels"].append(r)
+            print(f"{n:4d} streams x {args.frames} frames: {r['audio_s_per_s']:8.1f} s of audio per s, "
+                  f"{steps:.0f} steps of {r['decode_step_ms_mean']:.1f} ms mean, service CPU "
+                  f"{r['service_cpu_cores']:.2f} cores, first PCM p50 {r['first_pcm_ms_p50']:.0f} ms", flush=True)
+    finally:
+        svc.stop()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
