@@ -31,7 +31,9 @@ from scheduler_svc.worker_client import WorkerClient
 N_VQ, PROMPT = 12, 90
 
 
-def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int) -> None:
+def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int, config_json: str = "") -> None:
+    """Answers every StepPlan at once with random codes. config_json: the model config its Hello
+    carries (the scheduler service builds prompts from it; the bare Scheduler does not need one)."""
     import zmq
 
     ctx = zmq.Context()
@@ -49,7 +51,10 @@ def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int) -> None:
         if kind == "hello":
             reply.hello.CopyFrom(worker_pb2.Hello(model_name="instant", architecture="moss_tts_local",
                                                   kv_slots=kv_slots, max_batch=max_batch, max_context=1 << 16,
-                                                  device="cpu", dtype="none", pid=os.getpid()))
+                                                  device="cpu", dtype="none", pid=os.getpid(),
+                                                  model_config_json=config_json))
+        elif kind == "stats":
+            reply.stats.CopyFrom(worker_pb2.WorkerStats(active_requests=len(steps)))
         elif kind == "step":
             plan = cmd.step
             for rid in plan.release:
