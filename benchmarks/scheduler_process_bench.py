@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16,64,256", help="closed-loop streams per level")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
     ap.add_argument("--workload", default="W1")
+    ap.add_argument("--frames", type=int, default=None,
+                    help="frames per request instead of the workload's (few frames: per-request costs dominate)")
     ap.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
                     help="extra scheduler flag (repeatable; attach with '=')")
     ap.add_argument("--out", help="JSON results path")
@@ -65,7 +67,8 @@ def main() -> None:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 subprocess.run([sys.executable, "-m", "chorus.cli", "bench", "--server", address, "--workload",
                                 args.workload, "--concurrency", str(c), "--duration", str(args.duration),
-                                "--warmup", "2", "--no-progress", "--out", tmp.name],
+                                "--warmup", "2", "--no-progress", "--out", tmp.name,
+                                *(["--frames", str(args.frames)] if args.frames else [])],
                                check=True, stdout=subprocess.DEVNULL)
                 level = json.load(open(tmp.name))["levels"][0]
             cpu, frames = sched.cpu_seconds() - cpu0, frames_generated(metrics_port) - frames0
