@@ -74,10 +74,11 @@ def main() -> None:
             cpu, frames = sched.cpu_seconds() - cpu0, frames_generated(metrics_port) - frames0
             r = {"concurrency": c, "frames": frames, "scheduler_cpu_s": cpu, "cpu_us_per_frame": 1e6 * cpu / frames,
                  "client_frames_per_s": level["frames_per_s"], "audio_s_per_s": level["audio_s_per_s"],
-                 "ttfa_p50_ms": level["ttfa_ms"]["p50"]}
+                 "ttfa_p50_ms": level["ttfa_ms"]["p50"], "queue_p50_ms": level["server_queue_ms"]["p50"]}
             results.append(r)
             print(f"c={c:4d}: scheduler {r['cpu_us_per_frame']:6.1f} us CPU per frame ({frames:.0f} frames, "
-                  f"{cpu:.1f} CPU s), clients got {r['client_frames_per_s']:,.0f} frames/s", flush=True)
+                  f"{cpu:.1f} CPU s), clients got {r['client_frames_per_s']:,.0f} frames/s, TTFA p50 "
+                  f"{r['ttfa_p50_ms']:.1f} ms (queue {r['queue_p50_ms']:.1f})", flush=True)
     finally:
         sched.stop()
         worker.terminate()
