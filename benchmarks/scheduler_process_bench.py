@@ -21,21 +21,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import urllib.request
 
 import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
-from chorus.launcher import Service, free_port
+from chorus.launcher import Service, free_port, read_metrics
 from gpu_worker.loader import PRESETS
 from relay_bench import _serve as instant_vocoder
 from scheduler_bench import _instant_worker as instant_worker
 
 
 def frames_generated(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("chorus_frames_generated_total "):
-                return float(line.split()[1])
-    return 0.0
+    return read_metrics(metrics_port).get("chorus_frames_generated_total", 0.0)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import time
 import grpc
 import numpy as np
 
-from chorus.launcher import Service, free_port
+from chorus.launcher import Service, free_port, read_metrics
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 
@@ -64,15 +64,6 @@ async def level(address: str, streams: int, frames: int, chunk: int, n_q: int, i
             "first_pcm_ms_p50": float(np.median([f for _, f in out]) * 1e3)}
 
 
-def metric_sum(port: int, name: str) -> float:
-    import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,13 +97,14 @@ def main() -> None:
         asyncio.run(level(address, 2, 2 * args.chunk, args.chunk, args.n_q, inf))  # warm the path
         for n in [int(x) for x in args.streams.split(",")]:
             cpu0 = svc.cpu_seconds()
-            steps0 = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_count")
-            ms0 = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_sum")
+            m0 = read_metrics(metrics_port)
             r = asyncio.run(level(address, n, args.frames, args.chunk, args.n_q, inf))
-            steps = metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_count") - steps0
+            m1 = read_metrics(metrics_port)
+            steps = m1["chorus_vocoder_decode_step_ms_count"] - m0["chorus_vocoder_decode_step_ms_count"]
             r["service_cpu_cores"] = (svc.cpu_seconds() - cpu0) / r["wall_s"]
             r["decode_steps"] = steps
-            r["decode_step_ms_mean"] = (metric_sum(metrics_port, "chorus_vocoder_decode_step_ms_sum") - ms0) / steps
+            r["decode_step_ms_mean"] = (m1["chorus_vocoder_decode_step_ms_sum"]
+                                        - m0["chorus_vocoder_decode_step_ms_sum"]) / steps
             results["levels"].append(r)
             print(f"{n:4d} streams x {args.frames} frames: {r['audio_s_per_s']:8.1f} s of audio per s, "
                   f"{steps:.0f} steps of {r['decode_step_ms_mean']:.1f} ms mean, service CPU "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 READY = re.compile(r"\bready on (\S+)")
@@ -112,6 +113,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> dict[str, float]:
+    """A service's Prometheus samples without labels ({name: value}), e.g. counters' `_total`
+    and histograms' `_count` / `_sum`. Raises OSError when nothing answers."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            out[name] = float(value)
+    return out
 
 
 @dataclass

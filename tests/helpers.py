@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import time
-import urllib.request
 
 import zmq
 
 from chorus.client import channel
-from chorus.launcher import Cluster, free_port
+from chorus.launcher import Cluster, free_port, read_metrics
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 
 
@@ -23,11 +22,7 @@ def make_cluster(worker_args=(), scheduler_args=(), **kw) -> Cluster:
 
 
 def metric(cluster: Cluster, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+    return read_metrics(cluster.metrics_port)[name]
 
 
 def worker_stats(cluster: Cluster) -> worker_pb2.WorkerStats:

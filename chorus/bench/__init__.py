@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
-from chorus.launcher import Cluster, add_service_flags, free_port, service_args
+from chorus.launcher import Cluster, add_service_flags, free_port, read_metrics, service_args
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
@@ -200,22 +200,15 @@ _STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum
                   "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames"}
 
 
-def _scheduler_counters(url: str | None) -> dict[str, float] | None:
+def _scheduler_counters(port: int | None) -> dict[str, float] | None:
     """The scheduler's step counters from its Prometheus endpoint (None when there is none)."""
-    if url is None:
+    if port is None:
         return None
-    import urllib.request
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            text = r.read().decode()
+        samples = read_metrics(port, timeout=2)
     except OSError:
         return None
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in _STEP_COUNTERS:
-            out[_STEP_COUNTERS[name]] = float(value)
-    return out
+    return {key: samples[name] for name, key in _STEP_COUNTERS.items() if name in samples}
 
 
 def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
@@ -231,9 +224,9 @@ def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None,
 
 
 async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
-                      services: list | None = None, metrics_url: str | None = None) -> None:
+                      services: list | None = None, metrics_port: int | None = None) -> None:
     """services: the launched processes (chorus.launcher.Service), whose CPU use each level records;
-    metrics_url: the scheduler's Prometheus endpoint, whose step counters each level records."""
+    metrics_port: the scheduler's Prometheus port, whose step counters each level records."""
     services = services or []
     runner = _Runner(args, address, seed)
     progress = _Progress(not args.no_progress)
@@ -248,7 +241,7 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
             for value in values:
                 level = _Level(wl, mode, value, runner.now(), max(0.0, args.warmup), args.duration, args.requests)
                 cpu0, wall0, server_cpu0 = time.process_time(), runner.now(), _service_cpu(services)
-                steps0 = _scheduler_counters(metrics_url)
+                steps0 = _scheduler_counters(metrics_port)
                 bar = asyncio.create_task(progress.run(runner, level))
                 try:
                     await (runner.closed_level(level) if mode == "closed" else runner.open_level(level))
@@ -275,7 +268,7 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                       "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
                                      and server_cpu0[name] is not None else None
                                      for name, t in _service_cpu(services).items()},
-                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_url), wall)}
+                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_port), wall)}
                 results["levels"].append(lv)
                 for r in level.records:
                     r["level"] = idx
@@ -317,18 +310,17 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
-    """The cluster to start, and the scheduler's metrics URL (a free port unless --scheduler-arg gives one)."""
+    """The cluster to start, and the scheduler's metrics port (a free one unless --scheduler-arg gives one)."""
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
     extra = list(args.scheduler_arg)
-    metrics_url = None
+    metrics_port = None
     if not any(a.startswith("--metrics-port") for a in extra):
-        port = free_port()
-        extra += ["--metrics-port", str(port)]
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        metrics_port = free_port()
+        extra += ["--metrics-port", str(metrics_port)]
     cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
                       scheduler_args=scheduler + extra, scheduler_port=0,
                       vocoder_ports=[0] * max(1, args.vocoders), echo=args.server_logs)
-    return cluster, metrics_url
+    return cluster, metrics_port
 
 
 def _config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -363,11 +355,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "levels": [],
         "records": [],
     }
-    cluster = metrics_url = None
+    cluster = metrics_port = None
     try:
         if args.launch:
             print("starting worker, vocoder and scheduler ...", file=sys.stderr, flush=True)
-            cluster, metrics_url = _launch_cluster(args)
+            cluster, metrics_port = _launch_cluster(args)
             cluster.start()
             address = cluster.address
             results["server"]["launch_args"] = {"worker": cluster.worker_args, "vocoder": cluster.vocoder_args,
@@ -376,7 +368,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
         asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
-                                metrics_url))
+                                metrics_port))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)
