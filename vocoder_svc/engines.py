@@ -78,7 +78,11 @@ class DecodeWorker:
                 return None
             head = self._pending[0]
             key = head.codes.shape
-            group = [j for j in self._pending if j.codes.shape == key][:self.max_batch]
+            group, streams = [], set()
+            for j in self._pending:  # only a stream's oldest step is eligible: the next needs its state
+                if j.codes.shape == key and id(j.state) not in streams and len(group) < self.max_batch:
+                    group.append(j)
+                streams.add(id(j.state))
             taken = {id(j) for j in group}
             self._pending = [j for j in self._pending if id(j) not in taken]
             return group
@@ -194,10 +198,11 @@ class SessionWorker:
         lead = starters[0] if starters else next(slotted, None)
         key = lead.codes.shape if lead is not None else None
         group: list[_SessionJob] = []
+        seen: set[int] = set()  # only a stream's oldest step is eligible: the next needs its state
         for j in self._pending:
-            if j.stream.slot is None and free == 0:
-                continue
-            if j.codes.shape != key or any(g.stream is j.stream for g in group):
+            first, sid = id(j.stream) not in seen, id(j.stream)
+            seen.add(sid)
+            if not first or j.codes.shape != key or (j.stream.slot is None and free == 0):
                 continue
             if j.stream.slot is None:
                 free -= 1

@@ -105,6 +105,10 @@ MAX_MESSAGE_BYTES = 64 << 20  # a 100 s 48 kHz stereo float32 reference is ~38 M
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+async def _then(fut: asyncio.Future, fn):
+    return fn(await fut)
+
+
 # ---- the service ----------------------------------------------------------------------------
 
 @dataclass
@@ -205,27 +209,37 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                                   f"codec codes)")
         return codes
 
-    async def _step(self, stream: _Stream, n: int) -> vocoder_pb2.DecodeResponse:
+    def _submit(self, stream: _Stream, n: int) -> asyncio.Future:
+        """Queue the stream's next n frames for decoding; the future resolves to its DecodeResponse.
+        Steps of one stream run in submission order, so the next may be queued before this one is done."""
         if stream.handle is not None and stream.next_frame + n > self.session.max_stream_frames:
             raise StreamTooLong(f"decode stream longer than {self.session.max_stream_frames} frames: the session "
                                 f"engine keeps positions exact in fp32 only that far")
         codes = stream.take(n)
         int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
-        if stream.handle is not None:  # the session converts on the device: PCM bytes come back
-            pcm = await self.session_worker.submit(stream.handle, codes, int16=int16)
-            num = n * self.codec.hop
-        else:
-            wav = await self.worker.submit(stream.state, codes)  # [C, n*hop] float32
-            num = wav.shape[1]
-            # the scheduler's own PCM16 encoding, so its output bytes do not change
-            pcm = encode_pcm16(wav.T) if int16 else np.ascontiguousarray(wav.T).astype("<f4", copy=False).tobytes()
         first_frame = stream.next_frame
         stream.next_frame += n
-        self.metrics.audio_seconds.inc(num / self.codec.sample_rate)
-        return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num, pcm=pcm,
-                                          first_frame=first_frame, frames=n, pcm_encoding=stream.pcm_encoding)
+        if stream.handle is not None:  # the session converts on the device: PCM bytes come back
+            step = self.session_worker.submit(stream.handle, codes, int16=int16)
+        else:
+            step = self.worker.submit(stream.state, codes)  # [C, n*hop] float32
 
-    async def Decode(self, request_iterator, context):
+        def response(out) -> vocoder_pb2.DecodeResponse:
+            if stream.handle is not None:
+                pcm, num = out, n * self.codec.hop
+            else:  # the scheduler's own PCM16 encoding, so its output bytes do not change
+                num = out.shape[1]
+                pcm = encode_pcm16(out.T) if int16 else np.ascontiguousarray(out.T).astype("<f4", copy=False).tobytes()
+            self.metrics.audio_seconds.inc(num / self.codec.sample_rate)
+            return vocoder_pb2.DecodeResponse(first_sample=first_frame * self.codec.hop, num_samples=num, pcm=pcm,
+                                              first_frame=first_frame, frames=n, pcm_encoding=stream.pcm_encoding)
+
+        return asyncio.ensure_future(_then(step, response))
+
+    async def _read_steps(self, request_iterator, opened: asyncio.Future, steps: asyncio.Queue) -> None:
+        """The call's reader: parses requests and queues a decode step per full chunk (then the tail)
+        without waiting for earlier steps' PCM to be written back, so the decoder always finds this
+        stream's next chunk queued. At most `steps.maxsize` steps wait unwritten (backpressure)."""
         stream: _Stream | None = None
         try:
             async for req in request_iterator:
@@ -234,8 +248,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     if kind != "start":
                         raise _BadRequest(f"the first DecodeRequest must be `start` (got {kind or 'nothing'})")
                     stream = self._open(req.start)
-                    self.active_streams += 1
-                    self.metrics.active_streams.inc()
+                    opened.set_result(stream)
                     continue
                 if kind == "frames":
                     block = self._parse_frames(req.frames, stream)
@@ -243,7 +256,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                         stream.pending.append(block)
                         stream.pending_frames += len(block)
                     while stream.pending_frames >= stream.threshold:
-                        yield await self._step(stream, stream.threshold)
+                        await steps.put(self._submit(stream, stream.threshold))
                 elif kind == "end":
                     break
                 elif kind == "start":
@@ -254,12 +267,33 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             if stream is None:
                 raise _BadRequest("no DecodeRequest received: send `start` first")
             if stream.pending_frames:
-                yield await self._step(stream, stream.pending_frames)
+                await steps.put(self._submit(stream, stream.pending_frames))
+            await steps.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the call, which aborts with the right status
+            if not opened.done():
+                opened.set_result(None)
+            await steps.put(e)
+
+    async def Decode(self, request_iterator, context):
+        opened: asyncio.Future = asyncio.get_running_loop().create_future()
+        steps: asyncio.Queue = asyncio.Queue(maxsize=2)
+        reader = asyncio.ensure_future(self._read_steps(request_iterator, opened, steps))
+        stream: _Stream | None = None
+        try:
+            stream = await opened
+            if stream is not None:
+                self.active_streams += 1
+                self.metrics.active_streams.inc()
+            while (item := await steps.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield await item
         except _BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StreamTooLong as e:  # not a replica failure: the scheduler must not fail over
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         finally:
+            reader.cancel()
             if stream is not None:  # also on cancellation and errors: the state goes with the call
                 if stream.handle is not None:
                     self.session_worker.release(stream.handle)  # the slot is freed before the next step
