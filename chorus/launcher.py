@@ -25,6 +25,33 @@ class LaunchError(RuntimeError):
     pass
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of pid (Linux /proc; [] elsewhere)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
 @dataclass
 class Service:
     name: str
@@ -61,14 +88,14 @@ class Service:
             raise LaunchError(f"{self.name} exited with code {self.proc.poll()}:\n" + "\n".join(self.lines[-30:]))
         return self.address
 
-    def cpu_seconds(self) -> float | None:
-        """CPU time (user + system, all threads) the process has used so far; None off Linux."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-        except (OSError, ValueError, IndexError, AttributeError):
+    def cpu_seconds(self, children: bool = True) -> float | None:
+        """CPU time (user + system, all threads) the process has used so far, with its live child
+        processes' (the scheduler's frontends) unless children=False; None off Linux."""
+        if self.proc is None:
             return None
+        pids = [self.proc.pid] + (child_pids(self.proc.pid) if children else [])
+        total = [_cpu_seconds(p) for p in pids]
+        return None if total[0] is None else sum(t for t in total if t is not None)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

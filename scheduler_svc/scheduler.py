@@ -108,6 +108,18 @@ class Request:
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
+class EventSink:
+    """Where the scheduler's request events go. This one puts them on each request's own
+    queue (in-process consumers: tests, benchmarks); the core's FrontendLink batches them
+    into one message per frontend per step, sent at flush()."""
+
+    def emit(self, req: Request, event: FrameEvent | FinishEvent | ErrorEvent) -> None:
+        req.events.put_nowait(event)
+
+    def flush(self) -> None:
+        pass
+
+
 def rows_matrix(rows: np.ndarray) -> common_pb2.IntMatrix:
     arr = np.ascontiguousarray(rows, dtype="<i4")
     return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
@@ -138,8 +150,10 @@ class _NeedsDrain(Exception):
 
 
 class Scheduler:
-    def __init__(self, worker: WorkerClient, hello: worker_pb2.Hello, config: SchedulerConfig):
+    def __init__(self, worker: WorkerClient, hello: worker_pb2.Hello, config: SchedulerConfig,
+                 sink: EventSink | None = None):
         self.worker = worker
+        self.sink = sink or EventSink()
         self.hello = hello
         self.config = config
         worker_page = max(hello.page_size, 1)
@@ -205,7 +219,8 @@ class Scheduler:
                 log.exception("scheduler loop failed; failing the running requests")
                 for req in list(self.running.values()):
                     self._finish(req, None)
-                    req.events.put_nowait(ErrorEvent("internal scheduler error; see the scheduler log"))
+                    self.sink.emit(req, ErrorEvent("internal scheduler error; see the scheduler log"))
+                self.sink.flush()
                 await asyncio.sleep(0.1)
 
     async def _iterate(self) -> None:
@@ -246,13 +261,15 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
             log.error("worker step failed: %s", e)
             self._fail_step(step, f"worker unavailable: {e}")
+            self.sink.flush()
             return
         metrics.STEP_SECONDS.observe(time.monotonic() - t0)
         if journal.error:
             log.error("step %d failed on the worker: %s", step.plan.step_id, journal.error)
             self._fail_step(step, f"worker step failed: {journal.error}")
-            return
-        self._apply(journal, step.writes)
+        else:
+            self._apply(journal, step.writes)
+        self.sink.flush()
 
     # ---- planning --------------------------------------------------------------
     def _build_plan(self) -> tuple[worker_pb2.StepPlan, dict[int, int]] | None:
@@ -374,7 +391,7 @@ class Scheduler:
             row = rows[i].copy()
             req.frames.append(row)
             req.keys.append(prompt_row_key(row))
-            req.events.put_nowait(FrameEvent(len(req.frames) - 1, row))
+            self.sink.emit(req, FrameEvent(len(req.frames) - 1, row))
             metrics.FRAMES.inc()
             if len(req.frames) >= req.max_frames:
                 self._finish(req, "max_frames")
@@ -413,7 +430,7 @@ class Scheduler:
         self._update_gauges()
         if reason is not None:
             req.finish_reason = reason
-            req.events.put_nowait(FinishEvent(reason))
+            self.sink.emit(req, FinishEvent(reason))
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and queue it first to re-prefill prompt + output."""
@@ -431,7 +448,7 @@ class Scheduler:
             req = self.running.get(rid)
             if req is not None:
                 self._finish(req, None)
-                req.events.put_nowait(ErrorEvent(message))
+                self.sink.emit(req, ErrorEvent(message))
 
     def _update_gauges(self) -> None:
         metrics.QUEUE_DEPTH.set(len(self.waiting))

@@ -1,0 +1,149 @@
+from chorus.v1 import common_pb2 as _common_pb2
+from chorus.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CoreHelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CoreHello(_message.Message):
+    __slots__ = ("worker", "kv_pages", "page_size")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker: _worker_pb2.Hello
+    kv_pages: int
+    page_size: int
+    def __init__(self, worker: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class Submit(_message.Message):
+    __slots__ = ("ticket", "prompt_rows", "sampling", "max_frames")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    prompt_rows: _common_pb2.IntMatrix
+    sampling: _worker_pb2.SamplingConfig
+    max_frames: int
+    def __init__(self, ticket: _Optional[int] = ..., prompt_rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingConfig, _Mapping]] = ..., max_frames: _Optional[int] = ...) -> None: ...
+
+class Submitted(_message.Message):
+    __slots__ = ("ticket", "request_id", "queue_full")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    request_id: int
+    queue_full: str
+    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    def __init__(self, ticket: _Optional[int] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("ticket", "reason", "error", "frames", "queue_ms", "cached_prompt_rows")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    reason: str
+    error: str
+    frames: int
+    queue_ms: float
+    cached_prompt_rows: int
+    def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("tickets", "indices", "rows", "finished")
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    tickets: _containers.RepeatedScalarFieldContainer[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    rows: _common_pb2.IntMatrix
+    finished: _containers.RepeatedCompositeFieldContainer[Finished]
+    def __init__(self, tickets: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ...) -> None: ...
+
+class StoredVoice(_message.Message):
+    __slots__ = ("voice_id", "codes", "transcript", "frames")
+    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    voice_id: str
+    codes: _common_pb2.IntMatrix
+    transcript: str
+    frames: int
+    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
+
+class VoiceQuery(_message.Message):
+    __slots__ = ("voice_id",)
+    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    voice_id: str
+    def __init__(self, voice_id: _Optional[str] = ...) -> None: ...
+
+class VoiceList(_message.Message):
+    __slots__ = ("voices",)
+    VOICES_FIELD_NUMBER: _ClassVar[int]
+    voices: _containers.RepeatedCompositeFieldContainer[StoredVoice]
+    def __init__(self, voices: _Optional[_Iterable[_Union[StoredVoice, _Mapping]]] = ...) -> None: ...
+
+class CallReport(_message.Message):
+    __slots__ = ("event", "ttfa_s", "outcome")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    TTFA_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    ttfa_s: float
+    outcome: str
+    def __init__(self, event: _Optional[str] = ..., ttfa_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
+
+class FrontendMessage(_message.Message):
+    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    PUT_VOICE_FIELD_NUMBER: _ClassVar[int]
+    GET_VOICE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_VOICE_FIELD_NUMBER: _ClassVar[int]
+    LIST_VOICES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    hello: CoreHelloRequest
+    submit: Submit
+    abort: Abort
+    put_voice: StoredVoice
+    get_voice: VoiceQuery
+    delete_voice: VoiceQuery
+    list_voices: VoiceQuery
+    report: CallReport
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ...) -> None: ...
+
+class CoreMessage(_message.Message):
+    __slots__ = ("call", "hello", "submitted", "progress", "voices")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    hello: CoreHello
+    submitted: Submitted
+    progress: Progress
+    voices: VoiceList
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,155 @@
+"""A frontend's end of the link to the scheduler core (DEALER -> the core's ROUTER).
+
+What the Synthesize handler needs of the scheduler, over ZeroMQ: submit a
+prompt and get a Ticket whose `events` queue receives the request's
+FrameEvents and its FinishEvent / ErrorEvent (the same events the audio relay
+reads in-process), abort it, and the voice store that all frontends share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from chorus.v1 import frontend_pb2, worker_pb2
+from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, QueueFull, rows_matrix
+
+
+class CoreUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request as its frontend sees it."""
+    ticket: int
+    prompt_len: int
+    id: int = 0                      # the scheduler's request id
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    t_accepted: float = field(default_factory=time.monotonic)
+    finished: frontend_pb2.Finished | None = None  # set with the FinishEvent / ErrorEvent
+
+
+class CoreClient:
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
+        self.endpoint = endpoint
+        self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._calls = itertools.count(1)
+        self._tickets = itertools.count(1)
+        self._answers: dict[int, asyncio.Future] = {}
+        self._open: dict[int, Ticket] = {}
+        self._reader: asyncio.Task | None = None
+        self.hello: frontend_pb2.CoreHello | None = None
+
+    # ---- transport ------------------------------------------------------------------------------
+    def _send(self, msg: frontend_pb2.FrontendMessage) -> None:
+        self._sock.send(msg.SerializeToString())
+
+    async def _call(self, msg: frontend_pb2.FrontendMessage, timeout: float = 30.0) -> frontend_pb2.CoreMessage:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        msg.call = next(self._calls)
+        fut = asyncio.get_running_loop().create_future()
+        self._answers[msg.call] = fut
+        self._send(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError as e:
+            raise CoreUnavailable(f"the scheduler core at {self.endpoint} did not answer within {timeout:.0f}s") from e
+        finally:
+            self._answers.pop(msg.call, None)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = frontend_pb2.CoreMessage.FromString(await self._sock.recv())
+            if msg.WhichOneof("kind") == "progress":
+                self._progress(msg.progress)
+                continue
+            fut = self._answers.get(msg.call)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _progress(self, p: frontend_pb2.Progress) -> None:
+        if p.tickets:
+            rows = np.frombuffer(p.rows.data, dtype="<i4").reshape(p.rows.rows, p.rows.cols)
+            for ticket, index, row in zip(p.tickets, p.indices, rows):
+                t = self._open.get(ticket)
+                if t is not None:
+                    t.events.put_nowait(FrameEvent(index, row))
+        for done in p.finished:
+            t = self._open.pop(done.ticket, None)
+            if t is not None:
+                t.finished = done
+                t.events.put_nowait(ErrorEvent(done.error) if done.error else FinishEvent(done.reason))
+
+    # ---- the scheduler -------------------------------------------------------------------------
+    async def connect(self, timeout: float = 600.0) -> frontend_pb2.CoreHello:
+        self.hello = (await self._call(frontend_pb2.FrontendMessage(hello=frontend_pb2.CoreHelloRequest()),
+                                       timeout)).hello
+        return self.hello
+
+    @property
+    def worker(self) -> worker_pb2.Hello:
+        return self.hello.worker
+
+    def fits(self, prompt_len: int) -> bool:
+        """Whether a prompt could ever be admitted (with the whole KV cache free)."""
+        return -(-(prompt_len + 1) // self.hello.page_size) <= self.hello.kv_pages
+
+    async def submit(self, prompt_rows: np.ndarray, sampling: worker_pb2.SamplingConfig,
+                     max_frames: int) -> Ticket:
+        t = Ticket(next(self._tickets), prompt_rows.shape[0])
+        self._open[t.ticket] = t  # before sending: frames may follow the answer at once
+        msg = frontend_pb2.FrontendMessage(submit=frontend_pb2.Submit(
+            ticket=t.ticket, prompt_rows=rows_matrix(prompt_rows), sampling=sampling, max_frames=max_frames))
+        try:
+            answer = (await self._call(msg)).submitted
+        except BaseException:
+            self.abort(t)
+            raise
+        if answer.queue_full:
+            self._open.pop(t.ticket, None)
+            raise QueueFull(answer.queue_full)
+        t.id = answer.request_id
+        return t
+
+    def abort(self, t: Ticket) -> None:
+        """The client went away (or the stream is over): drop the request. Idempotent."""
+        if self._open.pop(t.ticket, None) is not None:
+            self._send(frontend_pb2.FrontendMessage(abort=frontend_pb2.Abort(ticket=t.ticket)))
+
+    def report(self, event: str, ttfa_s: float = 0.0, outcome: str = "") -> None:
+        self._send(frontend_pb2.FrontendMessage(report=frontend_pb2.CallReport(event=event, ttfa_s=ttfa_s,
+                                                                             outcome=outcome)))
+
+    # ---- voices ---------------------------------------------------------------------------------
+    async def put_voice(self, voice: frontend_pb2.StoredVoice) -> None:
+        await self._call(frontend_pb2.FrontendMessage(put_voice=voice))
+
+    async def get_voice(self, voice_id: str) -> frontend_pb2.StoredVoice | None:
+        found = (await self._call(frontend_pb2.FrontendMessage(
+            get_voice=frontend_pb2.VoiceQuery(voice_id=voice_id)))).voices.voices
+        return found[0] if found else None
+
+    async def delete_voice(self, voice_id: str) -> bool:
+        return bool((await self._call(frontend_pb2.FrontendMessage(
+            delete_voice=frontend_pb2.VoiceQuery(voice_id=voice_id)))).voices.voices)
+
+    async def list_voices(self) -> list[frontend_pb2.StoredVoice]:
+        return list((await self._call(frontend_pb2.FrontendMessage(
+            list_voices=frontend_pb2.VoiceQuery()))).voices.voices)
+
+    def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+        self._sock.close()

@@ -1,0 +1,263 @@
+"""A scheduler_svc frontend process: the public TextToSpeech gRPC API.
+
+Per Synthesize call: validate → resolve voice references (codes, a stored
+voice, or audio encoded by a vocoder replica) → build prompt rows → submit to
+the scheduler core → stream each generated row to a vocoder Decode stream and
+the PCM that comes back to the client, converted to the format it asked for.
+
+Several frontends serve one port (SO_REUSEPORT: the kernel spreads client
+connections over them), so the per-frame relay work, which is most of the
+service's CPU, scales with processes while one core schedules every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from chorus.moss_config import MossTTSLocalConfig
+from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.tokenizer import load_tokenizer
+from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
+from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
+from scheduler_svc.core_client import CoreClient
+from scheduler_svc.frontend_link import matrix_array as _matrix
+from scheduler_svc.output import AudioOutput
+from scheduler_svc.scheduler import QueueFull, rows_matrix
+from scheduler_svc.validation import InvalidRequest, Limits, validate
+from scheduler_svc.vocoder_client import VocoderPool
+
+log = logging.getLogger("chorus.scheduler")
+SERVICE_NAME = "chorus.v1.TextToSpeech"
+FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
+
+
+def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
+    try:
+        return _matrix(m)
+    except ValueError as e:
+        raise InvalidRequest(f"codes: {e}") from None
+
+
+class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
+    def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo):
+        self.core = core
+        self.vocoders = vocoders
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.codec = codec
+        self.relay = AudioRelay(vocoders, codec, cfg.n_vq)
+
+    # ---- references ------------------------------------------------------------
+    async def _encode_audio(self, audio: common_pb2.AudioData, field: str) -> np.ndarray:
+        try:
+            resp = await self.vocoders.encode(vocoder_pb2.EncodeRequest(audio=audio, codebooks=self.cfg.n_vq))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequest(f"{field}: {e.details()}") from e
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder could not encode {field}: {e.details()}")
+        return matrix_array(resp.codes)
+
+    async def _reference_codes(self, ref: tts_pb2.VoiceReference, field: str) -> np.ndarray:
+        kind = ref.WhichOneof("source")
+        if kind == "codes":
+            codes = matrix_array(ref.codes)
+            if codes.shape[1] != self.cfg.n_vq or codes.shape[0] == 0:
+                raise InvalidRequest(f"{field}.codes must be [T>0, {self.cfg.n_vq}], got {list(codes.shape)}")
+            if codes.min() < 0 or codes.max() >= self.cfg.audio_vocab_size:
+                raise InvalidRequest(f"{field}.codes values must be in [0, {self.cfg.audio_vocab_size})")
+            return codes
+        if kind == "voice_id":
+            voice = await self.core.get_voice(ref.voice_id)
+            if voice is None:
+                raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
+                                      f"voice_id {ref.voice_id!r} not found; create it with CreateVoice first")
+            return _matrix(voice.codes)
+        if kind == "audio":
+            return await self._encode_audio(ref.audio, f"{field}.audio")
+        raise InvalidRequest(f"{field} has no source: set audio, codes or voice_id")
+
+    def _duration_frames(self, request: tts_pb2.SynthesizeRequest) -> int | None:
+        """The prompt's `Tokens:` field: explicit frames, seconds (clamped around the
+        estimate, as the upstream app does), or the estimate itself."""
+        language = request.language or None
+        if request.duration_frames:
+            return request.duration_frames
+        if request.duration_seconds:
+            frame_rate = self.codec.sample_rate / self.codec.samples_per_frame
+            return clamp_duration_frames(max(1, round(request.duration_seconds * frame_rate)), request.text,
+                                         language)
+        if request.auto_duration:
+            return estimate_duration_frames(request.text, language)
+        return None
+
+    async def _prompt_rows(self, request: tts_pb2.SynthesizeRequest) -> np.ndarray:
+        refs = [await self._reference_codes(r, f"references[{i}]") for i, r in enumerate(request.references)]
+        cont = None
+        if request.HasField("continuation"):
+            cont = await self._reference_codes(request.continuation, "continuation")
+        try:
+            return build_prompt_rows(
+                self.cfg, self.tokenizer, request.text, language=request.language or None,
+                instruction=request.instructions or None, tokens=self._duration_frames(request),
+                references=refs, continuation=cont,
+                continuation_transcript=request.continuation.transcript if cont is not None else None)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
+
+    # ---- Synthesize -------------------------------------------------------------
+    async def Synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
+        self.core.report("start")
+        outcome = ""
+        try:
+            async for response in self._synthesize(request, context):
+                yield response
+            outcome = "ok"
+        except InvalidRequest as e:
+            outcome = "invalid"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SynthesisFailed as e:
+            outcome = "failed"
+            await context.abort(e.code, str(e))
+        finally:
+            self.core.report("end", outcome=outcome)
+
+    async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
+        resolved = validate(request, self.limits, [self.cfg.name])
+        request_id = request.request_id or uuid.uuid4().hex
+        rows = await self._prompt_rows(request)
+        worker = self.core.worker
+        if rows.shape[0] + resolved.max_frames > worker.max_context:
+            raise InvalidRequest(f"prompt ({rows.shape[0]} rows) + max_frames ({resolved.max_frames}) exceeds the "
+                                 f"context limit {worker.max_context}; lower max_frames or shorten the text")
+        if not self.core.fits(rows.shape[0]):
+            raise InvalidRequest(f"the prompt ({rows.shape[0]} rows) does not fit the worker's KV cache "
+                                 f"({worker.kv_slots} rows); shorten the text or the references")
+        try:
+            req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
+        except QueueFull as e:
+            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        log.info("request %s (#%d): %d prompt rows, max_frames %d", request_id, req.id, rows.shape[0],
+                 resolved.max_frames)
+        output = AudioOutput(self.codec.sample_rate, self.codec.channels, resolved.sample_rate or
+                             self.codec.sample_rate, resolved.output_format)
+        first_audio = None
+        try:
+            yield tts_pb2.SynthesizeResponse(header=tts_pb2.StreamHeader(
+                request_id=request_id, model=self.cfg.name, sample_rate=output.out_rate,
+                channels=self.codec.channels, format=resolved.output_format,
+                samples_per_frame=self.codec.samples_per_frame * output.out_rate // self.codec.sample_rate))
+            async for item in self.relay.stream(req, output, resolved.first_chunk_frames, resolved.chunk_frames,
+                                                request.return_codes):
+                if first_audio is None and item.HasField("audio"):
+                    first_audio = time.monotonic()
+                    self.core.report("first_audio", ttfa_s=first_audio - req.t_accepted)
+                yield item
+            done = req.finished
+            ms = lambda t: (t - req.t_accepted) * 1e3 if t else 0.0  # noqa: E731
+            yield tts_pb2.SynthesizeResponse(summary=tts_pb2.SynthesisSummary(
+                frames=done.frames, audio_seconds=done.frames * self.codec.samples_per_frame
+                / self.codec.sample_rate, finish_reason=FINISH_REASONS.get(done.reason, 0),
+                queue_ms=done.queue_ms, first_audio_ms=ms(first_audio), total_ms=ms(time.monotonic()),
+                prompt_rows=req.prompt_len, cached_prompt_rows=done.cached_prompt_rows))
+        finally:
+            self.core.abort(req)
+
+    # ---- models and voices ---------------------------------------------------------
+    async def ListModels(self, request, context):
+        return tts_pb2.ListModelsResponse(models=[tts_pb2.ModelInfo(
+            name=self.cfg.name, architecture="moss_tts_local", sample_rate=self.codec.sample_rate,
+            channels=self.codec.channels, frame_rate=self.codec.sample_rate / self.codec.samples_per_frame,
+            codebooks=self.cfg.n_vq, max_frames=self.limits.max_frames_cap, is_default=True)])
+
+    async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
+        try:
+            codes = await self._encode_audio(request.audio, "audio")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SynthesisFailed as e:
+            await context.abort(e.code, str(e))
+        voice_id = request.voice_id or uuid.uuid4().hex[:12]
+        await self.core.put_voice(frontend_pb2.StoredVoice(voice_id=voice_id, codes=rows_matrix(codes),
+                                                           transcript=request.transcript, frames=codes.shape[0]))
+        return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript)
+
+    async def ListVoices(self, request, context):
+        return tts_pb2.ListVoicesResponse(voices=[
+            tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript)
+            for v in await self.core.list_voices()])
+
+    async def DeleteVoice(self, request, context):
+        if not await self.core.delete_voice(request.voice_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {request.voice_id!r} not found")
+        return tts_pb2.DeleteVoiceResponse()
+
+
+# ---- process -----------------------------------------------------------------------
+async def _watch_parent(stop: asyncio.Event) -> None:
+    """The core started this process: when it is gone (even by SIGKILL), so is this one."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.error("the scheduler core (pid %d) is gone; stopping", parent)
+    stop.set()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    core = CoreClient(args.core)
+    hello = await core.connect(timeout=600)
+    cfg = MossTTSLocalConfig.from_dict(json.loads(hello.worker.model_config_json))
+    vocoders = VocoderPool(args.vocoder or ["127.0.0.1:50053"])
+    if args.frontend_index == 0:
+        log.info("waiting for the vocoder at %s", vocoders.replicas[0].address)
+    codec = await vocoders.info(timeout=600)
+    tokenizer = load_tokenizer(args.tokenizer)
+    limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,
+                    default_max_frames=args.max_frames, first_chunk_frames=args.first_chunk_frames,
+                    chunk_frames=args.chunk_frames)
+
+    # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1)])
+    tts_pb2_grpc.add_TextToSpeechServicer_to_server(
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    if server.add_insecure_port(f"{args.host}:{args.port}") != args.port:
+        raise SystemExit(f"frontend {args.frontend_index}: could not listen on {args.host}:{args.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    core.report("ready")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = loop.create_task(_watch_parent(stop))
+    await stop.wait()
+    watcher.cancel()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=args.drain_seconds)
+    await vocoders.close()
+    core.close()
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s scheduler/frontend{args.frontend_index} %(levelname)s %(message)s")
+    asyncio.run(serve(args))

@@ -1,0 +1,181 @@
+"""The core's end of the link to its frontend processes (ROUTER; each frontend a DEALER).
+
+Frontends submit, abort and store voices here; the scheduler's events come
+back through this sink: buffered per frontend while a journal is applied and
+sent as one Progress message per frontend at flush(), so a step of 256 frames
+costs each frontend one message, not 256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from chorus.v1 import common_pb2, frontend_pb2
+from scheduler_svc import metrics
+from scheduler_svc.scheduler import (ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request,
+                                     Scheduler, rows_matrix)
+
+log = logging.getLogger("chorus.scheduler")
+
+
+def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
+    if m.rows < 0 or m.cols < 0 or len(m.data) != 4 * m.rows * m.cols:
+        raise ValueError(f"{len(m.data)} bytes do not hold a {m.rows}x{m.cols} int32 matrix")
+    return np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols)
+
+
+class _Outbox:
+    """One frontend's share of the current step."""
+
+    def __init__(self):
+        self.tickets: list[int] = []
+        self.indices: list[int] = []
+        self.rows: list[np.ndarray] = []
+        self.finished: list[frontend_pb2.Finished] = []
+
+
+class FrontendLink(EventSink):
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
+        self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds the HWM: never drop frames
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.scheduler: Scheduler | None = None
+        self.voices: dict[str, frontend_pb2.StoredVoice] = {}
+        self.ready: set[bytes] = set()
+        self.ready_changed = asyncio.Event()
+        self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
+        self._requests: dict[tuple[bytes, int], Request] = {}     # (frontend, ticket) -> request
+        self._out: dict[bytes, _Outbox] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self._sock.close()
+
+    # ---- the scheduler's sink ---------------------------------------------------------------
+    def emit(self, req: Request, event: FrameEvent | FinishEvent | ErrorEvent) -> None:
+        origin = self._origin.get(req.id)
+        if origin is None:
+            return  # aborted by its frontend
+        frontend, ticket = origin
+        box = self._out.get(frontend)
+        if box is None:
+            box = self._out[frontend] = _Outbox()
+        if isinstance(event, FrameEvent):
+            box.tickets.append(ticket)
+            box.indices.append(event.index)
+            box.rows.append(event.row)
+            return
+        done = frontend_pb2.Finished(ticket=ticket, frames=len(req.frames),
+                                     cached_prompt_rows=req.cached_prompt_rows)
+        if req.t_scheduled is not None:
+            done.queue_ms = (req.t_scheduled - req.t_accepted) * 1e3
+        if isinstance(event, FinishEvent):
+            done.reason = event.reason
+        else:
+            done.error = event.message
+        box.finished.append(done)
+        self._forget(req)
+
+    def flush(self) -> None:
+        for frontend, box in self._out.items():
+            msg = frontend_pb2.CoreMessage()
+            p = msg.progress
+            if box.rows:
+                p.tickets.extend(box.tickets)
+                p.indices.extend(box.indices)
+                p.rows.CopyFrom(rows_matrix(np.stack(box.rows)))
+            p.finished.extend(box.finished)
+            self._send(frontend, msg)
+        self._out.clear()
+
+    def _forget(self, req: Request) -> None:
+        origin = self._origin.pop(req.id, None)
+        if origin is not None:
+            self._requests.pop(origin, None)
+
+    # ---- frontend messages ----------------------------------------------------------------------
+    def _send(self, frontend: bytes, msg: frontend_pb2.CoreMessage) -> None:
+        self._sock.send_multipart([frontend, msg.SerializeToString()])
+
+    async def _serve(self) -> None:
+        while True:
+            frontend, payload = await self._sock.recv_multipart()
+            try:
+                msg = frontend_pb2.FrontendMessage.FromString(payload)
+                answer = self._handle(frontend, msg)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the link
+                log.exception("frontend message failed")
+                continue
+            if answer is not None:
+                answer.call = msg.call
+                self._send(frontend, answer)
+
+    def _handle(self, frontend: bytes, msg: frontend_pb2.FrontendMessage) -> frontend_pb2.CoreMessage | None:
+        kind = msg.WhichOneof("kind")
+        if kind == "submit":
+            return self._submit(frontend, msg.submit)
+        if kind == "abort":
+            req = self._requests.get((frontend, msg.abort.ticket))
+            if req is not None:
+                self._forget(req)
+                self.scheduler.abort(req)
+            return None
+        if kind == "report":
+            self._report(frontend, msg.report)
+            return None
+        if kind == "hello":
+            s = self.scheduler
+            return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(
+                worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size))
+        if kind == "put_voice":
+            v = msg.put_voice
+            self.voices[v.voice_id] = v
+            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v]))
+        if kind in ("get_voice", "delete_voice"):
+            vid = getattr(msg, kind).voice_id
+            v = self.voices.get(vid) if kind == "get_voice" else self.voices.pop(vid, None)
+            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v] if v is not None else []))
+        if kind == "list_voices":
+            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[
+                frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames)
+                for v in self.voices.values()]))
+        raise ValueError(f"unknown frontend message {kind!r}")
+
+    def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:
+        req = Request(prompt_rows=matrix_array(sub.prompt_rows), sampling=sub.sampling, max_frames=sub.max_frames,
+                      t_accepted=time.monotonic())
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as e:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+        self._origin[req.id] = (frontend, sub.ticket)
+        self._requests[(frontend, sub.ticket)] = req
+        return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=req.id))
+
+    def _report(self, frontend: bytes, r: frontend_pb2.CallReport) -> None:
+        if r.event == "ready":
+            self.ready.add(frontend)
+            self.ready_changed.set()
+        elif r.event == "start":
+            metrics.ACTIVE_STREAMS.inc()
+        elif r.event == "first_audio":
+            metrics.TTFA_SECONDS.observe(r.ttfa_s)
+        elif r.event == "end":
+            metrics.ACTIVE_STREAMS.dec()
+            if r.outcome:
+                metrics.REQUESTS.labels(r.outcome).inc()
