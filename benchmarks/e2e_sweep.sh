@@ -3,14 +3,17 @@
 # cuda:1, scheduler on the CPU; every level through the real gRPC API. Then the ratios the
 # GPU issue asks for, each from one run at c16: lookahead off, CUDA graphs off, and W2 with
 # the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
-# RATIOS picks the ratio runs (default: all four); ONE_GPU=1 adds W1 at c1 and c16 with the
+# FRONTENDS: the scheduler's frontend processes (default 4), CHANNELS: client connections
+# (default 32, so the kernel spreads them over the frontends). RATIOS picks the ratio runs
+# (default: the first four; frontends1 = c256 with one frontend); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the issue's TTFA setting); PROFILE=1 adds vocoder profiles.
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}
 COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --worker-arg=--preset=full
         --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
-        --vocoder-arg=--slots=256 --duration "$DUR" --warmup 5 --no-progress
+        --vocoder-arg=--slots=256 --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
+        --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
 run() {  # name, then chorus bench flags
   local name=$1; shift
@@ -27,6 +30,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     eager) run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs ;;
     radix) run e2e_w2_c16_radix --workload W2 --concurrency 16 ;;
     no_radix) run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache ;;
+    frontends1) run e2e_w1_c256_frontends1 --workload W1 --concurrency 256 --scheduler-arg=--frontends=1 ;;
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then

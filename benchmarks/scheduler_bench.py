@@ -31,9 +31,11 @@ from scheduler_svc.worker_client import WorkerClient
 N_VQ, PROMPT = 12, 90
 
 
-def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int, config_json: str = "") -> None:
-    """Answers every StepPlan at once with random codes. config_json: the model config its Hello
-    carries (the scheduler service builds prompts from it; the bare Scheduler does not need one)."""
+def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int, config_json: str = "",
+                    step_ms: float = 0.0) -> None:
+    """Answers every StepPlan at once (or after step_ms, a GPU's step time) with random codes.
+    config_json: the model config its Hello carries (the scheduler service builds prompts from
+    it; the bare Scheduler does not need one)."""
     import zmq
 
     ctx = zmq.Context()
@@ -57,6 +59,8 @@ def _instant_worker(port_q: mp.Queue, kv_slots: int, max_batch: int, config_json
             reply.stats.CopyFrom(worker_pb2.WorkerStats(active_requests=len(steps)))
         elif kind == "step":
             plan = cmd.step
+            if step_ms:
+                time.sleep(step_ms / 1e3)
             for rid in plan.release:
                 steps.pop(rid, None)
             ids = [it.request_id for it in plan.prefill if it.last_chunk] + [it.request_id for it in plan.decode]

@@ -1,7 +1,8 @@
 """The whole scheduler process on the CPU: the real scheduler service (public gRPC server,
 prompt building, radix cache, scheduling, ZeroMQ to the worker, audio relay over gRPC to the
 vocoder) between an instant worker and an instant vocoder, driven by `chorus bench` clients.
-Reports the scheduler process's CPU per frame at each concurrency.
+Reports the scheduler's CPU per frame at each concurrency: core and frontend processes together,
+and the core alone (the one process that cannot be multiplied; --scheduler-arg=--frontends=N).
 
 Why: at c256 on the two-GPU H200 machine the scheduler process spent ~120 us of CPU per frame
 (benchmarks/README.md, "What limits c256"), 2.5x its loop (scheduler_bench.py) plus its relay
@@ -29,8 +30,10 @@ from relay_bench import _serve as instant_vocoder
 from scheduler_bench import _instant_worker as instant_worker
 
 
-def frames_generated(metrics_port: int) -> float:
-    return read_metrics(metrics_port).get("chorus_frames_generated_total", 0.0)
+def counters(metrics_port: int) -> tuple[float, float]:
+    """(frames generated, worker steps) so far."""
+    m = read_metrics(metrics_port)
+    return m.get("chorus_frames_generated_total", 0.0), m.get("chorus_step_seconds_count", 0.0)
 
 
 def main() -> None:
@@ -41,12 +44,16 @@ def main() -> None:
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--frames", type=int, default=None,
                     help="frames per request instead of the workload's (few frames: per-request costs dominate)")
+    ap.add_argument("--step-ms", type=float, default=10.0,
+                    help="the stand-in worker's time per step (an H200 bs-256 step is ~11 ms; 0 = instant, "
+                         "which makes steps tiny and overstates the per-frame cost)")
     ap.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
                     help="extra scheduler flag (repeatable; attach with '=')")
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    worker, wport = cpu_fixture.spawn(instant_worker, 1 << 20, max(levels), PRESETS["tiny"]().to_json())
+    worker, wport = cpu_fixture.spawn(instant_worker, 1 << 20, max(levels), PRESETS["tiny"]().to_json(),
+                                        args.step_ms)
     vocoder, vport = cpu_fixture.spawn(instant_vocoder, 5, 25, False)
     metrics_port = free_port()
     sched = Service("scheduler", [sys.executable, "-m", "scheduler_svc.server", "--port", "0", "--worker",
@@ -58,7 +65,8 @@ def main() -> None:
     try:
         address = sched.wait_ready(120)
         for c in levels:
-            cpu0, frames0 = sched.cpu_seconds(), frames_generated(metrics_port)
+            cpu0, core0, (frames0, steps0) = sched.cpu_seconds(), sched.cpu_seconds(children=False), \
+                counters(metrics_port)
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 subprocess.run([sys.executable, "-m", "chorus.cli", "bench", "--server", address, "--workload",
                                 args.workload, "--concurrency", str(c), "--duration", str(args.duration),
@@ -66,12 +74,16 @@ def main() -> None:
                                 *(["--frames", str(args.frames)] if args.frames else [])],
                                check=True, stdout=subprocess.DEVNULL)
                 level = json.load(open(tmp.name))["levels"][0]
-            cpu, frames = sched.cpu_seconds() - cpu0, frames_generated(metrics_port) - frames0
+            frames, steps = (a - b for a, b in zip(counters(metrics_port), (frames0, steps0)))
+            cpu = sched.cpu_seconds() - cpu0
+            core = sched.cpu_seconds(children=False) - core0
             r = {"concurrency": c, "frames": frames, "scheduler_cpu_s": cpu, "cpu_us_per_frame": 1e6 * cpu / frames,
+                 "core_cpu_us_per_frame": 1e6 * core / frames, "frames_per_step": frames / steps,
                  "client_frames_per_s": level["frames_per_s"], "audio_s_per_s": level["audio_s_per_s"],
                  "ttfa_p50_ms": level["ttfa_ms"]["p50"], "queue_p50_ms": level["server_queue_ms"]["p50"]}
             results.append(r)
-            print(f"c={c:4d}: scheduler {r['cpu_us_per_frame']:6.1f} us CPU per frame ({frames:.0f} frames, "
+            print(f"c={c:4d}: scheduler {r['cpu_us_per_frame']:6.1f} us CPU per frame (core "
+                  f"{r['core_cpu_us_per_frame']:.1f}; {frames:.0f} frames, {r['frames_per_step']:.1f} per step, "
                   f"{cpu:.1f} CPU s), clients got {r['client_frames_per_s']:,.0f} frames/s, TTFA p50 "
                   f"{r['ttfa_p50_ms']:.1f} ms (queue {r['queue_p50_ms']:.1f})", flush=True)
     finally:
