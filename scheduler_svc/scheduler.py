@@ -13,9 +13,10 @@ their rows go back to the cache, and they re-prefill prompt + output later and
 resume at the same frame. Seeded sampling depends only on (seed, frame,
 channel), so none of this changes a request's frames.
 
-Lookahead: with it on, the next plan is sent before the previous journal
-returns; a request that stopped in step N is skipped by the worker in N+1, and
-its late results are discarded here.
+Lookahead: with it on, up to `lookahead_depth` plans are in flight: the next
+plans are sent before the previous journals return; a request that stopped in
+step N may still be decoded in the steps already sent (the worker skips it
+once it knows), and those late results are discarded here.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class SchedulerConfig:
     page_size: int = 0             # KV rows per allocator page; 0 = the worker's (Hello.page_size)
     radix_cache: bool = True
     lookahead: bool = True
+    lookahead_depth: int = 3       # steps in flight with lookahead on: the worker launches N+1 while N runs
+                                   # and finds N+2 queued when it sends journal N (2 left it waiting on us)
     lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
     prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
@@ -225,7 +228,7 @@ class Scheduler:
 
     async def _iterate(self) -> None:
         """One turn: send a plan if the pipeline has room, then wait for a journal or for work."""
-        depth = 2 if self.config.lookahead else 1
+        depth = max(1, self.config.lookahead_depth) if self.config.lookahead else 1
         sent = False
         if len(self.inflight) < depth:
             try:

@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-interval", type=int, default=1,
                    help="while requests decode, admit and prefill only every n-th step (default 1: a new "
                         "request starts at the next step; larger batches prefills for throughput at a TTFA cost)")
+    p.add_argument("--lookahead-depth", type=int, default=3,
+                   help="steps in flight with lookahead (default 3: the worker always finds its next plan "
+                        "queued; 2 left it idle for the scheduler's turnaround at high batch)")
     p.add_argument("--lookahead-max-batch", type=int, default=256,
                    help="decode batches larger than this wait for their journal instead of overlapping")
     p.add_argument("--max-text-chars", type=int, default=5000, help="longest accepted text")
@@ -159,7 +162,8 @@ async def serve(args: argparse.Namespace) -> None:
         scheduler = Scheduler(worker, hello, SchedulerConfig(
             max_queue=args.max_queue, max_running=args.max_running or hello.max_batch,
             prefill_chunk=args.prefill_chunk, page_size=args.page_size, radix_cache=args.radix_cache,
-            lookahead=args.lookahead, lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key,
+            lookahead=args.lookahead, lookahead_depth=args.lookahead_depth,
+            lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key,
             prefill_interval=args.prefill_interval), sink=link)
         scheduler.start()
         link.start(scheduler)
