@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=25, help="frames per message and per decode step")
     ap.add_argument("--n-q", type=int, default=12)
     ap.add_argument("--slots", type=int, default=64, help="the service's --slots")
+    ap.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
+                    help="extra vocoder flag (repeatable; attach with '=', e.g. --vocoder-arg=--switch-interval-ms=5)")
     ap.add_argument("--out")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -83,7 +85,8 @@ def main() -> None:
     metrics_port = free_port()
     svc = Service("vocoder", [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port",
                               str(metrics_port), "--preset", preset, "--device", args.device, "--dtype", dtype,
-                              "--slots", str(args.slots), "--graph-frames", str(args.chunk)])
+                              "--slots", str(args.slots), "--graph-frames", str(args.chunk),
+                              *args.vocoder_arg])
     svc.start(echo=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     results = {"benchmark": "vocoder_service", "device": args.device, "dtype": dtype, "preset": preset,
                "config": vars(args), "levels": []}

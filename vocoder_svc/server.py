@@ -414,6 +414,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="CPU threads for torch ops (default: %(default)s, best for the tiny preset and for GPU "
                              "serving; 0 = torch's default, all cores)")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5,
+                        help="the interpreter's GIL switch interval (Python's own default is 5 ms). The decode "
+                             "thread takes the GIL many times per step while the gRPC thread writes PCM; each "
+                             "wait can last a whole interval (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds open calls get to finish on SIGINT/SIGTERM (default: %(default)s)")
 
@@ -575,6 +579,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
 
 def run(args: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM (blocking)."""
+    if args.switch_interval_ms > 0:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     asyncio.run(serve(args))
 
 
