@@ -177,6 +177,8 @@ class _Session:
                     # Everything not yet sent in one message (a replay sends the whole history at once);
                     # the vocoder's chunking does not depend on how frames are split into messages.
                     block = np.stack(self.codes[att.fed:])
+                    if att.number == 0 and att.fed == 0:
+                        self.req.t_first_chunk = time.monotonic()  # reported in the request's summary
                     await call.write(vocoder_pb2.DecodeRequest(frames=rows_matrix(block)))
                     att.fed += len(block)
                 elif self.finished:

@@ -34,6 +34,8 @@ class Ticket:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_accepted: float = field(default_factory=time.monotonic)
     finished: frontend_pb2.Finished | None = None  # set with the FinishEvent / ErrorEvent
+    t_first_frame: float | None = None
+    t_first_chunk: float | None = None  # the first audio chunk's frames went to the vocoder (the relay sets it)
 
 
 class CoreClient:
@@ -85,6 +87,8 @@ class CoreClient:
             for ticket, index, row in zip(p.tickets, p.indices, rows):
                 t = self._open.get(ticket)
                 if t is not None:
+                    if t.t_first_frame is None:
+                        t.t_first_frame = time.monotonic()
                     t.events.put_nowait(FrameEvent(index, row))
         for done in p.finished:
             t = self._open.pop(done.ticket, None)

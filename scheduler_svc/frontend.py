@@ -172,7 +172,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 frames=done.frames, audio_seconds=done.frames * self.codec.samples_per_frame
                 / self.codec.sample_rate, finish_reason=FINISH_REASONS.get(done.reason, 0),
                 queue_ms=done.queue_ms, first_audio_ms=ms(first_audio), total_ms=ms(time.monotonic()),
-                prompt_rows=req.prompt_len, cached_prompt_rows=done.cached_prompt_rows))
+                prompt_rows=req.prompt_len, cached_prompt_rows=done.cached_prompt_rows,
+                first_frame_ms=ms(req.t_first_frame), first_chunk_frames_ms=ms(req.t_first_chunk)))
         finally:
             self.core.abort(req)
 

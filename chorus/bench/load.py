@@ -156,6 +156,8 @@ class _Runner:
             "cached_prompt_rows": summary.cached_prompt_rows if summary else None,
             "server_queue_ms": summary.queue_ms if summary else None,
             "server_first_audio_ms": summary.first_audio_ms if summary else None,
+            "server_first_frame_ms": summary.first_frame_ms if summary else None,
+            "server_first_chunk_frames_ms": summary.first_chunk_frames_ms if summary else None,
             "server_total_ms": summary.total_ms if summary else None,
             "sample_rate": sr,
             "samples_per_frame": header.samples_per_frame if header else 0,

@@ -62,6 +62,11 @@ def level_metrics(records: list[dict], window: tuple[float, float]) -> dict[str,
         "max_gap_ms": _stats(max_gaps),
         "server_queue_ms": _stats([r["server_queue_ms"] for r in ok]),
         "server_first_audio_ms": _stats([r["server_first_audio_ms"] for r in ok]),
+        # records from servers that predate these summary fields have none
+        "server_first_frame_ms": _stats([r["server_first_frame_ms"] for r in ok
+                                         if r.get("server_first_frame_ms") is not None]),
+        "server_first_chunk_frames_ms": _stats([r["server_first_chunk_frames_ms"] for r in ok
+                                                if r.get("server_first_chunk_frames_ms") is not None]),
         "prompt_rows_mean": sum(r["prompt_rows"] for r in ok) / len(ok) if ok else None,
         "cached_prompt_rows": {"mean": sum(cached) / len(cached) if cached else None, "total": sum(cached)},
     }
