@@ -50,14 +50,19 @@ async def one_stream(stub, i: int, frames: int, chunk: int, n_q: int, codebook: 
     return samples, first or 0.0
 
 
-async def level(address: str, streams: int, frames: int, chunk: int, n_q: int, info) -> dict:
-    """All streams at once (codes drawn below 1024, the MOSS codec's codebook size)."""
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = vocoder_pb2_grpc.VocoderStub(ch)
+async def level(addresses: list[str], streams: int, frames: int, chunk: int, n_q: int, info) -> dict:
+    """All streams at once, dealt round-robin over the replicas (codes drawn below 1024, the MOSS
+    codec's codebook size)."""
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    try:
+        stubs = [vocoder_pb2_grpc.VocoderStub(ch) for ch in channels]
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(one_stream(stub, i, frames, chunk, n_q, 1024, 7)
+        out = await asyncio.gather(*(one_stream(stubs[i % len(stubs)], i, frames, chunk, n_q, 1024, 7)
                                      for i in range(streams)))
         wall = time.perf_counter() - t0
+    finally:
+        for ch in channels:
+            await ch.close()
     audio = sum(s for s, _ in out) / info.sample_rate
     return {"streams": streams, "frames_per_stream": frames, "chunk": chunk, "wall_s": wall,
             "audio_s": audio, "audio_s_per_s": audio / wall,
@@ -74,7 +79,10 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=250, help="frames per stream (80 ms each)")
     ap.add_argument("--chunk", type=int, default=25, help="frames per message and per decode step")
     ap.add_argument("--n-q", type=int, default=12)
-    ap.add_argument("--slots", type=int, default=64, help="the service's --slots")
+    ap.add_argument("--slots", type=int, default=64, help="each replica's --slots")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="vocoder processes on the device, streams dealt round-robin (one process is "
+                         "GIL-bound near 1.05 cores on the H200)")
     ap.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
                     help="extra vocoder flag (repeatable; attach with '=', e.g. --vocoder-arg=--switch-interval-ms=5)")
     ap.add_argument("--out")
@@ -82,38 +90,47 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     preset = args.preset or ("full" if cuda else "tiny")
-    metrics_port = free_port()
-    svc = Service("vocoder", [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port",
-                              str(metrics_port), "--preset", preset, "--device", args.device, "--dtype", dtype,
-                              "--slots", str(args.slots), "--graph-frames", str(args.chunk),
-                              *args.vocoder_arg])
-    svc.start(echo=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ports = [free_port() for _ in range(args.replicas)]
+    services = [Service(f"vocoder{i}" if args.replicas > 1 else "vocoder",
+                        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", str(port),
+                         "--preset", preset, "--device", args.device, "--dtype", dtype, "--slots", str(args.slots),
+                         "--graph-frames", str(args.chunk), *args.vocoder_arg])
+                for i, port in enumerate(ports)]
+    for svc in services:
+        svc.start(echo=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     results = {"benchmark": "vocoder_service", "device": args.device, "dtype": dtype, "preset": preset,
                "config": vars(args), "levels": []}
+
+    def totals() -> tuple[float, float, float]:
+        """(CPU seconds, decode steps, decode ms) summed over the replicas."""
+        ms = [read_metrics(p) for p in ports]
+        return (sum(s.cpu_seconds() for s in services), sum(m["chorus_vocoder_decode_step_ms_count"] for m in ms),
+                sum(m["chorus_vocoder_decode_step_ms_sum"] for m in ms))
+
     try:
-        address = svc.wait_ready(900)
+        addresses = [svc.wait_ready(900) for svc in services]
 
         async def info():
-            async with grpc.aio.insecure_channel(address) as ch:
+            async with grpc.aio.insecure_channel(addresses[0]) as ch:
                 return await vocoder_pb2_grpc.VocoderStub(ch).Info(vocoder_pb2.VocoderInfoRequest(), timeout=30)
         inf = asyncio.run(info())
-        asyncio.run(level(address, 2, 2 * args.chunk, args.chunk, args.n_q, inf))  # warm the path
+        asyncio.run(level(addresses, 2 * len(addresses), 2 * args.chunk, args.chunk, args.n_q, inf))  # warm
         for n in [int(x) for x in args.streams.split(",")]:
-            cpu0 = svc.cpu_seconds()
-            m0 = read_metrics(metrics_port)
-            r = asyncio.run(level(address, n, args.frames, args.chunk, args.n_q, inf))
-            m1 = read_metrics(metrics_port)
-            steps = m1["chorus_vocoder_decode_step_ms_count"] - m0["chorus_vocoder_decode_step_ms_count"]
-            r["service_cpu_cores"] = (svc.cpu_seconds() - cpu0) / r["wall_s"]
+            before = totals()
+            r = asyncio.run(level(addresses, n, args.frames, args.chunk, args.n_q, inf))
+            cpu, steps, step_ms = (a - b for a, b in zip(totals(), before))
+            r["replicas"] = len(addresses)
+            r["service_cpu_cores"] = cpu / r["wall_s"]
             r["decode_steps"] = steps
-            r["decode_step_ms_mean"] = (m1["chorus_vocoder_decode_step_ms_sum"]
-                                        - m0["chorus_vocoder_decode_step_ms_sum"]) / steps
+            r["decode_step_ms_mean"] = step_ms / steps
             results["levels"].append(r)
-            print(f"{n:4d} streams x {args.frames} frames: {r['audio_s_per_s']:8.1f} s of audio per s, "
-                  f"{steps:.0f} steps of {r['decode_step_ms_mean']:.1f} ms mean, service CPU "
-                  f"{r['service_cpu_cores']:.2f} cores, first PCM p50 {r['first_pcm_ms_p50']:.0f} ms", flush=True)
+            print(f"{n:4d} streams x {args.frames} frames on {len(addresses)} replica(s): "
+                  f"{r['audio_s_per_s']:8.1f} s of audio per s, {steps:.0f} steps of "
+                  f"{r['decode_step_ms_mean']:.1f} ms mean, service CPU {r['service_cpu_cores']:.2f} cores, "
+                  f"first PCM p50 {r['first_pcm_ms_p50']:.0f} ms", flush=True)
     finally:
-        svc.stop()
+        for svc in services:
+            svc.stop()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
