@@ -22,5 +22,13 @@ RADIX_HIT_ROWS = Counter("chorus_radix_hit_rows", "Prompt rows served from the r
 RADIX_HIT_RATE = Gauge("chorus_radix_hit_rate", "Radix cache hit rate (rows hit / rows queried)",
                        registry=REGISTRY)
 RETRACTIONS = Counter("chorus_retractions", "Requests retracted under KV pressure", registry=REGISTRY)
+# The worker's own time per step (Journal.step_ms: launch to journal ready), apart for steps that
+# carry prefill rows (run eagerly beside the decode graph) and decode-only steps.
+_STEP_MS_BUCKETS = (2, 4, 6, 8, 10, 12, 15, 20, 30, 50, 80, 120, 200, 500)
+WORKER_DECODE_STEP_MS = Histogram("chorus_worker_decode_step_ms", "Worker time of decode-only steps (ms)",
+                                  registry=REGISTRY, buckets=_STEP_MS_BUCKETS)
+WORKER_MIXED_STEP_MS = Histogram("chorus_worker_prefill_step_ms", "Worker time of steps with prefill rows (ms)",
+                                 registry=REGISTRY, buckets=_STEP_MS_BUCKETS)
+PREFILL_ROWS = Counter("chorus_prefill_rows", "Prompt rows sent to the worker for prefill", registry=REGISTRY)
 LOOKAHEAD_STEPS = Counter("chorus_lookahead_steps", "Steps sent before the previous journal returned",
                           registry=REGISTRY)

@@ -267,6 +267,7 @@ class Scheduler:
             self.sink.flush()
             return
         metrics.STEP_SECONDS.observe(time.monotonic() - t0)
+        (metrics.WORKER_MIXED_STEP_MS if step.plan.prefill else metrics.WORKER_DECODE_STEP_MS).observe(journal.step_ms)
         if journal.error:
             log.error("step %d failed on the worker: %s", step.plan.step_id, journal.error)
             self._fail_step(step, f"worker step failed: {journal.error}")
@@ -313,6 +314,7 @@ class Scheduler:
                 item.prompt_length = req.prompt_len
             req.rows_sent += n
             writes[req.id] = n
+            metrics.PREFILL_ROWS.inc(n)
             if item.last_chunk:
                 req.frames_planned += 1
             budget -= n

@@ -197,7 +197,10 @@ def _service_cpu(services: list) -> dict[str, float | None]:
 
 
 _STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum": "step_seconds",
-                  "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames"}
+                  "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames",
+                  "chorus_worker_decode_step_ms_count": "decode_steps", "chorus_worker_decode_step_ms_sum": "decode_ms",
+                  "chorus_worker_prefill_step_ms_count": "prefill_steps",
+                  "chorus_worker_prefill_step_ms_sum": "prefill_ms", "chorus_prefill_rows_total": "prefill_rows"}
 
 
 def _scheduler_counters(port: int | None) -> dict[str, float] | None:
@@ -218,9 +221,15 @@ def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None,
         return None
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _STEP_COUNTERS.values()}
     steps = d["steps"]
+    per = lambda a, b: d[a] / d[b] if d[b] else None  # noqa: E731
     return {"steps_per_s": steps / wall, "round_trip_ms": 1e3 * d["step_seconds"] / steps if steps else None,
             "frames_per_step": d["frames"] / steps if steps else None,
-            "lookahead_share": d["lookahead_steps"] / steps if steps else None}
+            "lookahead_share": d["lookahead_steps"] / steps if steps else None,
+            # the worker's own time per step (launch to journal), decode-only steps and steps with prefill
+            "worker_decode_step_ms": per("decode_ms", "decode_steps"),
+            "worker_prefill_step_ms": per("prefill_ms", "prefill_steps"),
+            "prefill_step_share": d["prefill_steps"] / steps if steps else None,
+            "prefill_rows_per_prefill_step": per("prefill_rows", "prefill_steps")}
 
 
 async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
@@ -283,6 +292,10 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                     print(f"           scheduler steps: {st['steps_per_s']:.0f}/s, round trip {st['round_trip_ms']:.1f} ms, "
                           f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%",
                           flush=True)
+                    if st.get("worker_prefill_step_ms") is not None and st.get("worker_decode_step_ms") is not None:
+                        print(f"           worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
+                              f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
+                              f"{st['prefill_rows_per_prefill_step']:.0f} rows each)", flush=True)
     finally:
         await runner.close()
 
