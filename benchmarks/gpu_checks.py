@@ -150,6 +150,15 @@ def graph_parity(model) -> dict:
         out[name] = {"identical_frames": n_same, "frames": total}
         print(f"{name}: {n_same}/{total} frames identical", flush=True)
     out["late_arrival_frames"] = len(mixed[3])
+    # First frames (sampled in the prefill step) go through the frame-decode graph in the graphed
+    # engine (GraphedDecode.sample) and eagerly in the eager one: a mixed step's late request
+    # must come out the same under both.
+    late = prompt(77)
+    g_late = run_requests(graphed, prompts, 24, late=late, pipelined=True)[3]
+    e_late = run_requests(eager, prompts, 24, late=late, pipelined=True)[3]
+    n_same, total = same([g_late], [e_late])
+    out["late_request_graphed_vs_eager"] = {"identical_frames": n_same, "frames": total}
+    print(f"late request, graphed first frame vs eager: {n_same}/{total} frames identical", flush=True)
     # Informational: flashinfer may split a sequence's KV differently for other page sizes.
     n_same, total = same(base, run_requests(one_row_pages, prompts, 24))
     out["page16_vs_page1"] = {"identical_frames": n_same, "frames": total}

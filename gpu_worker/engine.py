@@ -265,6 +265,10 @@ class Engine:
             return None
         ends = np.cumsum([sp.num_new for sp in spans]) - 1
         last = torch.as_tensor(ends[sample_at], device=self.device)
+        if self.graphs is not None:  # the first frames of finished prefills: graphed like a decode step's
+            out = self.graphs.sample(hidden[last], rows_list)
+            if out is not None:
+                return out
         rows_t = torch.as_tensor(rows_list, dtype=torch.int64, device=self.device)
         return sample_and_commit(self.model, self.pool, hidden[last], rows_t, self.pool.any_penalised(rows_list))
 
