@@ -92,8 +92,12 @@ class GraphedDecode:
         """Capture ahead of serving, largest first so smaller graphs reuse its memory."""
         for b in sorted(set(sizes or self.buckets), reverse=True):
             self._get(self.bucket(b))
-        for b in sorted(self.frame_buckets, reverse=True):
-            self._frame_graph(b)
+        try:
+            for b in sorted(self.frame_buckets, reverse=True):
+                self._frame_graph(b)
+        except Exception:  # noqa: BLE001 - first frames can always be sampled eagerly
+            log.exception("frame-decode graph capture failed; first frames of prefills are sampled eagerly")
+            self.frame_buckets, self.frame_graphs = [], {}
 
     def _get(self, b: int) -> _Graph:
         g = self.graphs.get(b)
