@@ -5,8 +5,8 @@
 # the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
 # FRONTENDS: the scheduler's frontend processes (default 4), CHANNELS: client connections
 # (default 32, so the kernel spreads them over the frontends). RATIOS picks the ratio runs
-# (default: the first four; frontends1 = c256 with one frontend, depth2 = c256 with 2 steps
-# in flight); ONE_GPU=1 adds W1 at c1 and c16 with the
+# (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
+# 2 / 3 steps in flight); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
@@ -33,6 +33,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     no_radix) run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache ;;
     frontends1) run e2e_w1_c256_frontends1 --workload W1 --concurrency 256 --scheduler-arg=--frontends=1 ;;
     depth2) run e2e_w1_c256_depth2 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=2 ;;
+    depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=3 ;;
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then

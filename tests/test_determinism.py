@@ -56,13 +56,13 @@ def assert_same(frames, baseline):
 
 @pytest.mark.parametrize("scheduler_args", [
     ["--no-lookahead", "--prefill-chunk", "0"],
-    ["--prefill-chunk", "0"],            # lookahead on (the default: 3 steps in flight)
-    ["--prefill-chunk", "0", "--lookahead-depth", "2"],
+    ["--prefill-chunk", "0"],            # lookahead on (the default: 2 steps in flight)
+    ["--prefill-chunk", "0", "--lookahead-depth", "3"],
     ["--prefill-chunk", "1"],
     ["--prefill-chunk", "7"],
     ["--prefill-chunk", "64"],
     ["--prefill-chunk", "7", "--prefill-interval", "3"],  # prefill only every 3rd step while decoding
-], ids=["batched", "lookahead", "lookahead2", "chunk1", "chunk7", "chunk64", "interval3"])
+], ids=["batched", "lookahead", "lookahead3", "chunk1", "chunk7", "chunk64", "interval3"])
 def test_batched_variants_equal_alone(baseline, scheduler_args):
     with make_cluster(WORKER, scheduler_args) as c:
         assert_same(run(c, concurrent=True), baseline)
