@@ -85,3 +85,21 @@ def test_a_dead_frontend_stops_the_service():
             time.sleep(0.2)
         assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
                        for p in fronts[1:]), "the other frontend outlived the core"
+
+
+def test_sigterm_lets_open_streams_finish():
+    """Rolling restarts: SIGTERM stops new calls, but a stream already open gets all its audio."""
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
+                      scheduler_args=["--frontends", "2"]) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(own_connection(c.address))
+        responses = stub.Synthesize(seeded_request(seed=6, frames=40), timeout=60)
+        kinds = []
+        for resp in responses:
+            kinds.append(resp.WhichOneof("kind"))
+            if kinds[-1] == "audio":
+                break
+        core = c.service("scheduler").proc
+        core.send_signal(signal.SIGTERM)
+        rest = list(responses)
+        assert rest[-1].WhichOneof("kind") == "summary" and rest[-1].summary.frames == 40
+        assert core.wait(30) == 0
