@@ -35,6 +35,15 @@ def matrix_to_tensor(m: common_pb2.IntMatrix) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """int64 host values on `device` without a host sync. A blocking copy (`.to(device)`,
+    `torch.as_tensor(..., device=cuda)`) waits for every kernel already queued on the stream:
+    in `launch` that drains the pipeline, so step N+1's host work stops overlapping step N's GPU
+    work. From pageable memory, a non-blocking copy returns once its bytes are staged."""
+    t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return t.to(device, non_blocking=True)
+
+
 def tensor_to_matrix(t: torch.Tensor | np.ndarray) -> common_pb2.IntMatrix:
     arr = np.ascontiguousarray((t.cpu().numpy() if isinstance(t, torch.Tensor) else t).astype("<i4"))
     return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
@@ -201,7 +210,7 @@ class Engine:
                 state.kv_slots.extend(item.prefix_slots)
             else:
                 state = self.pool.get(item.request_id)
-            rows = matrix_to_tensor(item.rows).to(self.device)
+            rows = to_device(matrix_to_tensor(item.rows), self.device)
             if rows.shape[0] != len(item.kv_slots) or rows.shape[0] == 0:
                 raise StepError(f"request {item.request_id}: {rows.shape[0]} rows but {len(item.kv_slots)} kv slots")
             if state.prompt_length > 0:  # re-prefill: rows past the prompt are our own output
@@ -256,7 +265,7 @@ class Engine:
         """One eager forward over prefill chunks (embeds) then decodes (their feedback rows), and
         the frame decode of the spans in sample_at (pool rows rows_list). None if none samples."""
         if decode_rows:
-            embeds = embeds + [self.pool.feedback[torch.as_tensor(decode_rows, device=self.device)]]
+            embeds = embeds + [self.pool.feedback[to_device(decode_rows, self.device)]]
         batch = AttentionBatch.build(spans, self.device)
         self.kv.begin(batch)
         self.mark_planned()
@@ -264,12 +273,12 @@ class Engine:
         if not rows_list:  # a step of non-final prefill chunks samples nothing
             return None
         ends = np.cumsum([sp.num_new for sp in spans]) - 1
-        last = torch.as_tensor(ends[sample_at], device=self.device)
+        last = to_device(ends[sample_at], self.device)
         if self.graphs is not None:  # the first frames of finished prefills: graphed like a decode step's
             out = self.graphs.sample(hidden[last], rows_list)
             if out is not None:
                 return out
-        rows_t = torch.as_tensor(rows_list, dtype=torch.int64, device=self.device)
+        rows_t = to_device(rows_list, self.device)
         return sample_and_commit(self.model, self.pool, hidden[last], rows_t, self.pool.any_penalised(rows_list))
 
     def finish(self, pending: PendingStep) -> worker_pb2.Journal:
