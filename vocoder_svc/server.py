@@ -294,6 +294,10 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         finally:
             reader.cancel()
+            while not steps.empty():  # queued steps nobody will write back (the call ended early)
+                item = steps.get_nowait()
+                if isinstance(item, asyncio.Future):
+                    item.cancel()
             if stream is not None:  # also on cancellation and errors: the state goes with the call
                 if stream.handle is not None:
                     self.session_worker.release(stream.handle)  # the slot is freed before the next step
