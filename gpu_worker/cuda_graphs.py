@@ -11,9 +11,10 @@ Padding rows read and write only the pool's spare row and the scratch KV page.
 A step's prefill chunks run eagerly (their row counts vary), but the frame
 decode of their last rows (the request's first frame) is the same work as a
 decode step's: `GraphedDecode.sample` replays a frame-decode-only graph per
-bucket for it. Eager, those hundreds of small launches cost ~35 ms a step on
-the H200 (a step with prefill took 46 ms at c1 against 9 for a decode step),
-all of it added to the request's time to first audio.
+bucket for it instead of hundreds of small eager launches. On the H200 a step
+with prefill took 46 ms at c1 against 9 for a decode step, all of it added to
+the request's time to first audio; the eager frame decode is one part, the
+blocking copies then on the same path (engine.to_device) the other.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import numpy as np
 import zmq
@@ -157,8 +156,7 @@ class FrontendLink(EventSink):
         raise ValueError(f"unknown frontend message {kind!r}")
 
     def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:
-        req = Request(prompt_rows=matrix_array(sub.prompt_rows), sampling=sub.sampling, max_frames=sub.max_frames,
-                      t_accepted=time.monotonic())
+        req = Request(prompt_rows=matrix_array(sub.prompt_rows), sampling=sub.sampling, max_frames=sub.max_frames)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
