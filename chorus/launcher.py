@@ -25,7 +25,7 @@ class LaunchError(RuntimeError):
     pass
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def process_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -94,7 +94,7 @@ class Service:
         if self.proc is None:
             return None
         pids = [self.proc.pid] + (child_pids(self.proc.pid) if children else [])
-        total = [_cpu_seconds(p) for p in pids]
+        total = [process_cpu_seconds(p) for p in pids]
         return None if total[0] is None else sum(t for t in total if t is not None)
 
     def stop(self, timeout: float = 10.0) -> None:
