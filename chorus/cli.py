@@ -48,17 +48,19 @@ def _cluster(args: argparse.Namespace):
     from chorus.launcher import Cluster, service_args
 
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
-    scheduler += ["--metrics-port", str(args.metrics_port)]
+    scheduler += ["--metrics-port", str(args.metrics_port), "--frontends", str(getattr(args, "frontends", 1))]
     return Cluster(worker_args=worker, vocoder_args=vocoder, scheduler_args=scheduler, host=args.host,
-                   scheduler_port=args.port, echo=not args.quiet)
+                   scheduler_port=args.port, vocoder_ports=[0] * max(1, getattr(args, "vocoders", 1)),
+                   echo=not args.quiet)
 
 
 def cmd_up(args: argparse.Namespace) -> None:
     cluster = _cluster(args)
     print("starting worker, vocoder and scheduler ...", flush=True)
     with cluster:
+        vocoders = ", ".join(s.address for s in cluster.services if s.name.startswith("vocoder"))
         print(f"\nChorus is up. API: {cluster.address}  (worker {cluster.service('worker').address}, "
-              f"vocoder {cluster.service('vocoder').address})\n"
+              f"vocoder {vocoders})\n"
               f"Try: chorus say \"Hello there.\" --server {cluster.address} -o hello.wav\n"
               "Ctrl-C stops all three.", flush=True)
         try:
@@ -168,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("up", help="start worker, vocoder and scheduler locally; Ctrl-C stops them")
     _add_model_flags(p)
+    p.add_argument("--vocoders", type=int, default=1, metavar="N",
+                   help="vocoder replicas (on --vocoder-device, or the worker's device); one process tops out near "
+                        "1,500 s of audio per second on an H200, so run 2 per GPU there")
+    p.add_argument("--frontends", type=int, default=1, metavar="N", help="the scheduler's --frontends")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("say", help="synthesize text through a running scheduler into a WAV file")
