@@ -103,3 +103,26 @@ def test_sigterm_lets_open_streams_finish():
         rest = list(responses)
         assert rest[-1].WhichOneof("kind") == "summary" and rest[-1].summary.frames == 40
         assert core.wait(30) == 0
+
+
+def test_full_queue_is_resource_exhausted_and_leaks_nothing():
+    """Past --max-queue the core refuses the submit; the frontend turns that into RESOURCE_EXHAUSTED
+    with a message to retry, the accepted requests finish, and nothing stays held."""
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "1", "--kv-slots", "4096"],
+                      scheduler_args=["--max-queue", "1", "--frontends", "2"]) as c:
+        stubs = [tts_pb2_grpc.TextToSpeechStub(own_connection(c.address)) for _ in range(6)]
+
+        def call(s):
+            try:
+                return synthesize(s, seeded_request(seed=8, frames=30), timeout=120).summary.frames
+            except grpc.RpcError as e:
+                return e
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(call, stubs))
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.details()
+                               for e in refused)
+        assert all(r == 30 for r in results if not isinstance(r, grpc.RpcError))
+        assert wait_until_idle(c) == (0, 0, 0, 0)
+        assert synthesize(stubs[0], seeded_request(seed=9, frames=4), timeout=60).summary.frames == 4
