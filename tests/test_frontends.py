@@ -126,3 +126,21 @@ def test_full_queue_is_resource_exhausted_and_leaks_nothing():
         assert all(r == 30 for r in results if not isinstance(r, grpc.RpcError))
         assert wait_until_idle(c) == (0, 0, 0, 0)
         assert synthesize(stubs[0], seeded_request(seed=9, frames=4), timeout=60).summary.frames == 4
+
+
+def test_frontends_exit_when_the_core_is_killed():
+    """SIGKILL on the core (no cleanup ran) must not leave frontends holding the port."""
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "2", "--kv-slots", "4096"],
+                      scheduler_args=["--frontends", "2"]) as c:
+        core = c.service("scheduler").proc
+        fronts = child_pids(core.pid)
+        assert len(fronts) == 2
+        core.kill()
+        core.wait(10)
+        deadline = time.monotonic() + 15
+        alive = fronts
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in fronts if os.path.exists(f"/proc/{p}")
+                     and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not alive, "frontends outlived a killed core"
