@@ -3,6 +3,8 @@
 # cuda:1, scheduler on the CPU; every level through the real gRPC API. Then the ratios the
 # GPU issue asks for, each from one run at c16: lookahead off, CUDA graphs off, and W2 with
 # the radix cache on and off. Results land in $OUT (see benchmarks/README.md).
+# VOCODERS: vocoder replicas on cuda:1 (default 2: one process tops out near 1,500 s/s),
+# VOCODER_SLOTS: streams each (default 128).
 # FRONTENDS: the scheduler's frontend processes (default 4), CHANNELS: client connections
 # (default 32, so the kernel spreads them over the frontends). RATIOS picks the ratio runs
 # (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
@@ -13,7 +15,8 @@ OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packe
 DUR=${DUR:-15}
 COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --worker-arg=--preset=full
         --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
-        --vocoder-arg=--slots=256 --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
+        --vocoders ${VOCODERS:-2} --vocoder-arg=--slots=${VOCODER_SLOTS:-128}
+        --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
         --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
 run() {  # name, then chorus bench flags
@@ -37,7 +40,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then
-  run e2e_w1_1gpu --workload W1 --concurrency 1,16 --vocoder-device cuda:0 --worker-arg=--max-batch=64
+  run e2e_w1_1gpu --workload W1 --concurrency 1,16 --vocoder-device cuda:0 --worker-arg=--max-batch=64 \
+      --vocoders 1 --vocoder-arg=--slots=64
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
