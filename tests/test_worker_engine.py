@@ -123,3 +123,36 @@ def test_warm_up_leaves_nothing_behind(model):
     tok = load_tokenizer(None)
     prompts = {1: (build_prompt_rows(model.cfg, tok, "Hello there.", language="English"), 7)}
     assert d.run(prompts, frames=8) == Driver(model).run(prompts, frames=8)
+
+
+def test_first_frame_graph_plumbing_matches_eager(model, monkeypatch):
+    """GraphedDecode.sample (the frame-decode graph for prefills' first frames) with a CPU stand-in
+    for CUDA graphs, whose replay reruns the captured function on the static buffers: padding to
+    the bucket with the spare row, the static inputs and the output slice give the eager frames."""
+    import torch
+
+    from gpu_worker import cuda_graphs
+
+    class RerunGraph:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    def capture(fn, pool=None):
+        out = fn()
+        return RerunGraph(fn, out), out
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    tok = load_tokenizer(None)
+    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
+               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one.", 4), (3, "Third.", 5))}
+    want = Driver(model).run(prompts, frames=10)
+    d = Driver(model)
+    graphs = cuda_graphs.GraphedDecode(d.engine)
+    graphs.fits = lambda n: False  # decode steps take the eager path too, whose frame decode is now the graph
+    d.engine.graphs = graphs
+    assert d.run(prompts, frames=10) == want
+    assert 4 in graphs.frame_graphs  # the 3 first frames ran padded to a bucket of 4
