@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from chorus.v1 import frontend_pb2, worker_pb2
-from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, QueueFull, rows_matrix
+from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, QueueFull, matrix_array, rows_matrix
 
 
 class CoreUnavailable(RuntimeError):
@@ -83,7 +83,7 @@ class CoreClient:
 
     def _progress(self, p: frontend_pb2.Progress) -> None:
         if p.tickets:
-            rows = np.frombuffer(p.rows.data, dtype="<i4").reshape(p.rows.rows, p.rows.cols)
+            rows = matrix_array(p.rows)
             for ticket, index, row in zip(p.tickets, p.indices, rows):
                 t = self._open.get(ticket)
                 if t is not None:

@@ -15,18 +15,12 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from chorus.v1 import common_pb2, frontend_pb2
+from chorus.v1 import frontend_pb2
 from scheduler_svc import metrics
 from scheduler_svc.scheduler import (ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request,
-                                     Scheduler, rows_matrix)
+                                     Scheduler, matrix_array, rows_matrix)
 
 log = logging.getLogger("chorus.scheduler")
-
-
-def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
-    if m.rows < 0 or m.cols < 0 or len(m.data) != 4 * m.rows * m.cols:
-        raise ValueError(f"{len(m.data)} bytes do not hold a {m.rows}x{m.cols} int32 matrix")
-    return np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols)
 
 
 class _Outbox:

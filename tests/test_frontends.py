@@ -22,6 +22,20 @@ from helpers import make_cluster, metric, seeded_request, wait_until_idle
 FRONTENDS = 2
 
 
+def still_running(pids: list[int], timeout: float) -> list[int]:
+    """The pids still running (not gone, not zombies) after waiting up to timeout for them to exit."""
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
 def own_connection(address: str) -> grpc.Channel:
     """A channel with its own TCP connection (no shared subchannel), i.e. a client of its own."""
     return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
@@ -79,12 +93,7 @@ def test_a_dead_frontend_stops_the_service():
         assert len(fronts) == 2
         os.kill(fronts[0], signal.SIGKILL)
         assert core.wait(30) != 0  # exits non-zero: the orchestrator restarts the pod
-        deadline = time.monotonic() + 15
-        while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                  for p in fronts[1:]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                       for p in fronts[1:]), "the other frontend outlived the core"
+        assert not still_running(fronts[1:], timeout=15), "the other frontend outlived the core"
 
 
 def test_sigterm_lets_open_streams_finish():
@@ -137,10 +146,4 @@ def test_frontends_exit_when_the_core_is_killed():
         assert len(fronts) == 2
         core.kill()
         core.wait(10)
-        deadline = time.monotonic() + 15
-        alive = fronts
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-            alive = [p for p in fronts if os.path.exists(f"/proc/{p}")
-                     and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-        assert not alive, "frontends outlived a killed core"
+        assert not still_running(fronts, timeout=15), "frontends outlived a killed core"
