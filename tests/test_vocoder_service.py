@@ -7,6 +7,7 @@ import io
 import os
 import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -583,7 +584,7 @@ def test_session_engine_queues_streams_beyond_slots(session_vocoder, tiny_codec)
 def test_session_worker_runs_first_chunks_first(tiny_codec):
     """A new stream's first step (its listener hears nothing yet) goes before an older steady step."""
     session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])
-    worker = SessionWorker(session, Metrics())
+    worker = SessionWorker(session, Metrics().record_session)
     codes = random_codes(10, 1)
     order: list[str] = []
 
@@ -611,7 +612,7 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
     stream's PCM is bitwise what it is alone in the same bucket."""
     session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])  # one bucket: any grouping, same bytes
     metrics = Metrics()
-    worker = SessionWorker(session, metrics)
+    worker = SessionWorker(session, metrics.record_session)
     codes = [random_codes(10, seed) for seed in range(4)]
 
     async def run(streams: list[int], sizes: dict[int, list[int]]) -> dict[int, bytes]:
@@ -702,3 +703,118 @@ def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
         assert wait_for(lambda: v.info().active_streams == 0 and session.free_slots == 1)
     finally:
         v.close()
+
+
+# ---- the session engine in a decode process (--decode-process on) ------------------------------------
+
+def _start_decode_process_vocoder(metrics_port: int = 0):
+    """The vocoder with its session in a child process (2 slots, emulated graphs); returns (proc, address,
+    decode process pid, output lines)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", str(metrics_port),
+         "--preset", "tiny", "--seed", str(SEED), "--engine", "session", "--decode-process", "on", "--slots", "2",
+         "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    seen, address, child = [], None, None
+    deadline = time.time() + 90
+    while address is None and time.time() < deadline and proc.poll() is None:
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if m := re.match(r"vocoder: decode process (\d+) ready", seen[-1]):
+            child = int(m.group(1))
+        if m := re.match(r"vocoder ready on (\S+)", seen[-1]):
+            address = m.group(1)
+    if address is None:
+        proc.kill()
+        pytest.fail("vocoder did not start:\n" + "".join(seen))
+    assert child is not None and child != proc.pid, "".join(seen)
+    return proc, address, child, lines
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie until its parent reaps it counts as gone
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
+    """Through the decode process: streams beyond the slots wait and every one decodes to the offline
+    PCM; a cancelled stream's slot comes back; the child's step figures reach /metrics; SIGTERM drains
+    an open call, then both processes exit 0."""
+    metrics_port = free_port()
+    proc, address, child, _ = _start_decode_process_vocoder(metrics_port)
+    metric = lambda name: _metric({"metrics_port": metrics_port}, name)  # noqa: E731
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = vocoder_pb2_grpc.VocoderStub(ch)
+            results: dict[int, list] = {}
+
+            def one(seed: int) -> None:
+                results[seed] = list(stub.Decode(decode_requests(random_codes(33, seed), [10, 23]), timeout=60))
+
+            threads = [threading.Thread(target=one, args=(s,)) for s in range(3)]  # 3 streams, 2 slots
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for seed in range(3):
+                assert [r.frames for r in results[seed]] == [5, 25, 3]
+                assert_close(pcm_of(results[seed]), offline_pcm(tiny_codec, random_codes(33, seed)))
+
+            outbox, got, call = _open_stream(stub, random_codes(7, 9))
+            assert got.get(timeout=30).frames == 5
+            assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 1)
+            call.cancel()
+            outbox.put(None)
+            assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 2)
+            assert metric('chorus_vocoder_session_steps_total{path="graph"}') >= 4
+            assert metric("chorus_vocoder_decode_step_ms_count") >= 7
+            assert metric("chorus_vocoder_active_streams") == 0
+
+            outbox, got, call = _open_stream(stub, random_codes(12, 3))  # open while SIGTERM arrives
+            assert got.get(timeout=30).frames == 5
+            proc.terminate()
+            time.sleep(0.5)
+            outbox.put(vocoder_pb2.DecodeRequest(end=True))
+            outbox.put(None)
+            rest = [got.get(timeout=30)]
+            assert rest[0] != "done" and rest[0].frames == 7 and got.get(timeout=30) == "done"
+        assert proc.wait(timeout=30) == 0
+        assert wait_for(lambda: _gone(child), timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_decode_process_death_fails_calls_unavailable_and_stops_the_service():
+    """SIGKILL of the decode process mid-stream: the open call ends UNAVAILABLE (the scheduler replays it
+    on another replica) and the service exits non-zero, so its pod restarts."""
+    proc, address, child, lines = _start_decode_process_vocoder()
+    try:
+        with grpc.insecure_channel(address) as ch:
+            outbox, got, call = _open_stream(vocoder_pb2_grpc.VocoderStub(ch), random_codes(7, 4))
+            assert got.get(timeout=30).frames == 5
+            os.kill(child, signal.SIGKILL)
+            outbox.put(vocoder_pb2.DecodeRequest(end=True))
+            outbox.put(None)
+            err = got.get(timeout=30)
+            assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert "decode process exited" in err.details()
+        assert proc.wait(timeout=30) != 0
+        out = []
+        while not lines.empty():
+            out.append(lines.get())
+        assert any("decode process exited with -9" in line for line in out), "".join(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,7 +34,9 @@ class _Job:
 def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
     if fut.done():  # the call was cancelled meanwhile
         return
-    if error is not None:
+    if isinstance(error, asyncio.CancelledError):
+        fut.cancel()
+    elif error is not None:
         fut.set_exception(error)
     else:
         fut.set_result(result)
@@ -117,13 +120,33 @@ class SessionStream:
         self.released = False
 
 
+# A job's completion: (wire PCM bytes, None), or (None, the error); asyncio.CancelledError when the
+# job was dropped because its stream was released first.
+Finish = Callable[[object, "BaseException | None"], None]
+
+
 @dataclass(eq=False)
 class _SessionJob:
     stream: SessionStream
     codes: np.ndarray  # [T, n_q] int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
     int16: bool        # wire PCM16, else float32
+    finish: Finish     # called once, on the session thread (or the releasing thread for dropped jobs)
+    abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
+
+
+@dataclass
+class SessionReport:
+    """What the session thread tells the metrics: slot gauges, and after a step what it did."""
+
+    free_slots: int
+    waiting_streams: int
+    step_ms: float | None = None  # None: no step (a gauge update only)
+    step_streams: int = 0
+    graphed: bool = False
+
+
+def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Finish:
+    return lambda result, error: loop.call_soon_threadsafe(_resolve, fut, result, error)
 
 
 class SessionWorker:
@@ -138,15 +161,26 @@ class SessionWorker:
     release() (call end: finish, cancel or error) drops the stream's queued
     steps and frees its slot before the next step."""
 
-    def __init__(self, session: CodecSession, metrics: Metrics):
-        self.session, self.metrics = session, metrics
+    def __init__(self, session: CodecSession, report: Callable[[SessionReport], None]):
+        """report: receives the slot gauges and each step's figures (Metrics.record_session in the
+        service; the decode process forwards them to its parent)."""
+        self.session, self.report = session, report
         self._cond = threading.Condition()
         self._pending: list[_SessionJob] = []
         self._releases: list[SessionStream] = []
         self._closed = False
-        metrics.session_free_slots.set(session.free_slots)
+        self._waiting = 0
+        report(SessionReport(session.free_slots, 0))
         self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
         self._thread.start()
+
+    @property
+    def n_q(self) -> int:
+        return self.session.n_q
+
+    @property
+    def max_stream_frames(self) -> int:
+        return self.session.max_stream_frames
 
     def open(self) -> SessionStream:
         return SessionStream()
@@ -156,14 +190,19 @@ class SessionWorker:
         little-endian; int16 when `int16`, else float32: CodecSession.step_pcm)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        self.submit_job(stream, codes, int16, _future_finish(loop, fut), fut.cancelled)
+        return fut
+
+    def submit_job(self, stream: SessionStream, codes: np.ndarray, int16: bool, finish: Finish,
+                   abandoned: Callable[[], bool] = lambda: False) -> None:
+        """As submit, with a completion callback instead of a future (the decode process's way)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("session worker is closed")
             if stream.released:
                 raise RuntimeError("decode stream already released")
-            self._pending.append(_SessionJob(stream, codes, fut, loop, int16))
+            self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
             self._cond.notify()
-        return fut
 
     def release(self, stream: SessionStream) -> None:
         """The call is over: drop its queued steps; its slot (if any) is freed before the next step."""
@@ -177,7 +216,7 @@ class SessionWorker:
             self._releases.append(stream)
             self._cond.notify()
         for j in dropped:
-            j.loop.call_soon_threadsafe(_cancel, j.future)
+            j.finish(None, asyncio.CancelledError())
 
     def close(self) -> None:
         with self._cond:
@@ -191,7 +230,7 @@ class SessionWorker:
         runnable = the stream holds a slot, or a free one is left for it. The lead is the oldest
         first step of a new stream if one can run (its listener hears nothing until it is done:
         time to first audio), else the oldest step (later chunks have audio buffered ahead)."""
-        self._pending = [j for j in self._pending if not j.future.cancelled()]
+        self._pending = [j for j in self._pending if not j.abandoned()]
         free = self.session.free_slots
         starters = [j for j in self._pending if j.stream.slot is None] if free else []
         slotted = (j for j in self._pending if j.stream.slot is not None)
@@ -214,7 +253,10 @@ class SessionWorker:
                 if j.stream.slot is None:
                     j.stream.slot = self.session.acquire()
         slotless = sum(j.stream.slot is None for j in self._pending)
-        self.metrics.session_waiting_streams.set(max(0, slotless - self.session.free_slots))
+        waiting = max(0, slotless - self.session.free_slots)
+        if waiting != self._waiting:  # a stream started or stopped waiting for a slot
+            self._waiting = waiting
+            self.report(SessionReport(self.session.free_slots, waiting))
         return group
 
     def _take(self) -> tuple[list[_SessionJob], list[SessionStream]] | None:
@@ -230,7 +272,7 @@ class SessionWorker:
                     # Nothing can run and no call is left to free a slot: fail what still waits.
                     stuck, self._pending = self._pending, []
                     for j in stuck:
-                        j.loop.call_soon_threadsafe(_resolve, j.future, None, RuntimeError("vocoder is shutting down"))
+                        j.finish(None, RuntimeError("vocoder is shutting down"))
                     return None
                 self._cond.wait()
 
@@ -243,9 +285,10 @@ class SessionWorker:
                 if stream.slot is not None:
                     self.session.release(stream.slot)
                     stream.slot = None
-            self.metrics.session_free_slots.set(self.session.free_slots)
             if group:
                 self._step(group)
+            else:
+                self.report(SessionReport(self.session.free_slots, self._waiting))
 
     def _step(self, group: list[_SessionJob]) -> None:
         s = self.session
@@ -265,20 +308,14 @@ class SessionWorker:
                 t0 = time.perf_counter()
                 out = s.step_pcm({j.stream.slot: codes[i] for i, j in enumerate(runnable)},
                                  int16=[j.stream.slot for j in runnable if j.int16])
-                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
-                self.metrics.decode_batch_streams.observe(len(runnable))
-                self.metrics.session_steps.labels("graph" if s.last_step_graphed else "eager").inc()
+                self.report(SessionReport(s.free_slots, self._waiting, (time.perf_counter() - t0) * 1000.0,
+                                          len(runnable), s.last_step_graphed))
                 done = {id(j): (out[j.stream.slot], None) for j in runnable}
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
                 done = {id(j): (None, e) for j in runnable}
             results = [done.get(id(j), r) for j, r in zip(group, results)]
         for job, (res, err) in zip(group, results):
-            job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
-
-
-def _cancel(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.cancel()
+            job.finish(res, err)
 
 
 class StreamTooLong(ValueError):

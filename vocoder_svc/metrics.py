@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from vocoder_svc.engines import SessionReport
 
 
 class Metrics:
@@ -35,3 +40,12 @@ class Metrics:
         self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
                                      ["path"], registry=r)
 
+
+    def record_session(self, report: SessionReport) -> None:
+        """A SessionWorker's report (vocoder_svc/engines.py): slot gauges, and a step's figures."""
+        self.session_free_slots.set(report.free_slots)
+        self.session_waiting_streams.set(report.waiting_streams)
+        if report.step_ms is not None:
+            self.decode_step_ms.observe(report.step_ms)
+            self.decode_batch_streams.observe(report.step_streams)
+            self.session_steps.labels("graph" if report.graphed else "eager").inc()

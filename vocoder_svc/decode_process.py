@@ -1,0 +1,311 @@
+"""The session engine in its own process (--decode-process).
+
+Why: in one process the decode thread and gRPC's threads share one GIL. A
+64-stream step takes the GIL hundreds of times (launches, graph replays, the
+PCM conversion) while gRPC's C core holds it for each 384 KB PCM message it
+writes (250-440 us per chunk per side, benchmarks/grpc_pcm_bench.py), so on an
+H200 one process stalled at ~1,500 s of audio per second with its steps
+stretched from 61 to 79 ms. Here the child owns the codec session, its CUDA
+graphs and the step loop (SessionWorker, unchanged); the gRPC process keeps
+the calls, the chunking, Encode and the metrics, and only moves bytes.
+
+Wire (protos/chorus/v1/vocoder_decoder.proto, ZeroMQ PUSH -> PULL over ipc
+each way): DecoderInput down (jobs, then releases), DecoderOutput up (ready
+once, then job answers with their PCM as a second frame, and the session's
+reports for the metrics). The child exits when its parent is gone; the parent
+fails every open job when the child is gone (the calls end UNAVAILABLE, so
+the scheduler replays them on another replica) and the service stops with
+an error, so its pod restarts.
+
+    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
+from vocoder_svc.engines import SessionReport, SessionStream, SessionWorker, StreamTooLong
+from vocoder_svc.metrics import Metrics
+
+
+class DecoderGone(RuntimeError):
+    """The decode process exited: open jobs cannot finish on this replica."""
+
+
+# Flags the child needs to build the same codec and session as the parent would have.
+_FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
+              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads")
+
+
+def child_argv(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in _FORWARDED:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+# ---- the gRPC process's side -------------------------------------------------------------------
+
+class RemoteStream:
+    """A Decode call's stream in the decode process (SessionStream's stand-in on this side)."""
+
+    __slots__ = ("id", "released")
+
+    def __init__(self, stream_id: int) -> None:
+        self.id = stream_id
+        self.released = False
+
+
+class DecodeProcess:
+    """Starts the decode process and speaks SessionWorker's interface to it: open, submit (a future
+    of wire PCM bytes), release, close. Use from one asyncio loop."""
+
+    def __init__(self, args: argparse.Namespace, metrics: Metrics,
+                 on_exit: Callable[[str], None] = lambda reason: None):
+        """on_exit(reason): called once if the child exits while the service still runs."""
+        self.metrics, self.on_exit = metrics, on_exit
+        self._tmp = tempfile.TemporaryDirectory(prefix="chorus-vocoder-")
+        self._ctx = zmq.asyncio.Context()
+        self._jobs = self._ctx.socket(zmq.PUSH)
+        self._results = self._ctx.socket(zmq.PULL)
+        for sock in (self._jobs, self._results):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        jobs, results = f"ipc://{self._tmp.name}/jobs", f"ipc://{self._tmp.name}/results"
+        self._jobs.bind(jobs)
+        self._results.bind(results)
+        # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
+        self.proc = subprocess.Popen([sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs,
+                                      "--results", results, *child_argv(args)])
+        self.ready: dpb.DecoderReady | None = None
+        self.gone: str | None = None
+        self._closing = False
+        self._ids = itertools.count(1)
+        self._open: dict[int, tuple[asyncio.Future, RemoteStream]] = {}  # job id -> (future, stream)
+        self._tasks: list[asyncio.Task] = []
+
+    # What the servicer reads off a session.
+    @property
+    def n_q(self) -> int:
+        return self.ready.n_q
+
+    @property
+    def max_stream_frames(self) -> int:
+        return self.ready.max_stream_frames
+
+    async def start(self, timeout: float = 1800.0) -> dpb.DecoderReady:
+        """Wait for the child's ready message (it loads the codec and captures its graphs first)."""
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vocoder: the decode process exited with {self.proc.returncode} before it was "
+                                 f"ready (its output is above)")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise SystemExit(f"vocoder: the decode process was not ready after {timeout:.0f} s")
+            if await self._results.poll(200):
+                msg = dpb.DecoderOutput.FromString((await self._results.recv_multipart())[0])
+                if msg.WhichOneof("kind") == "ready":
+                    self.ready = msg.ready
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        return self.ready
+
+    def open(self) -> RemoteStream:
+        return RemoteStream(next(self._ids))
+
+    def submit(self, stream: RemoteStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
+        if self.gone is not None:
+            raise DecoderGone(self.gone)
+        if stream.released:
+            raise RuntimeError("decode stream already released")
+        job = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._open[job] = (fut, stream)
+        codes = np.ascontiguousarray(codes, dtype="<i4")
+        matrix = common_pb2.IntMatrix(rows=codes.shape[0], cols=codes.shape[1], data=codes.tobytes())
+        self._send(dpb.DecoderInput(jobs=[dpb.DecoderJob(job=job, stream=stream.id, codes=matrix, int16=int16)]))
+        return fut
+
+    def release(self, stream: RemoteStream) -> None:
+        if stream.released:
+            return
+        stream.released = True
+        for job in [j for j, (_, s) in self._open.items() if s is stream]:
+            fut, _ = self._open.pop(job)
+            fut.cancel()
+        if self.gone is None:
+            self._send(dpb.DecoderInput(released=[stream.id]))
+
+    def _send(self, msg: dpb.DecoderInput) -> None:
+        self._jobs.send(msg.SerializeToString())  # no high-water mark: never blocks
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._results.recv_multipart(copy=True)
+            msg = dpb.DecoderOutput.FromString(frames[0])
+            kind = msg.WhichOneof("kind")
+            if kind == "done":
+                done = msg.done
+                entry = self._open.pop(done.job, None)
+                if entry is None or entry[0].done():  # released meanwhile
+                    continue
+                fut = entry[0]
+                if done.error == dpb.DecoderJobDone.NONE:
+                    fut.set_result(frames[1])
+                elif done.error == dpb.DecoderJobDone.STREAM_TOO_LONG:
+                    fut.set_exception(StreamTooLong(done.message))
+                else:
+                    fut.set_exception(RuntimeError(done.message))
+            elif kind == "report":
+                r = msg.report
+                self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
+                                                          r.step_ms if r.stepped else None, r.step_streams,
+                                                          r.graphed))
+
+    async def _watch(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        if self._closing:
+            return
+        self.gone = f"the vocoder's decode process exited with {self.proc.returncode}"
+        for fut, _ in self._open.values():
+            if not fut.done():
+                fut.set_exception(DecoderGone(self.gone))
+        self._open.clear()
+        self.on_exit(self.gone)
+
+    def close(self) -> None:
+        """Stop the child (after the calls have drained: it ignores SIGTERM/SIGINT so that a signal to
+        the whole process group does not cut them off)."""
+        if self._closing:
+            return
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self.proc.poll() is None:
+            self._send(dpb.DecoderInput(shutdown=True))
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._ctx.destroy(linger=0)
+        self._tmp.cleanup()
+
+
+# ---- the decode process -------------------------------------------------------------------------
+
+class _Replies:
+    """The child's one PUSH socket, shared by the session thread (answers, reports) and the main
+    thread (ready): ZeroMQ sockets are not thread-safe, so sends take a lock."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._sock, self._lock = sock, threading.Lock()
+
+    def send(self, msg: dpb.DecoderOutput, pcm: bytes | None = None) -> None:
+        with self._lock:
+            if pcm is None:
+                self._sock.send(msg.SerializeToString())
+            else:
+                self._sock.send_multipart([msg.SerializeToString(), pcm], copy=False)
+
+    def report(self, r: SessionReport) -> None:
+        self.send(dpb.DecoderOutput(report=dpb.DecoderReport(
+            free_slots=r.free_slots, waiting_streams=r.waiting_streams, stepped=r.step_ms is not None,
+            step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed)))
+
+    def finish(self, job: int) -> Callable[[object, BaseException | None], None]:
+        def done(result: object, error: BaseException | None) -> None:
+            if isinstance(error, asyncio.CancelledError):
+                return  # dropped by a release: the parent no longer waits for it
+            if error is None:
+                self.send(dpb.DecoderOutput(done=dpb.DecoderJobDone(job=job)), result)
+                return
+            kind = dpb.DecoderJobDone.STREAM_TOO_LONG if isinstance(error, StreamTooLong) else dpb.DecoderJobDone.FAILED
+            self.send(dpb.DecoderOutput(done=dpb.DecoderJobDone(job=job, error=kind, message=str(error))), b"")
+        return done
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)  # the gRPC process is gone (even by SIGKILL): nobody will read our answers
+
+
+def child_main(argv: list[str] | None = None) -> None:
+    from vocoder_svc.server import MAX_CHUNK_FRAMES, add_arguments, build_session, make_codec
+    from vocoder_svc.selfcheck import check_session, describe_session_check
+
+    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", required=True, help="ZeroMQ endpoint the parent sends DecoderInput on")
+    parser.add_argument("--results", required=True, help="ZeroMQ endpoint the parent reads DecoderOutput on")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    outbox = ctx.socket(zmq.PUSH)
+    for sock in (inbox, outbox):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    inbox.connect(args.jobs)
+    outbox.connect(args.results)
+    replies = _Replies(outbox)
+
+    codec, _ = make_codec(args)
+    session = build_session(codec, args, log=lambda *a, **k: print(*a, **k))
+    if session.glue_fallback:
+        print(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
+              flush=True)
+    first = max(1, min(args.first_chunk_frames, args.chunk_frames, MAX_CHUNK_FRAMES))
+    print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
+    worker = SessionWorker(session, replies.report)
+    replies.send(dpb.DecoderOutput(ready=dpb.DecoderReady(
+        slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
+        attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "")))
+    print(f"vocoder: decode process {os.getpid()} ready", flush=True)
+    streams: dict[int, SessionStream] = {}
+    try:
+        while True:
+            msg = dpb.DecoderInput.FromString(inbox.recv())
+            for job in msg.jobs:
+                stream = streams.get(job.stream)
+                if stream is None:
+                    stream = streams[job.stream] = worker.open()
+                codes = np.frombuffer(job.codes.data, dtype="<i4").reshape(job.codes.rows, job.codes.cols)
+                worker.submit_job(stream, codes, job.int16, replies.finish(job.job))
+            for sid in msg.released:
+                stream = streams.pop(sid, None)
+                if stream is not None:
+                    worker.release(stream)
+            if msg.shutdown:
+                break
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    child_main()
