@@ -101,10 +101,12 @@ def main() -> None:
     results = {"benchmark": "vocoder_service", "device": args.device, "dtype": dtype, "preset": preset,
                "config": vars(args), "levels": []}
 
-    def totals() -> tuple[float, float, float]:
-        """(CPU seconds, decode steps, decode ms) summed over the replicas."""
+    def totals() -> tuple[float, float, float, float]:
+        """(CPU seconds, of them the gRPC processes', decode steps, decode ms) summed over the replicas
+        (the rest of the CPU is the decode processes')."""
         ms = [read_metrics(p) for p in ports]
-        return (sum(s.cpu_seconds() for s in services), sum(m["chorus_vocoder_decode_step_ms_count"] for m in ms),
+        return (sum(s.cpu_seconds() for s in services), sum(s.cpu_seconds(children=False) for s in services),
+                sum(m["chorus_vocoder_decode_step_ms_count"] for m in ms),
                 sum(m["chorus_vocoder_decode_step_ms_sum"] for m in ms))
 
     try:
@@ -118,15 +120,17 @@ def main() -> None:
         for n in [int(x) for x in args.streams.split(",")]:
             before = totals()
             r = asyncio.run(level(addresses, n, args.frames, args.chunk, args.n_q, inf))
-            cpu, steps, step_ms = (a - b for a, b in zip(totals(), before))
+            cpu, grpc_cpu, steps, step_ms = (a - b for a, b in zip(totals(), before))
             r["replicas"] = len(addresses)
             r["service_cpu_cores"] = cpu / r["wall_s"]
+            r["grpc_process_cpu_cores"] = grpc_cpu / r["wall_s"]
             r["decode_steps"] = steps
             r["decode_step_ms_mean"] = step_ms / steps
             results["levels"].append(r)
             print(f"{n:4d} streams x {args.frames} frames on {len(addresses)} replica(s): "
                   f"{r['audio_s_per_s']:8.1f} s of audio per s, {steps:.0f} steps of "
-                  f"{r['decode_step_ms_mean']:.1f} ms mean, service CPU {r['service_cpu_cores']:.2f} cores, "
+                  f"{r['decode_step_ms_mean']:.1f} ms mean, service CPU {r['service_cpu_cores']:.2f} cores "
+                  f"({r['grpc_process_cpu_cores']:.2f} in the gRPC process), "
                   f"first PCM p50 {r['first_pcm_ms_p50']:.0f} ms", flush=True)
     finally:
         for svc in services:
