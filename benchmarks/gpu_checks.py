@@ -166,19 +166,45 @@ def graph_parity(model) -> dict:
     return out
 
 
+def first_divergence(a: list[list[list[int]]], b: list[list[list[int]]]) -> list[int | None]:
+    """Per request: the index of its first frame that differs between two runs (None: all equal)."""
+    return [next((i for i, (x, y) in enumerate(zip(fa, fb)) if x != y),
+                 None if len(fa) == len(fb) else min(len(fa), len(fb))) for fa, fb in zip(a, b)]
+
+
 def quick_graph_parity(model) -> dict:
+    """Three comparisons, each per request (the first frame index that differs, None = identical):
+    - first_frame_graph: the graphed engine with its first-frame graphs against itself with them off
+      (eager first frames), a late request prefilled beside decodes included: only the first-frame
+      path differs, so every frame must match;
+    - together: graphed vs eager engine, 3 requests prefilled together (bucket padding 3 -> 4);
+    - late: graphed vs eager with the late request. The eager engine runs that mixed step as one
+      forward (decode rows through the prefill attention kernel), the graphed one as eager prefill
+      plus the decode graph, so divergence from the late step on is expected in bf16."""
     rng = np.random.default_rng(2)
     eager = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=False, page_size=16)
     graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16)
     prompts = [np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
                for n in (40, 52, 33, 61)]
-    a = run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)
-    b = run_requests(graphed, prompts[:3], 12, late=prompts[3], pipelined=True)
-    same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))
-    total = sum(len(f) for f in a)
-    print(f"quick graphed vs eager (3 prefilled together, 1 beside decodes): {same}/{total} frames identical",
-          flush=True)
-    return {"identical_frames": same, "frames": total}
+    out = {}
+    g_late = run_requests(graphed, prompts[:3], 12, late=prompts[3], pipelined=True)
+    buckets = graphed.graphs.frame_buckets
+    graphed.graphs.frame_buckets = []  # GraphedDecode.sample returns None: first frames run eagerly
+    g_late_eager_first = run_requests(graphed, prompts[:3], 12, late=prompts[3], pipelined=True)
+    graphed.graphs.frame_buckets = buckets
+    runs = {
+        "first_frame_graph": (g_late, g_late_eager_first),
+        "together": (run_requests(graphed, prompts[:3], 12, pipelined=True),
+                     run_requests(eager, prompts[:3], 12, pipelined=True)),
+        "late": (g_late, run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
+    }
+    for name, (a, b) in runs.items():
+        same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))
+        total = sum(len(f) for f in a)
+        div = first_divergence(a, b)
+        out[name] = {"identical_frames": same, "frames": total, "first_divergence": div}
+        print(f"quick {name}: {same}/{total} frames identical; first differing frame per request {div}", flush=True)
+    return out
 
 
 def main() -> None:
