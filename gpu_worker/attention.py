@@ -188,12 +188,27 @@ class FlashInferPagedAttention(_SlotCache):
             self.workspace, "NHD", use_tensor_cores=True)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.active = self.decode_wrapper
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copy
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """wrapper.plan, without racing its previous one. flashinfer's plan stages its metadata in
+        the wrapper's own pinned host buffer and copies it to the device asynchronously, so the
+        wrapper's next plan must not rewrite that buffer before the copy ran. The wait is per
+        wrapper: waiting for the step's last plan instead also waited for everything queued before
+        it (a mixed step's whole eager prefill), and step N+1's host work then stopped overlapping
+        step N's GPU work."""
+        copied = self._plan_copied.get(id(wrapper))
+        if copied is not None:
+            copied.synchronize()
+        wrapper.plan(*args, **kwargs)
+        copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
+        copied.record()
 
     def plan_decode(self, wrapper, pages: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Plan a decode over a page table from `page_table`."""
         indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
-        wrapper.plan(indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+        self._plan(wrapper, indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                   self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
 
     def begin(self, batch: AttentionBatch) -> None:
         pages = page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
@@ -202,9 +217,9 @@ class FlashInferPagedAttention(_SlotCache):
             self.active = self.decode_wrapper
         else:
             indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
-            self.prefill_wrapper.plan(batch.qo_indptr, indptr, indices, last_len,
-                                      self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                                      causal=True, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+            self._plan(self.prefill_wrapper, batch.qo_indptr, indptr, indices, last_len,
+                       self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                       causal=True, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
             self.active = self.prefill_wrapper
 
     def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:

@@ -196,6 +196,5 @@ class GraphedDecode:
         g.positions.copy_(staged[1])
         g.write_slots.copy_(staged[2])
         e.kv.plan_decode(g.wrapper, pages)
-        e.mark_planned()
         g.graph.replay()
         return g.out

@@ -112,7 +112,6 @@ class Engine:
         # run before finish N: two), so a later step's copy never overwrites an unread one.
         self._host_bufs: list[torch.Tensor] = []
         self._next_buf = 0
-        self._planned: torch.cuda.Event | None = None
 
     def _to_host(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if self.device.type != "cuda":
@@ -126,19 +125,6 @@ class Engine:
         done = torch.cuda.Event()
         done.record()
         return buf, done
-
-    def mark_planned(self) -> None:
-        """Called right after a step's attention plan is queued. flashinfer's plan stages its
-        metadata in one pinned host buffer per wrapper and copies it asynchronously; the next
-        plan must not rewrite that buffer before this copy ran (see `_wait_planned`)."""
-        if self.device.type == "cuda":
-            self._planned = torch.cuda.Event()
-            self._planned.record()
-
-    def _wait_planned(self) -> None:
-        if self._planned is not None:
-            self._planned.synchronize()  # the previous step's plan copies, not its kernels
-            self._planned = None
 
     # Prompt rows of warm_up's two requests. flashinfer's prefill picks its FA2 kernels for chunks of
     # at most 64 query rows and FA3 above (each JIT-compiled on first use): warm both.
@@ -195,9 +181,8 @@ class Engine:
 
     @torch.inference_mode()
     def launch(self, plan: worker_pb2.StepPlan) -> PendingStep:
-        """Host work and GPU launches of one step; no host sync except `_wait_planned`."""
+        """Host work and GPU launches of one step; no host sync (but see FlashInferPagedAttention._plan)."""
         t0 = time.perf_counter()
-        self._wait_planned()
         for rid in plan.release:
             self.pool.release(rid)
         embeds, spans, samplers, skipped = [], [], [], []
@@ -268,7 +253,6 @@ class Engine:
             embeds = embeds + [self.pool.feedback[to_device(decode_rows, self.device)]]
         batch = AttentionBatch.build(spans, self.device)
         self.kv.begin(batch)
-        self.mark_planned()
         hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
         if not rows_list:  # a step of non-final prefill chunks samples nothing
             return None
