@@ -339,3 +339,33 @@ def test_step_pcm_is_the_wire_encoding_of_step(v2_32):
             expect = encode_pcm16(wav) if s != slots[1] else np.ascontiguousarray(wav).astype("<f4").tobytes()
             assert pcm[s] == expect
     assert got.step_pcm({}) == {}
+
+
+def test_launch_pcm_runs_ahead_of_results(v2_32):
+    """launch_pcm queues steps without waiting for their PCM: two steps of the same streams launched
+    back to back give step_pcm's bytes; a third launch waits until the oldest result is read (one
+    pinned staging buffer per unread step)."""
+    import threading
+
+    from vocoder_svc.session import STAGING_BUFFERS
+
+    codes = codes_for(15, n_q=12, b=2, seed=22)
+    ref = CodecSession(v2_32, slots=2, n_q=12)
+    got = CodecSession(v2_32, slots=2, n_q=12)
+    slots = [ref.acquire() for _ in range(2)]
+    assert [got.acquire() for _ in range(2)] == slots
+    chunks = [{s: codes[:, i, t:t + 5] for i, s in enumerate(slots)} for t in (0, 5, 10)]
+    want = [ref.step_pcm(c, int16=[slots[1]]) for c in chunks]
+    assert STAGING_BUFFERS == 2
+    first, second = (got.launch_pcm(c, int16=[slots[1]]) for c in chunks[:2])
+    third: list = []
+    blocked = threading.Thread(target=lambda: third.append(got.launch_pcm(chunks[2], int16=[slots[1]])))
+    blocked.start()
+    blocked.join(timeout=0.5)
+    assert blocked.is_alive()  # both staging buffers hold unread steps
+    assert first.result() == want[0]
+    blocked.join(timeout=30)
+    assert not blocked.is_alive()
+    assert second.result() == want[1] and third[0].result() == want[2]
+    with pytest.raises(RuntimeError, match="twice"):
+        first.result()

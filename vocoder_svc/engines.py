@@ -6,6 +6,7 @@ See vocoder_svc/server.py for how the service picks between them."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -150,7 +151,9 @@ def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Fini
 
 
 class SessionWorker:
-    """One thread that owns a CodecSession: it hands out slots, steps and frees them.
+    """One thread that owns a CodecSession: it hands out slots, launches steps and frees slots; a
+    second thread waits for each launched step's PCM and hands it to the jobs, so the next step is
+    already queued on the device while the host turns this one's PCM into bytes.
 
     Every session call (acquire, step, release) runs on this thread, so a slot
     is never freed while a step that uses it is in flight. A stream takes a slot
@@ -170,6 +173,8 @@ class SessionWorker:
         self._releases: list[SessionStream] = []
         self._closed = False
         self._waiting = 0
+        # Launched steps (jobs, slots, PendingPcm, launch time, graphed) for the finisher thread.
+        self._launched: queue.Queue = queue.Queue()
         report(SessionReport(session.free_slots, 0))
         self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
         self._thread.start()
@@ -279,43 +284,61 @@ class SessionWorker:
     def _run(self) -> None:
         if self.session.device.type == "cuda":
             torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
-        while (work := self._take()) is not None:
-            group, releases = work
-            for stream in releases:
-                if stream.slot is not None:
-                    self.session.release(stream.slot)
-                    stream.slot = None
-            if group:
-                self._step(group)
-            else:
-                self.report(SessionReport(self.session.free_slots, self._waiting))
+        finisher = threading.Thread(target=self._finish_steps, name="codec-session-finish", daemon=True)
+        finisher.start()
+        try:
+            while (work := self._take()) is not None:
+                group, releases = work
+                for stream in releases:
+                    if stream.slot is not None:
+                        self.session.release(stream.slot)
+                        stream.slot = None
+                if group:
+                    self._launch(group)
+                else:
+                    self.report(SessionReport(self.session.free_slots, self._waiting))
+        finally:
+            self._launched.put(None)
+            finisher.join()
 
-    def _step(self, group: list[_SessionJob]) -> None:
+    def _launch(self, group: list[_SessionJob]) -> None:
+        """Queue the group's step on the device and hand it to the finisher thread, which waits for
+        its PCM: this thread goes on to launch the next step meanwhile (CodecSession.launch_pcm)."""
         s = self.session
-        results: list[tuple[object, BaseException | None]] = []
         runnable = []
         for j in group:  # a stream past the exact-position limit fails alone, not its neighbours
-            t = j.codes.shape[0]
-            if s.frames_decoded(j.stream.slot) + t > s.max_stream_frames:
-                results.append((None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
-                                                    f"(the session's exact-position limit)")))
+            if s.frames_decoded(j.stream.slot) + j.codes.shape[0] > s.max_stream_frames:
+                j.finish(None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
+                                             f"(the session's exact-position limit)"))
             else:
                 runnable.append(j)
-                results.append((None, None))
-        if runnable:
+        if not runnable:
+            return
+        slots = [j.stream.slot for j in runnable]  # a release may clear stream.slot before the finish
+        try:
+            codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
+            t0 = time.perf_counter()
+            pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])
+        except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
+            for j in runnable:
+                j.finish(None, e)
+            return
+        self._launched.put((runnable, slots, pending, t0, s.last_step_graphed))
+
+    def _finish_steps(self) -> None:
+        """The finisher thread: each launched step's PCM, in launch order, to its jobs."""
+        while (item := self._launched.get()) is not None:
+            runnable, slots, pending, t0, graphed = item
             try:
-                codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
-                t0 = time.perf_counter()
-                out = s.step_pcm({j.stream.slot: codes[i] for i, j in enumerate(runnable)},
-                                 int16=[j.stream.slot for j in runnable if j.int16])
-                self.report(SessionReport(s.free_slots, self._waiting, (time.perf_counter() - t0) * 1000.0,
-                                          len(runnable), s.last_step_graphed))
-                done = {id(j): (out[j.stream.slot], None) for j in runnable}
+                out = pending.result()
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
-                done = {id(j): (None, e) for j in runnable}
-            results = [done.get(id(j), r) for j, r in zip(group, results)]
-        for job, (res, err) in zip(group, results):
-            job.finish(res, err)
+                for j in runnable:
+                    j.finish(None, e)
+                continue
+            self.report(SessionReport(self.session.free_slots, self._waiting, (time.perf_counter() - t0) * 1000.0,
+                                      len(runnable), graphed))
+            for j, slot in zip(runnable, slots):
+                j.finish(out[slot], None)
 
 
 class StreamTooLong(ValueError):

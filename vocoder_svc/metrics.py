@@ -16,7 +16,9 @@ class Metrics:
         r = self.registry
         self.active_streams = Gauge("chorus_vocoder_active_streams", "Decode streams currently open", registry=r)
         self.decode_step_ms = Histogram(
-            "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it)",
+            "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it), from "
+            "launch to PCM on the host; the session engine launches a step while the previous one runs, "
+            "so under load this includes that wait",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
         self.decode_batch_streams = Histogram(
             "chorus_vocoder_decode_batch_streams", "Streams decoded together in one step",

@@ -126,6 +126,8 @@ from vocoder_svc.codec import LN_EPS, LayerScale, MossAudioTokenizer, PatchedPre
 HALF = (torch.bfloat16, torch.float16)
 # Positions go through fp32 for RoPE (§3.3), exact only below 2**24.
 MAX_POSITION = 1 << 24
+# Steps launch_pcm may have launched whose PCM is not read yet (each holds a pinned buffer).
+STAGING_BUFFERS = 2
 
 
 def default_buckets(slots: int) -> tuple[int, ...]:
@@ -254,7 +256,10 @@ class CodecSession:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._active: set[int] = set()
         self._frames_host = [0] * slots
-        self._staging: Tensor | None = None  # step_pcm's host buffer
+        # launch_pcm's pinned host buffers: one per step whose PCM is not yet read back
+        self._staging: list[Tensor | None] = [None] * STAGING_BUFFERS
+        self._staging_free = list(range(STAGING_BUFFERS))
+        self._staging_cond = threading.Condition()
         with torch.inference_mode():
             self._build()
             # Before any step or graph capture: on CUDA the fused kernels are self-tested here first.
@@ -558,19 +563,27 @@ class CodecSession:
                  bucket: int | None = None) -> dict[int, bytes]:
         """As `step`, but each stream's audio comes back as the wire's interleaved little-endian PCM
         bytes ([T*hop, C]): int16 for the slots in `int16` (chorus.audio.encode_pcm16's values: scale
-        by 32767 in fp32, clip, round half to even), float32 for the others.
+        by 32767 in fp32, clip, round half to even), float32 for the others."""
+        return self.launch_pcm(codes, int16, eager, bucket).result()
+
+    def launch_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
+                   bucket: int | None = None) -> PendingPcm:
+        """step_pcm without waiting for the device: the step, the PCM conversion and the copy to a
+        pinned host buffer are queued, and `result()` of the returned handle waits and gives the
+        bytes. The next step can be launched first, so the device never idles while the host turns
+        one step's PCM into bytes (a 64-stream, 25-frame step's PCM16 is ~25 MB). At most
+        STAGING_BUFFERS steps are unread: a further launch waits for the oldest result().
 
         The conversion runs on the device and the copy goes through a pinned host buffer: a
         64-stream step's float32 audio is ~50 MB, which a pageable copy moved at a few GB/s."""
-        if not codes:
-            return {}
         want16 = set(int16)
         with self._lock, torch.inference_mode():
+            if not codes:
+                return PendingPcm(self, [], [], None, None)
             slots, out = self._decode(codes, eager, bucket)
             groups = [(torch.int16, [i for i, s in enumerate(slots) if s in want16]),
                       (torch.float32, [i for i, s in enumerate(slots) if s not in want16])]
-            staged = []
-            offset = 0
+            converted = []
             for dtype, idx in groups:
                 if not idx:
                     continue
@@ -580,25 +593,38 @@ class CodecSession:
                     x = (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16)
                 else:
                     x = x.contiguous()
+                converted.append((idx, x))
+            buf = self._staging_acquire(sum(x.numel() * x.element_size() for _, x in converted))
+            staged, offset = [], 0
+            for idx, x in converted:
                 nbytes = x.numel() * x.element_size()
-                host = self._pinned_bytes(offset + nbytes)[offset:offset + nbytes].view(dtype).view(x.shape)
+                host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
                 host.copy_(x, non_blocking=True)
                 staged.append((idx, host))
                 offset += nbytes
+            done = None
             if out.is_cuda:
-                torch.cuda.current_stream(out.device).synchronize()
-            result: dict[int, bytes] = {}
-            for idx, host in staged:
-                for j, i in enumerate(idx):
-                    result[slots[i]] = host[j].numpy().tobytes()
-            return result
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(out.device))
+            return PendingPcm(self, slots, staged, done, buf)
 
-    def _pinned_bytes(self, n: int) -> Tensor:
-        """A host byte buffer of at least n bytes, pinned on CUDA, reused by every step_pcm (under the lock)."""
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 2 * (0 if self._staging is None else self._staging.numel())),
-                                        dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        return self._staging
+    def _staging_acquire(self, nbytes: int) -> int:
+        """(Under the lock.) A free pinned staging buffer of at least nbytes; waits while every one
+        holds a step whose result() has not been read."""
+        with self._staging_cond:
+            while not self._staging_free:
+                self._staging_cond.wait()
+            buf = self._staging_free.pop()
+            have = self._staging[buf]
+            if have is None or have.numel() < nbytes:
+                size = max(nbytes, 2 * (0 if have is None else have.numel()))
+                self._staging[buf] = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            return buf
+
+    def _staging_release(self, buf: int) -> None:
+        with self._staging_cond:
+            self._staging_free.append(buf)
+            self._staging_cond.notify()
 
     def _decode(self, codes: Mapping[int, Tensor], eager: bool, bucket: int | None) -> tuple[list[int], Tensor]:
         """One step on the device (call under the lock): the slots in order and pcm [n, C, T*hop], which
@@ -677,3 +703,30 @@ class CodecSession:
             return torch.cat(outs, dim=-1)
         finally:
             self.release(slot)
+
+
+class PendingPcm:
+    """A launched step_pcm (CodecSession.launch_pcm): result() waits for the device and returns
+    {slot: PCM bytes}, once; the staging buffer goes back to the session then."""
+
+    def __init__(self, session: CodecSession, slots: list[int], staged: list[tuple[list[int], Tensor]],
+                 done: torch.cuda.Event | None, buf: int | None):
+        self._session, self.slots, self._staged, self._done, self._buf = session, slots, staged, done, buf
+        self._read = False
+
+    def result(self) -> dict[int, bytes]:
+        if self._read:
+            raise RuntimeError("PendingPcm.result() called twice")
+        self._read = True
+        try:
+            if self._done is not None:
+                self._done.synchronize()
+            out: dict[int, bytes] = {}
+            for idx, host in self._staged:
+                for j, i in enumerate(idx):
+                    out[self.slots[i]] = host[j].numpy().tobytes()
+            return out
+        finally:
+            if self._buf is not None:
+                self._session._staging_release(self._buf)
+                self._buf = None
