@@ -10,6 +10,7 @@
 # (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
 # 2 / 3 steps in flight); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
+# TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}
@@ -27,7 +28,9 @@ run() {  # name, then chorus bench flags
   tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished
 }
 python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
+if [ "${TWO_GPU:-1}" = 1 ]; then
 run e2e_w1_x2 --server-logs --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"
+fi
 for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
   case $r in
     no_lookahead) run e2e_w1_c16_no_lookahead --workload W1 --concurrency 16 --scheduler-arg=--no-lookahead ;;

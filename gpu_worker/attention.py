@@ -58,16 +58,7 @@ class AttentionBatch:
     @staticmethod
     def build(spans: Sequence[SequenceSpan], device: torch.device) -> "AttentionBatch":
         """Packed order = spans in order, each contributing its num_new tokens."""
-        q_lens = np.fromiter((sp.num_new for sp in spans), dtype=np.int64, count=len(spans))
-        kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=len(spans))
-        kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int64) for sp in spans])
-        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
-        # positions of the new tokens: the last q_len of each sequence's [0, kv_len)
-        seq_of = np.repeat(np.arange(len(spans)), q_lens)
-        q_indptr = np.concatenate([[0], np.cumsum(q_lens)])
-        within = np.arange(q_indptr[-1]) - q_indptr[seq_of]
-        positions = (kv_lens - q_lens)[seq_of] + within
-        write_slots = kv_indices[kv_indptr[seq_of] + positions]
+        positions, write_slots, q_indptr, kv_indptr, kv_indices = host_layout(spans)
         return AttentionBatch(
             positions=torch.from_numpy(positions).to(device, non_blocking=True),
             write_slots=torch.from_numpy(write_slots).to(device, non_blocking=True),
@@ -75,6 +66,23 @@ class AttentionBatch:
             kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
             kv_indices=torch.from_numpy(kv_indices.astype(np.int32)),
         )
+
+
+def host_layout(spans: Sequence[SequenceSpan]) -> tuple[np.ndarray, ...]:
+    """A step's packed layout on the host, int64: (positions, write_slots, q_indptr, kv_indptr,
+    kv_indices). Sequence s owns packed tokens [q_indptr[s], q_indptr[s+1]); its new tokens sit at
+    the last num_new positions of its kv_slots."""
+    q_lens = np.fromiter((sp.num_new for sp in spans), dtype=np.int64, count=len(spans))
+    kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=len(spans))
+    kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int64) for sp in spans])
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
+    # positions of the new tokens: the last q_len of each sequence's [0, kv_len)
+    seq_of = np.repeat(np.arange(len(spans)), q_lens)
+    q_indptr = np.concatenate([[0], np.cumsum(q_lens)])
+    within = np.arange(q_indptr[-1]) - q_indptr[seq_of]
+    positions = (kv_lens - q_lens)[seq_of] + within
+    write_slots = kv_indices[kv_indptr[seq_of] + positions]
+    return positions, write_slots, q_indptr, kv_indptr, kv_indices
 
 
 def page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray,
@@ -204,22 +212,49 @@ class FlashInferPagedAttention(_SlotCache):
         copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
         copied.record()
 
+    def _page_tensors(self, pages: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
+        """(indptr, indices, last_len) for a plan: indptr and last_len on the host (the plan reads
+        them there), the page ids already on the device. A CUDA-graph wrapper copies host page ids
+        into its buffer with a blocking copy, which waits for every kernel queued before it: each
+        graphed decode step drained the pipeline (step N+1's plan waited for step N to finish)."""
+        indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
+        return indptr, indices.to(self.k_cache.device, non_blocking=True), last_len
+
     def plan_decode(self, wrapper, pages: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Plan a decode over a page table from `page_table`."""
-        indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
+        indptr, indices, last_len = self._page_tensors(pages)
         self._plan(wrapper, indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                    self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
 
+    def plan_prefill(self, wrapper, batch: AttentionBatch) -> None:
+        """Plan a (mixed) prefill step on a batch-prefill wrapper."""
+        indptr, indices, last_len = self._page_tensors(
+            page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size))
+        self._plan(wrapper, batch.qo_indptr, indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads,
+                   self.head_dim, self.page_size, causal=True, q_data_type=self.k_cache.dtype,
+                   kv_data_type=self.k_cache.dtype)
+
+    def prefill_graph_wrapper(self, sequences: int, rows: int):
+        """A batch-prefill wrapper for a CUDA graph of exactly `sequences` sequences and `rows`
+        query rows. FA2 always: the graph bakes in the kernel, and the auto choice would switch to
+        FA3 above 64 rows per sequence."""
+        import flashinfer
+
+        dev = self.k_cache.device
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, backend="fa2", max_total_num_rows=rows,
+            qo_indptr_buf=torch.zeros(sequences + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(sequences + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.zeros(self.num_slots // self.page_size, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.ones(sequences, dtype=torch.int32, device=dev))
+
     def begin(self, batch: AttentionBatch) -> None:
-        pages = page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
         if batch.decode_only:
+            pages = page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
             self.plan_decode(self.decode_wrapper, pages)
             self.active = self.decode_wrapper
         else:
-            indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
-            self._plan(self.prefill_wrapper, batch.qo_indptr, indptr, indices, last_len,
-                       self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                       causal=True, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+            self.plan_prefill(self.prefill_wrapper, batch)
             self.active = self.prefill_wrapper
 
     def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:

@@ -30,9 +30,8 @@ from gpu_worker.model import MossTTSLocal
 from gpu_worker.state_pool import DecodeStatePool, RequestState
 
 
-def matrix_to_tensor(m: common_pb2.IntMatrix) -> torch.Tensor:
-    arr = np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols)
-    return torch.from_numpy(arr.astype(np.int64))
+def matrix_to_array(m: common_pb2.IntMatrix) -> np.ndarray:
+    return np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols).astype(np.int64)
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
@@ -102,9 +101,12 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.graphs = None
+        self.prefill_graphs = None
         if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
             from gpu_worker.cuda_graphs import GraphedDecode
+            from gpu_worker.prefill_graphs import GraphedPrefill
             self.graphs = GraphedDecode(self)
+            self.prefill_graphs = GraphedPrefill(self)
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
@@ -167,10 +169,17 @@ class Engine:
         plans[2].decode.add(request_id=ids[0], kv_slot=a + na + 1)
         plans[2].decode.add(request_id=ids[1], kv_slot=b + nb)
         plans[3].release.extend(ids)
-        for plan in plans:
-            journal = self.execute(plan)
-            if journal.error:
-                raise StepError(f"warm-up failed: {journal.error}")
+        # Eagerly first (prefill graphs off): a prefill that fits no graph bucket runs eagerly, and
+        # its flashinfer kernels (FA2 up to 64 rows a chunk, FA3 above) must be built now too.
+        graphed = self.prefill_graphs
+        try:
+            for self.prefill_graphs in [None] + ([graphed] if graphed is not None else []):
+                for plan in plans:
+                    journal = self.execute(plan)
+                    if journal.error:
+                        raise StepError(f"warm-up failed: {journal.error}")
+        finally:
+            self.prefill_graphs = graphed
         self.steps = self.prefill_rows = self.decode_rows = 0
         return time.perf_counter() - t0
 
@@ -185,7 +194,8 @@ class Engine:
         t0 = time.perf_counter()
         for rid in plan.release:
             self.pool.release(rid)
-        embeds, spans, samplers, skipped = [], [], [], []
+        prompt_rows: list[np.ndarray] = []  # each prefill chunk's rows [n, 1 + n_vq], on the host
+        spans, samplers, skipped = [], [], []
         sample_at: list[int] = []  # indices into spans whose last token samples a frame
         decode_rows: list[int] = []
         for item in plan.prefill:
@@ -195,14 +205,15 @@ class Engine:
                 state.kv_slots.extend(item.prefix_slots)
             else:
                 state = self.pool.get(item.request_id)
-            rows = to_device(matrix_to_tensor(item.rows), self.device)
+            rows = matrix_to_array(item.rows)
             if rows.shape[0] != len(item.kv_slots) or rows.shape[0] == 0:
                 raise StepError(f"request {item.request_id}: {rows.shape[0]} rows but {len(item.kv_slots)} kv slots")
             if state.prompt_length > 0:  # re-prefill: rows past the prompt are our own output
-                first_pos = len(state.kv_slots)
-                self.pool.record_history(state.row, rows[max(0, state.prompt_length - first_pos):, 1:])
+                past = rows[max(0, state.prompt_length - len(state.kv_slots)):, 1:]
+                if past.size:
+                    self.pool.record_history(state.row, to_device(past, self.device))
             state.kv_slots.extend(item.kv_slots)
-            embeds.append(self.model.embed_rows(rows))
+            prompt_rows.append(rows)
             self.prefill_rows += rows.shape[0]
             spans.append(SequenceSpan(state.kv_slots.view(), rows.shape[0]))
             if item.last_chunk:
@@ -223,37 +234,56 @@ class Engine:
         self.decode_rows += len(decode_rows)
         pending = PendingStep(worker_pb2.Journal(step_id=plan.step_id, skipped=skipped), t0=t0)
         if spans:
-            n_prefill = len(embeds)  # spans[:n_prefill] are prefill chunks, the rest decodes
+            n_prefill = len(prompt_rows)  # spans[:n_prefill] are prefill chunks, the rest decodes
             rows_list = [s.row for _, s in samplers]
-            if decode_rows and self.graphs is not None and self.graphs.fits(len(decode_rows)):
-                # Decodes replay their graph even when prefill chunks share the step: those run
-                # eagerly beside it (a mixed step run all eagerly costs ~4x a graphed one).
+            if self.graphs is not None and (not decode_rows or self.graphs.fits(len(decode_rows))):
+                # Prefill chunks replay their own graph (or run eagerly), decodes theirs: a mixed
+                # step run all eagerly costs ~4x a graphed one.
                 outs = []
                 n_sampling_prefills = len(samplers) - len(decode_rows)
-                if embeds:
-                    out = self._eager(embeds, spans[:n_prefill], sample_at[:n_sampling_prefills],
-                                      rows_list[:n_sampling_prefills], [])
+                if prompt_rows:
+                    out = self._prefill(prompt_rows, spans[:n_prefill], sample_at[:n_sampling_prefills],
+                                        rows_list[:n_sampling_prefills])
                     if out is not None:
                         outs.append(out)
-                outs.append(self.graphs.run(decode_rows, spans[n_prefill:])[:len(decode_rows)])
-                out = outs[0] if len(outs) == 1 else torch.cat(outs)
+                if decode_rows:
+                    outs.append(self.graphs.run(decode_rows, spans[n_prefill:])[:len(decode_rows)])
+                out = None if not outs else outs[0] if len(outs) == 1 else torch.cat(outs)
             else:
-                out = self._eager(embeds, spans, sample_at, rows_list, decode_rows)
+                out = self._eager(prompt_rows, spans, sample_at, rows_list, decode_rows)
             if out is not None:
                 pending.samplers = samplers
                 pending.out, pending.done = self._to_host(out, len(samplers))
         self.steps += 1
         return pending
 
-    def _eager(self, embeds: list[torch.Tensor], spans: list[SequenceSpan], sample_at: list[int],
+    def _prefill(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
+                 rows_list: list[int]) -> torch.Tensor | None:
+        """The step's prefill chunks alone (decodes run in their graph): replayed from a prefill
+        graph when they fit a bucket, else eagerly; then their first frames, as in `_eager`."""
+        prefill = self.prefill_graphs
+        bucket = prefill.bucket(sum(r.shape[0] for r in prompt_rows), len(spans)) if prefill else None
+        if bucket is None:
+            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
+        hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket)
+        return self._first_frames(hidden, spans, sample_at, rows_list)
+
+    def _eager(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
                rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
-        """One eager forward over prefill chunks (embeds) then decodes (their feedback rows), and
+        """One eager forward over prefill chunks (their rows) then decodes (their feedback rows), and
         the frame decode of the spans in sample_at (pool rows rows_list). None if none samples."""
+        embeds = [self.model.embed_rows(to_device(np.concatenate(prompt_rows), self.device))] if prompt_rows else []
         if decode_rows:
-            embeds = embeds + [self.pool.feedback[to_device(decode_rows, self.device)]]
+            embeds.append(self.pool.feedback[to_device(decode_rows, self.device)])
         batch = AttentionBatch.build(spans, self.device)
         self.kv.begin(batch)
-        hidden = self.model.backbone(torch.cat(embeds), batch, self.kv)
+        hidden = self.model.backbone(torch.cat(embeds) if len(embeds) > 1 else embeds[0], batch, self.kv)
+        return self._first_frames(hidden, spans, sample_at, rows_list)
+
+    def _first_frames(self, hidden: torch.Tensor, spans: list[SequenceSpan], sample_at: list[int],
+                      rows_list: list[int]) -> torch.Tensor | None:
+        """Frame decode of the spans in sample_at (pool rows rows_list) from the step's hidden
+        states; None if none samples."""
         if not rows_list:  # a step of non-final prefill chunks samples nothing
             return None
         ends = np.cumsum([sp.num_new for sp in spans]) - 1

@@ -75,6 +75,11 @@ def run(args: argparse.Namespace) -> None:
     if engine.graphs is not None and args.capture_graphs:
         print("capturing CUDA graphs for decode batches up to", args.max_batch, flush=True)
         engine.graphs.capture_all()
+        t0 = time.perf_counter()
+        engine.prefill_graphs.capture_all()
+        print(f"captured {len(engine.prefill_graphs.graphs)} prefill graphs in {time.perf_counter() - t0:.1f}s"
+              + (f" ({engine.prefill_graphs.disabled}: prefill runs eagerly)" if engine.prefill_graphs.disabled else ""),
+              flush=True)
     if engine.kv_capacity >= engine.warm_up_slots and engine.pool.capacity >= 2:
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
     hello = worker_pb2.Hello(

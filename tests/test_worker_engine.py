@@ -156,3 +156,68 @@ def test_first_frame_graph_plumbing_matches_eager(model, monkeypatch):
     d.engine.graphs = graphs
     assert d.run(prompts, frames=10) == want
     assert 4 in graphs.frame_graphs  # the 3 first frames ran padded to a bucket of 4
+
+
+def test_prefill_graph_buckets_and_padding():
+    """A prefill of r rows in s sequences takes the smallest (R, S) with a padding sequence (S > s)
+    and a row for each padding sequence; padding sequences live on the scratch page."""
+    from gpu_worker.attention import SequenceSpan, host_layout
+    from gpu_worker.prefill_graphs import ROW_BUCKETS, SEQUENCE_BUCKETS, GraphedPrefill
+
+    class FakeEngine:
+        scratch_slot, page_size = 4080, 16
+
+    g = GraphedPrefill.__new__(GraphedPrefill)
+    g.engine, g.disabled = FakeEngine(), None
+    assert g.bucket(45, 1) == (64, 2)
+    assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
+    assert g.bucket(483, 10) == (512, 16) and g.bucket(512, 11) == (640, 16)
+    assert g.bucket(600, 31) == (640, 32) and g.bucket(640, 31) is None  # too many rows: eager
+    assert g.bucket(10, SEQUENCE_BUCKETS[-1]) is None  # too many sequences: eager
+    assert g.bucket(ROW_BUCKETS[-1], 1) is None
+    real = [SequenceSpan(np.arange(100, 140), 30), SequenceSpan(np.arange(200, 215), 15)]
+    padded = g._padding(real, 64, 4)
+    assert [sp.num_new for sp in padded] == [30, 15, 1, 18]
+    positions, write_slots, q_indptr, _, _ = host_layout(padded)
+    assert q_indptr.tolist() == [0, 30, 45, 46, 64]
+    assert positions[:30].tolist() == list(range(10, 40)) and positions[46:].tolist() == list(range(18))
+    assert (write_slots[45:] >= 4080).all() and (write_slots[45:] < 4096).all()  # the scratch page only
+
+
+def test_prefill_graph_plumbing_matches_eager(model, monkeypatch):
+    """GraphedPrefill with a CPU stand-in for CUDA graphs (replay reruns the captured function on the
+    static buffers) and the torch attention backend planned as for an eager step: the padded bucket,
+    the static inputs and the output slice give the eager frames."""
+    import torch
+
+    from gpu_worker import cuda_graphs
+    from gpu_worker.prefill_graphs import GraphedPrefill
+
+    class RerunGraph:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    def capture(fn, pool=None):
+        out = fn()
+        return RerunGraph(fn, out), out
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    tok = load_tokenizer(None)
+    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
+               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one, a little longer.", 4),
+                                    (3, "Third.", 5))}
+    want = Driver(model).run(prompts, frames=10)
+    d = Driver(model)
+    kv = d.engine.kv
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: None, raising=False)
+    monkeypatch.setattr(kv, "plan_prefill", lambda wrapper, batch: kv.begin(batch), raising=False)
+    graphs = cuda_graphs.GraphedDecode(d.engine)
+    graphs.fits = lambda n: False  # decode steps stay eager; the prefill-only first step takes the graph
+    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine)
+    assert d.run(prompts, frames=10) == want
+    rows = sum(len(r) for r, _ in prompts.values())
+    assert list(d.engine.prefill_graphs.graphs) == [d.engine.prefill_graphs.bucket(rows, 3)]

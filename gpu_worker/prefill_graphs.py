@@ -1,0 +1,136 @@
+"""A step's prefill chunks replayed from a CUDA graph, one per (rows, sequences) bucket.
+
+Why: eager, the prefill is about 400 kernel launches from Python (the row embedding sum, then 36
+layers), 6-20 ms of host work for ~15 us of GPU work per row, and a new request's first frame
+waits for it: on the H200 a step with prefill took 27-43 ms at c1 against 8.5 for a decode step.
+The graph holds the embedding sum and the whole backbone; attention is flashinfer's batch prefill
+in CUDA-graph mode (a fixed number of sequences, FA2), planned on the host before each replay
+like the decode graphs' wrappers.
+
+Padding. r rows in s sequences run in the smallest bucket (R, S) with S > s and
+R >= r + (S - s): the S - s padding sequences get one row each, the last of them all the rows
+left over. A padding sequence reads and writes only the worker's scratch page (positions 0, 1, ...
+on its slots, repeated past one page), so it never touches a request's KV; its rows are token 0
+with code 0 in every channel. The real rows come first in the packed order, so their hidden
+states are the output's first r rows. As in the eager path, what else shares the step changes
+the GEMM shapes, and in bf16 a row's hidden state may move by rounding with them (the prefill
+is not batch-invariant on the GPU; the CPU float64 contract does not involve graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gpu_worker import cuda_graphs
+from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
+
+log = logging.getLogger("chorus.worker")
+
+ROW_BUCKETS = (64, 128, 256, 512, 640)  # 640: a full 512-row chunk (--prefill-chunk) plus padding
+SEQUENCE_BUCKETS = (2, 4, 8, 16, 32)
+
+
+@dataclass
+class _PrefillGraph:
+    rows: int
+    sequences: int
+    graph: object  # torch.cuda.CUDAGraph (or a test's stand-in)
+    wrapper: object
+    tokens: torch.Tensor     # [rows, 1 + n_vq] int64: the packed prompt rows
+    positions: torch.Tensor  # [rows] int64
+    write_slots: torch.Tensor  # [rows] int64
+    out: torch.Tensor        # [rows, hidden]: final-norm hidden states
+
+
+class GraphedPrefill:
+    def __init__(self, engine):
+        self.engine = engine
+        self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()  # its own: the output is read after other graphs run
+        self.disabled: str | None = None
+
+    def bucket(self, rows: int, sequences: int) -> tuple[int, int] | None:
+        """(R, S) for r rows in s sequences, or None: the step runs eagerly."""
+        s = next((b for b in SEQUENCE_BUCKETS if b > sequences), None)
+        if s is None or self.disabled:
+            return None
+        r = next((b for b in ROW_BUCKETS if b >= rows + s - sequences), None)
+        return None if r is None else (r, s)
+
+    def capture_all(self) -> None:
+        """Every bucket ahead of serving, largest first so smaller graphs reuse its memory; a
+        failure logs and leaves every prefill eager."""
+        try:
+            for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in SEQUENCE_BUCKETS if s <= r),
+                               key=lambda rs: (-rs[0], -rs[1])):
+                self._get(r, s)
+        except Exception as e:  # noqa: BLE001 - prefill can always run eagerly
+            log.exception("prefill graph capture failed; prefill runs eagerly")
+            self.disabled = f"capture failed: {e!r}"
+            self.graphs.clear()
+
+    def _padding(self, real: Sequence[SequenceSpan], rows: int, sequences: int) -> list[SequenceSpan]:
+        """real plus the padding sequences that fill (rows, sequences), on the scratch page."""
+        e = self.engine
+        left = rows - sum(sp.num_new for sp in real)
+        extra = sequences - len(real)
+        sizes = [1] * (extra - 1) + [left - (extra - 1)]
+        return list(real) + [SequenceSpan(e.scratch_slot + np.arange(n) % e.page_size, n) for n in sizes]
+
+    def _get(self, rows: int, sequences: int) -> _PrefillGraph:
+        g = self.graphs.get((rows, sequences))
+        if g is not None:
+            return g
+        e = self.engine
+        dev = e.device
+        tokens = torch.zeros(rows, e.cfg.row_width, dtype=torch.int64, device=dev)
+        positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
+        wrapper = e.kv.prefill_graph_wrapper(sequences, rows)
+        batch = self._plan(wrapper, self._padding([], rows, sequences), positions, write_slots)
+
+        def body() -> torch.Tensor:
+            e.kv.active = wrapper
+            return e.model.backbone(e.model.embed_rows(tokens), batch, e.kv)
+
+        graph, out = cuda_graphs.capture_graph(body, self.mempool)
+        g = self.graphs[(rows, sequences)] = _PrefillGraph(rows, sequences, graph, wrapper, tokens, positions,
+                                                          write_slots, out)
+        log.info("captured prefill graph for %d rows in %d sequences", rows, sequences)
+        return g
+
+    def _plan(self, wrapper, spans: list[SequenceSpan], positions: torch.Tensor,
+              write_slots: torch.Tensor) -> AttentionBatch:
+        _, _, q_indptr, kv_indptr, kv_indices = host_layout(spans)
+        batch = AttentionBatch(positions=positions, write_slots=write_slots,
+                               qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
+                               kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
+                               kv_indices=torch.from_numpy(kv_indices.astype(np.int32)))
+        self.engine.kv.plan_prefill(wrapper, batch)
+        return batch
+
+    def run(self, rows: np.ndarray, spans: Sequence[SequenceSpan], bucket: tuple[int, int]) -> torch.Tensor:
+        """Final-norm hidden states [len(rows), hidden] of the packed prefill rows [r, 1 + n_vq]
+        (sequences `spans`, in order), by replaying the bucket's graph. The result is a view of the
+        graph's output: read it before this graph (or another of this pool) replays again."""
+        e = self.engine
+        g = self._get(*bucket)
+        r = rows.shape[0]
+        padded = self._padding(spans, g.rows, g.sequences)
+        positions, write_slots, *_ = host_layout(padded)
+        staged = np.zeros((g.rows, rows.shape[1] + 2), dtype=np.int64)
+        staged[:r, :-2] = rows
+        staged[:, -2] = positions
+        staged[:, -1] = write_slots
+        staged = torch.from_numpy(staged).to(e.device, non_blocking=True)
+        g.tokens.copy_(staged[:, :-2])
+        g.positions.copy_(staged[:, -2])
+        g.write_slots.copy_(staged[:, -1])
+        self._plan(g.wrapper, padded, g.positions, g.write_slots)
+        g.graph.replay()
+        return g.out[:r]
