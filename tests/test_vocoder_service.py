@@ -818,3 +818,64 @@ def test_decode_process_death_fails_calls_unavailable_and_stops_the_service():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_session_worker_launches_ahead_only_under_load():
+    """A step is launched while the previous one still runs on the device only if it carries at least
+    launch_ahead_streams streams; a smaller one (e.g. a new stream's first chunk) waits for the device
+    first, so it never queues behind more than the running step."""
+    events: list[str] = []
+
+    class Pending:
+        def __init__(self, n: int, slots: list[int]):
+            self.n, self.slots = n, slots
+
+        def wait_device(self) -> None:
+            events.append(f"wait for the {self.n}-stream step")
+
+        def result(self) -> dict[int, bytes]:
+            return {s: b"pcm" for s in self.slots}
+
+    class FakeSession:
+        slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self._free = [3, 2, 1, 0]
+
+        @property
+        def free_slots(self) -> int:
+            return len(self._free)
+
+        def acquire(self) -> int:
+            return self._free.pop()
+
+        def release(self, slot: int) -> None:
+            self._free.append(slot)
+
+        def frames_decoded(self, slot: int) -> int:
+            return 0
+
+        def launch_pcm(self, codes, int16=()):
+            events.append(f"launch {len(codes)}")
+            return Pending(len(codes), list(codes))
+
+    worker = SessionWorker(FakeSession(), lambda report: None, launch_ahead_streams=2)
+
+    async def run() -> None:
+        a, b, c = worker.open(), worker.open(), worker.open()
+        with worker._cond:  # both queued before the worker looks: one 2-stream step
+            first = [worker.submit(a, random_codes(5, 1)), worker.submit(b, random_codes(5, 2))]
+        await asyncio.gather(*first)
+        await worker.submit(c, random_codes(5, 3))  # 1 stream: waits for the device first
+        with worker._cond:
+            second = [worker.submit(a, random_codes(25, 1)), worker.submit(b, random_codes(25, 2))]
+        await asyncio.gather(*second)  # 2 streams: launched ahead
+        for h in (a, b, c):
+            worker.release(h)
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2"]

@@ -49,7 +49,7 @@ class DecoderGone(RuntimeError):
 
 # Flags the child needs to build the same codec and session as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
-              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads")
+              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams")
 
 
 def child_argv(args: argparse.Namespace) -> list[str]:
@@ -282,7 +282,7 @@ def child_main(argv: list[str] | None = None) -> None:
               flush=True)
     first = max(1, min(args.first_chunk_frames, args.chunk_frames, MAX_CHUNK_FRAMES))
     print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
-    worker = SessionWorker(session, replies.report)
+    worker = SessionWorker(session, replies.report, args.launch_ahead_streams)
     replies.send(dpb.DecoderOutput(ready=dpb.DecoderReady(
         slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
         attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "")))

@@ -17,7 +17,7 @@ import torch
 
 from vocoder_svc.codec import MossAudioTokenizer, StreamState
 from vocoder_svc.metrics import Metrics
-from vocoder_svc.session import CodecSession
+from vocoder_svc.session import CodecSession, PendingPcm
 
 DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
 
@@ -164,10 +164,20 @@ class SessionWorker:
     release() (call end: finish, cancel or error) drops the stream's queued
     steps and frees its slot before the next step."""
 
-    def __init__(self, session: CodecSession, report: Callable[[SessionReport], None]):
+    def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
+                 launch_ahead_streams: int | None = None):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
-        service; the decode process forwards them to its parent)."""
+        service; the decode process forwards them to its parent).
+
+        launch_ahead_streams: a step is launched while the previous one still runs on the device
+        only if it carries at least this many streams (default: half the slots). Under load that
+        keeps the device busy while the host reads the previous step's PCM; lightly loaded, a new
+        stream's first chunk then waits behind at most the one step already running, not also a
+        queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA)."""
         self.session, self.report = session, report
+        self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
+                                     else launch_ahead_streams)
+        self._last: PendingPcm | None = None  # the last launched step (session thread only)
         self._cond = threading.Condition()
         self._pending: list[_SessionJob] = []
         self._releases: list[SessionStream] = []
@@ -317,12 +327,15 @@ class SessionWorker:
         slots = [j.stream.slot for j in runnable]  # a release may clear stream.slot before the finish
         try:
             codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
+            if self._last is not None and len(runnable) < self.launch_ahead_streams:
+                self._last.wait_device()
             t0 = time.perf_counter()
             pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])
         except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
             for j in runnable:
                 j.finish(None, e)
             return
+        self._last = pending
         self._launched.put((runnable, slots, pending, t0, s.last_step_graphed))
 
     def _finish_steps(self) -> None:

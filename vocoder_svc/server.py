@@ -150,7 +150,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
                  metrics: Metrics | None = None, session: CodecSession | None = None,
-                 decoder: DecodeProcess | None = None):
+                 decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None):
         """session: decode streams of session.n_q codebooks on this CodecSession (the session
         engine); decoder: the same, with the session in a decode process (already started); other
         streams, and every stream without either, use the stream engine."""
@@ -167,7 +167,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         self.session = session
         # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
         self.session_worker: SessionWorker | DecodeProcess | None = (
-            SessionWorker(session, self.metrics.record_session) if session is not None else decoder)
+            SessionWorker(session, self.metrics.record_session, launch_ahead_streams)
+            if session is not None else decoder)
         # With a session, the stream engine only serves the odd codebook count: one stream per step.
         self.worker = DecodeWorker(codec, self.metrics, 1 if self.session_worker is not None else max_batch_streams,
                                    batch_invariant)
@@ -421,6 +422,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "PCM (one process tops out near 1,500 s of audio per second on an H200). The child "
                              "holds its own copy of the codec weights. auto = on for CUDA devices "
                              "(default: %(default)s)")
+    parser.add_argument("--launch-ahead-streams", type=int, default=None, metavar="N",
+                        help="session engine: launch a step while the previous one still runs on the device "
+                             "only if it carries at least N streams (throughput under load; below it a new "
+                             "stream's first chunk waits behind one running step at most). Default: half of "
+                             "--slots")
     parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
                         help="session engine: codebooks per frame the session decodes; streams with another "
                              "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")
@@ -584,7 +590,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
-                               session=session, decoder=decoder)
+                               session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams)
     if session is None and decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),

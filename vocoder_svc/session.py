@@ -714,6 +714,11 @@ class PendingPcm:
         self._session, self.slots, self._staged, self._done, self._buf = session, slots, staged, done, buf
         self._read = False
 
+    def wait_device(self) -> None:
+        """Block until the step's device work (and its copy to the host buffer) is done."""
+        if self._done is not None:
+            self._done.synchronize()
+
     def result(self) -> dict[int, bytes]:
         if self._read:
             raise RuntimeError("PendingPcm.result() called twice")
