@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import re
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -396,3 +398,37 @@ def test_relay_gives_up_after_max_failovers_and_does_not_retry_bad_requests():
                 await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_decode_process_death_fails_over_byte_identical():
+    """Vocoders running their session in a decode process (one bucket, so any replica gives the same
+    bytes): SIGKILL of one replica's decode process mid-stream ends its calls UNAVAILABLE, the
+    scheduler replays them on the other replica, every client's audio is byte-identical to the
+    fault-free run, and the replica whose decoder died exits non-zero."""
+    from chorus.launcher import child_pids
+
+    session = ["--engine", "session", "--decode-process", "on", "--slots", "4", "--buckets", "4", "--graphs", "off"]
+    c = make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
+                     scheduler_args=["--max-queue", "16"], vocoder_ports=[0, 0], vocoder_args=session)
+    with c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        synthesize(stub, request(1, frames=3), timeout=120)  # warm-up
+        want = run_three(stub)
+        check_complete(want)
+        vocoders = [c.service("vocoder0"), c.service("vocoder1")]
+        killed = {}
+
+        def kill_busiest_decoder(progress):
+            counts = [active_streams(v) for v in vocoders]
+            victim = vocoders[int(np.argmax(counts))]
+            (decoder,) = child_pids(victim.proc.pid)
+            killed.update(service=victim, streams=max(counts), progress=progress)
+            os.kill(decoder, signal.SIGKILL)
+
+        got = run_three(stub, on_all_started=kill_busiest_decoder)
+        assert killed and killed["streams"] >= 1
+        check_complete(got)
+        assert [r.audio_bytes for r in got] == [r.audio_bytes for r in want]
+        assert killed["service"].proc.wait(20) != 0
+        failovers = [m.groups() for line in c.service("scheduler").lines if (m := FAILOVER_LOG.search(line))]
+        assert len(failovers) == killed["streams"], failovers
