@@ -458,8 +458,9 @@ def test_session_engine_decode_matches_offline(session_vocoder, tiny_codec):
     assert_close(pcm_of(v.stub.Decode(iter(reqs), timeout=60)), offline_pcm(tiny_codec, few))
     assert wait_for(lambda: settled(v))
     steps = v.servicer.metrics.registry.get_sample_value
-    assert steps("chorus_vocoder_session_steps_total", {"path": "graph"}) >= 4  # 5 and 25 frames: graphed
-    assert steps("chorus_vocoder_session_steps_total", {"path": "eager"}) >= 2  # the 3-frame tails: eager
+    # 5 and 25 frames are graphed, and so are the 3-frame tails: padded to 25 frames, PCM cut back
+    assert steps("chorus_vocoder_session_steps_total", {"path": "graph"}) >= 6
+    assert steps("chorus_vocoder_session_steps_total", {"path": "eager"}) is None
 
 
 def test_session_engine_concurrent_streams_with_different_chunks(session_vocoder, tiny_codec):
@@ -879,3 +880,19 @@ def test_session_worker_launches_ahead_only_under_load():
     finally:
         worker.close()
     assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2"]
+
+
+def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):
+    """A stream's last step shorter than its chunk runs padded to the chunk (graphed, with code-0
+    frames) and comes back cut to its real frames: a 3-frame stream is one 5-frame graph step and
+    3 frames of audio equal to the offline decode (the codec is causal)."""
+    v = session_vocoder
+    sample = v.servicer.metrics.registry.get_sample_value
+    before = sample("chorus_vocoder_session_steps_total", {"path": "graph"}) or 0
+    codes = random_codes(3, seed=23)
+    responses = list(v.stub.Decode(decode_requests(codes, [3]), timeout=60))
+    assert [(r.first_frame, r.frames, r.num_samples) for r in responses] == [(0, 3, 3 * HOP)]
+    assert len(responses[0].pcm) == 3 * HOP * 2 * 4
+    assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
+    assert sample("chorus_vocoder_session_steps_total", {"path": "graph"}) == before + 1
+    assert wait_for(lambda: settled(v))

@@ -221,24 +221,36 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                                   f"codec codes)")
         return codes
 
-    def _submit(self, stream: _Stream, n: int) -> asyncio.Future:
+    def _submit(self, stream: _Stream, n: int, last: bool = False) -> asyncio.Future:
         """Queue the stream's next n frames for decoding; the future resolves to its DecodeResponse.
-        Steps of one stream run in submission order, so the next may be queued before this one is done."""
-        if stream.handle is not None and stream.next_frame + n > self.session_worker.max_stream_frames:
-            raise StreamTooLong(f"decode stream longer than {self.session_worker.max_stream_frames} frames: the session "
+        Steps of one stream run in submission order, so the next may be queued before this one is done.
+
+        last: the stream's final flush. On the session engine a short last step is padded with code-0
+        frames to the stream's current chunk size and its PCM cut back to the n real frames: the codec
+        is causal, so the real samples do not depend on the padding, and the step then joins the
+        steady steps of other streams in their graph instead of running alone, eagerly (a W1 tail of
+        20 frames otherwise waited behind 128-stream steps at c256). Padding is a pure function of the
+        chunk sizes and the length, like the chunking, so a replay on another replica pads alike."""
+        limit = self.session_worker.max_stream_frames if stream.handle is not None else None
+        if limit is not None and stream.next_frame + n > limit:
+            raise StreamTooLong(f"decode stream longer than {limit} frames: the session "
                                 f"engine keeps positions exact in fp32 only that far")
         codes = stream.take(n)
         int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
         first_frame = stream.next_frame
+        padded = stream.threshold if last and stream.handle is not None else n
+        if padded > n and first_frame + padded <= limit:
+            codes = np.concatenate([codes, np.zeros((padded - n, codes.shape[1]), dtype=codes.dtype)])
         stream.next_frame += n
         if stream.handle is not None:  # the session converts on the device: PCM bytes come back
             step = self.session_worker.submit(stream.handle, codes, int16=int16)
         else:
             step = self.worker.submit(stream.state, codes)  # [C, n*hop] float32
+        real_bytes = n * self.codec.hop * self.codec.channels * (2 if int16 else 4)
 
         def response(out) -> vocoder_pb2.DecodeResponse:
             if stream.handle is not None:
-                pcm, num = out, n * self.codec.hop
+                pcm, num = out[:real_bytes], n * self.codec.hop
             else:  # the scheduler's own PCM16 encoding, so its output bytes do not change
                 num = out.shape[1]
                 pcm = encode_pcm16(out.T) if int16 else np.ascontiguousarray(out.T).astype("<f4", copy=False).tobytes()
@@ -279,7 +291,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             if stream is None:
                 raise _BadRequest("no DecodeRequest received: send `start` first")
             if stream.pending_frames:
-                await steps.put(self._submit(stream, stream.pending_frames))
+                await steps.put(self._submit(stream, stream.pending_frames, last=True))
             await steps.put(None)
         except Exception as e:  # noqa: BLE001 - handed to the call, which aborts with the right status
             if not opened.done():

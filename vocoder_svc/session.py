@@ -604,7 +604,9 @@ class CodecSession:
                 offset += nbytes
             done = None
             if out.is_cuda:
-                done = torch.cuda.Event()
+                # A blocking-sync event: the finisher thread sleeps until the step is done instead of
+                # spinning a core through the whole (tens of ms) step, as a default event's wait does.
+                done = torch.cuda.Event(blocking=True)
                 done.record(torch.cuda.current_stream(out.device))
             return PendingPcm(self, slots, staged, done, buf)
 
