@@ -44,7 +44,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then
   run e2e_w1_1gpu --workload W1 --concurrency 1,16 --vocoder-device cuda:0 --worker-arg=--max-batch=64 \
-      --vocoders 1 --vocoder-arg=--slots=64
+      --vocoders 1 --vocoder-arg=--slots=64 --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
