@@ -226,7 +226,9 @@ class Bench:
         if self.engine.graphs is not None:
             t0 = time.perf_counter()
             self.engine.graphs.capture_all(self.batches)
-            print(f"captured decode graphs for {self.batches} in {time.perf_counter() - t0:.1f}s", flush=True)
+            self.engine.prefill_graphs.capture_all()  # a prefill step that fits a bucket replays its graph
+            print(f"captured decode graphs for {self.batches} and {len(self.engine.prefill_graphs.graphs)} prefill "
+                  f"graphs in {time.perf_counter() - t0:.1f}s", flush=True)
         for ctx in self.contexts:
             ids = list(range(1, max_b + 1))
             per_row = self.prefill(ids, ctx)
