@@ -31,8 +31,9 @@ from gpu_worker.attention import AttentionBatch, SequenceSpan, page_table
 log = logging.getLogger("chorus.worker")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# First frames sampled in one step (prefills finishing together); more fall back to eager.
-FRAME_BUCKETS = (1, 2, 4, 8, 16, 32)
+# First frames sampled in one step (prefills finishing together); more fall back to eager. Closed-loop
+# load at c256 sends requests in bursts of up to ~60 (they finish together), hence 64.
+FRAME_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def capture_graph(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -31,8 +31,10 @@ from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 
 log = logging.getLogger("chorus.worker")
 
-ROW_BUCKETS = (64, 128, 256, 512, 640)  # 640: a full 512-row chunk (--prefill-chunk) plus padding
-SEQUENCE_BUCKETS = (2, 4, 8, 16, 32)
+# 640 holds the scheduler's default --prefill-chunk (512) plus padding; the larger ones a
+# --prefill-chunk of up to 2048 (with padding sequences), for bursts of admissions.
+ROW_BUCKETS = (64, 128, 256, 512, 640, 1024, 1536, 2112)
+SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
 @dataclass

@@ -172,7 +172,8 @@ def test_prefill_graph_buckets_and_padding():
     assert g.bucket(45, 1) == (64, 2)
     assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
     assert g.bucket(483, 10) == (512, 16) and g.bucket(512, 11) == (640, 16)
-    assert g.bucket(600, 31) == (640, 32) and g.bucket(640, 31) is None  # too many rows: eager
+    assert g.bucket(600, 31) == (640, 32) and g.bucket(640, 31) == (1024, 32)
+    assert g.bucket(2048, 60) == (2112, 64) and g.bucket(2110, 60) is None  # too many rows: eager
     assert g.bucket(10, SEQUENCE_BUCKETS[-1]) is None  # too many sequences: eager
     assert g.bucket(ROW_BUCKETS[-1], 1) is None
     real = [SequenceSpan(np.arange(100, 140), 30), SequenceSpan(np.arange(200, 215), 15)]
