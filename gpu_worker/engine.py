@@ -17,6 +17,7 @@ skipped, and its extra frame is never seen.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from chorus.v1 import common_pb2, worker_pb2
 from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
 from gpu_worker.state_pool import DecodeStatePool, RequestState
+
+log = logging.getLogger("chorus.worker")
 
 
 def matrix_to_array(m: common_pb2.IntMatrix) -> np.ndarray:
@@ -265,7 +268,12 @@ class Engine:
         bucket = prefill.bucket(sum(r.shape[0] for r in prompt_rows), len(spans)) if prefill else None
         if bucket is None:
             return self._eager(prompt_rows, spans, sample_at, rows_list, [])
-        hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket)
+        try:
+            hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket)
+        except Exception as e:  # noqa: BLE001 - a capture or plan failure: serve on, eagerly
+            log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
+            prefill.disabled = f"replay failed: {e!r}"
+            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
         return self._first_frames(hidden, spans, sample_at, rows_list)
 
     def _eager(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],

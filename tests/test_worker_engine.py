@@ -222,3 +222,30 @@ def test_prefill_graph_plumbing_matches_eager(model, monkeypatch):
     assert d.run(prompts, frames=10) == want
     rows = sum(len(r) for r, _ in prompts.values())
     assert list(d.engine.prefill_graphs.graphs) == [d.engine.prefill_graphs.bucket(rows, 3)]
+
+
+def test_prefill_graph_failure_falls_back_to_eager(model, monkeypatch):
+    """A prefill graph that fails (capture or plan) does not fail the step: that prefill and every
+    later one run eagerly, with the same frames."""
+    import torch
+
+    from gpu_worker import cuda_graphs
+    from gpu_worker.prefill_graphs import GraphedPrefill
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    tok = load_tokenizer(None)
+    prompts = {1: (build_prompt_rows(model.cfg, tok, "Hello there.", language="English"), 3)}
+    want = Driver(model).run(prompts, frames=6)
+    d = Driver(model)
+
+    def broken(sequences, rows):
+        raise ValueError("no graph-mode prefill here")
+
+    monkeypatch.setattr(d.engine.kv, "prefill_graph_wrapper", broken, raising=False)
+    graphs = cuda_graphs.GraphedDecode(d.engine)
+    graphs.fits = lambda n: False
+    graphs.frame_buckets = []  # first frames eagerly too: only the prefill graph is under test
+    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine)
+    assert d.run(prompts, frames=6) == want
+    assert "no graph-mode prefill here" in d.engine.prefill_graphs.disabled
+    assert d.engine.prefill_graphs.bucket(10, 1) is None
