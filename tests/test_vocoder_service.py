@@ -42,31 +42,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    metrics_port = free_port()
+def start_vocoder(*flags: str, timeout: float = 90) -> tuple[subprocess.Popen, str, list[str], queue.Queue]:
+    """`python -m vocoder_svc.server` on a free port with the tiny codec and `flags`, started for real;
+    returns (process, address, its output up to ready, a queue of its later lines)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", str(metrics_port),
-         "--preset", "tiny", "--seed", str(SEED), "--first-chunk-frames", "5", "--chunk-frames", "25",
-         "--grace", "1"],
+        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--preset", "tiny", "--seed", str(SEED), *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    address, seen, deadline = None, [], time.time() + 60
-    while address is None and time.time() < deadline:
+    seen, address, deadline = [], None, time.time() + timeout
+    while address is None and time.time() < deadline and proc.poll() is None:
         try:
-            line = lines.get(timeout=1)
+            seen.append(lines.get(timeout=1))
         except queue.Empty:
-            if proc.poll() is not None:
-                break
             continue
-        seen.append(line)
-        if m := re.match(r"vocoder ready on (\S+)", line):
+        if m := re.match(r"vocoder ready on (\S+)", seen[-1]):
             address = m.group(1)
     if address is None:
         proc.kill()
         pytest.fail("vocoder did not start:\n" + "".join(seen))
+    return proc, address, seen, lines
+
+
+@pytest.fixture(scope="module")
+def server():
+    metrics_port = free_port()
+    proc, address, _, lines = start_vocoder("--metrics-port", str(metrics_port), "--first-chunk-frames", "5",
+                                            "--chunk-frames", "25", "--grace", "1", timeout=60)
     channel = grpc.insecure_channel(address)
     yield {"stub": vocoder_pb2_grpc.VocoderStub(channel), "channel": channel, "metrics_port": metrics_port,
            "proc": proc, "lines": lines}
@@ -646,25 +649,9 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
 
 def test_session_engine_cli(tiny_codec):
     """--engine session on CPU with emulated graphs: capture progress, the self-check line, a decode."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", "0", "--preset", "tiny",
-         "--seed", str(SEED), "--engine", "session", "--slots", "2", "--graphs", "emulate", "--graph-frames", "5,25",
-         "--grace", "1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    seen, address = [], None
+    proc, address, seen, _ = start_vocoder("--metrics-port", "0", "--engine", "session", "--slots", "2",
+                                           "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "1", timeout=60)
     try:
-        deadline = time.time() + 60
-        while address is None and time.time() < deadline and proc.poll() is None:
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                continue
-            if m := re.match(r"vocoder ready on (\S+)", seen[-1]):
-                address = m.group(1)
-        assert address, "".join(seen)
         text = "".join(seen)
         assert "session engine: 2 slots, buckets [1, 2], 12 codebooks" in text
         assert re.search(r"captured graph 4/4 \(bucket 1, 5 frames\)", text), text
@@ -711,28 +698,11 @@ def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
 def _start_decode_process_vocoder(metrics_port: int = 0):
     """The vocoder with its session in a child process (2 slots, emulated graphs); returns (proc, address,
     decode process pid, output lines)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", str(metrics_port),
-         "--preset", "tiny", "--seed", str(SEED), "--engine", "session", "--decode-process", "on", "--slots", "2",
-         "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "5"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    seen, address, child = [], None, None
-    deadline = time.time() + 90
-    while address is None and time.time() < deadline and proc.poll() is None:
-        try:
-            seen.append(lines.get(timeout=1))
-        except queue.Empty:
-            continue
-        if m := re.match(r"vocoder: decode process (\d+) ready", seen[-1]):
-            child = int(m.group(1))
-        if m := re.match(r"vocoder ready on (\S+)", seen[-1]):
-            address = m.group(1)
-    if address is None:
-        proc.kill()
-        pytest.fail("vocoder did not start:\n" + "".join(seen))
+    proc, address, seen, lines = start_vocoder(
+        "--metrics-port", str(metrics_port), "--engine", "session", "--decode-process", "on", "--slots", "2",
+        "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "5")
+    child = next((int(m.group(1)) for line in seen if (m := re.match(r"vocoder: decode process (\d+) ready", line))),
+                 None)
     assert child is not None and child != proc.pid, "".join(seen)
     return proc, address, child, lines
 

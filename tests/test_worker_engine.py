@@ -125,20 +125,23 @@ def test_warm_up_leaves_nothing_behind(model):
     assert d.run(prompts, frames=8) == Driver(model).run(prompts, frames=8)
 
 
-def test_first_frame_graph_plumbing_matches_eager(model, monkeypatch):
-    """GraphedDecode.sample (the frame-decode graph for prefills' first frames) with a CPU stand-in
-    for CUDA graphs, whose replay reruns the captured function on the static buffers: padding to
-    the bucket with the spare row, the static inputs and the output slice give the eager frames."""
+class RerunGraph:
+    """A CPU stand-in for a captured CUDA graph: replay reruns the captured function on the static
+    buffers and copies its result into the captured output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+@pytest.fixture
+def graph_stand_in(monkeypatch):
+    """cuda_graphs.capture_graph (used by every graph of the worker) captures a RerunGraph instead."""
     import torch
 
     from gpu_worker import cuda_graphs
-
-    class RerunGraph:
-        def __init__(self, fn, out):
-            self.fn, self.out = fn, out
-
-        def replay(self):
-            self.out.copy_(self.fn())
 
     def capture(fn, pool=None):
         out = fn()
@@ -146,6 +149,14 @@ def test_first_frame_graph_plumbing_matches_eager(model, monkeypatch):
 
     monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def test_first_frame_graph_plumbing_matches_eager(model, graph_stand_in):
+    """GraphedDecode.sample (the frame-decode graph for prefills' first frames) with a CPU stand-in
+    for CUDA graphs, whose replay reruns the captured function on the static buffers: padding to
+    the bucket with the spare row, the static inputs and the output slice give the eager frames."""
+    from gpu_worker import cuda_graphs
+
     tok = load_tokenizer(None)
     prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
                for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one.", 4), (3, "Third.", 5))}
@@ -185,28 +196,13 @@ def test_prefill_graph_buckets_and_padding():
     assert (write_slots[45:] >= 4080).all() and (write_slots[45:] < 4096).all()  # the scratch page only
 
 
-def test_prefill_graph_plumbing_matches_eager(model, monkeypatch):
+def test_prefill_graph_plumbing_matches_eager(model, monkeypatch, graph_stand_in):
     """GraphedPrefill with a CPU stand-in for CUDA graphs (replay reruns the captured function on the
     static buffers) and the torch attention backend planned as for an eager step: the padded bucket,
     the static inputs and the output slice give the eager frames."""
-    import torch
-
     from gpu_worker import cuda_graphs
     from gpu_worker.prefill_graphs import GraphedPrefill
 
-    class RerunGraph:
-        def __init__(self, fn, out):
-            self.fn, self.out = fn, out
-
-        def replay(self):
-            self.out.copy_(self.fn())
-
-    def capture(fn, pool=None):
-        out = fn()
-        return RerunGraph(fn, out), out
-
-    monkeypatch.setattr(cuda_graphs, "capture_graph", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     tok = load_tokenizer(None)
     prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
                for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one, a little longer.", 4),
