@@ -827,6 +827,9 @@ def test_session_worker_launches_ahead_only_under_load():
         def frames_decoded(self, slot: int) -> int:
             return 0
 
+        def uses_priority_stream(self, t: int) -> bool:
+            return t == 7
+
         def launch_pcm(self, codes, int16=()):
             events.append(f"launch {len(codes)}")
             return Pending(len(codes), list(codes))
@@ -842,6 +845,7 @@ def test_session_worker_launches_ahead_only_under_load():
         with worker._cond:
             second = [worker.submit(a, random_codes(25, 1)), worker.submit(b, random_codes(25, 2))]
         await asyncio.gather(*second)  # 2 streams: launched ahead
+        await worker.submit(c, random_codes(7, 3))  # 1 stream, but on the priority stream: never waits
         for h in (a, b, c):
             worker.release(h)
 
@@ -849,7 +853,7 @@ def test_session_worker_launches_ahead_only_under_load():
         asyncio.run(run())
     finally:
         worker.close()
-    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2"]
+    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
 
 
 def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):

@@ -369,3 +369,26 @@ def test_launch_pcm_runs_ahead_of_results(v2_32):
     assert second.result() == want[1] and third[0].result() == want[2]
     with pytest.raises(RuntimeError, match="twice"):
         first.result()
+
+
+def test_priority_frames_steps_give_the_same_bytes(v2_32):
+    """priority_frames: steps of those sizes take the high-priority path (on CUDA: their graphs' own
+    stream and pool; here the emulated graphs) and give the same PCM as a session without it; a
+    released slot's next stream starts fresh without a device write (valid=False reads frames as 0)."""
+    codes = codes_for(40, n_q=12, b=2, seed=24)
+    plain = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25])
+    fast = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25], priority_frames=[5])
+    assert fast.uses_priority_stream(5) and not fast.uses_priority_stream(25) and not plain.uses_priority_stream(5)
+    for rnd in range(2):  # the second round reuses released slots
+        want, got = [], []
+        for s in (plain, fast):
+            slots = [s.acquire() for _ in range(2)]
+            out = want if s is plain else got
+            for a, t in ((0, 5), (5, 25), (30, 10)):
+                out.append(s.launch_pcm({sl: codes[:, i, a:a + t] for i, sl in enumerate(slots)},
+                                        int16=[slots[0]]).result())
+                if s is fast:
+                    assert s.last_step_priority == (t == 5)
+            for sl in slots:
+                s.release(sl)
+        assert got == want, f"round {rnd}"

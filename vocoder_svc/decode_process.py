@@ -50,6 +50,7 @@ class DecoderGone(RuntimeError):
 # Flags the child needs to build the same codec and session as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
               "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams")
+_FORWARDED_SWITCHES = ("priority_first_chunks",)
 
 
 def child_argv(args: argparse.Namespace) -> list[str]:
@@ -58,6 +59,7 @@ def child_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name, None)
         if value is not None:
             out += [f"--{name.replace('_', '-')}", str(value)]
+    out += [f"--{name.replace('_', '-')}" for name in _FORWARDED_SWITCHES if getattr(args, name, False)]
     return out
 
 

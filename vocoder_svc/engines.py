@@ -327,7 +327,9 @@ class SessionWorker:
         slots = [j.stream.slot for j in runnable]  # a release may clear stream.slot before the finish
         try:
             codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
-            if self._last is not None and len(runnable) < self.launch_ahead_streams:
+            t = runnable[0].codes.shape[0]
+            if (self._last is not None and len(runnable) < self.launch_ahead_streams
+                    and not s.uses_priority_stream(t)):  # a priority step must not wait: that is its point
                 self._last.wait_device()
             t0 = time.perf_counter()
             pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])

@@ -439,6 +439,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only if it carries at least N streams (throughput under load; below it a new "
                              "stream's first chunk waits behind one running step at most). Default: half of "
                              "--slots")
+    parser.add_argument("--priority-first-chunks", action="store_true",
+                        help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
+                             "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
+                             "does not wait for a steady step already on the GPU (time to first audio under load). "
+                             "Experimental: not yet measured on a GPU (default: off)")
     parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
                         help="session engine: codebooks per frame the session decodes; streams with another "
                              "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")
@@ -521,11 +526,15 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     if any(t > MAX_CHUNK_FRAMES for t in frames):
         raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
     graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
-    session = CodecSession(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames)
+    first = max(1, min(args.first_chunk_frames, args.chunk_frames))
+    session = CodecSession(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
+                           priority_frames=[first] if args.priority_first_chunks else [])
     log(f"vocoder: session engine: {session.slots} slots, buckets {list(session.buckets)}, {n_q} codebooks, "
         f"compute {str(session.compute_dtype).removeprefix('torch.')}, state "
         f"{session.state_nbytes() / 1e9:.3f} GB, graphs {session.graph_mode or 'off'}"
-        + (f" for {frames} frames" if session.graph_mode else ""), flush=True)
+        + (f" for {frames} frames" if session.graph_mode else "")
+        + (f", {sorted(session.priority_frames)}-frame steps on a high-priority stream"
+           if session.priority_frames else ""), flush=True)
     if session.graph_mode:
         pairs = sorted({(b, t) for b in session.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
         started = time.perf_counter()

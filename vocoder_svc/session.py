@@ -215,7 +215,7 @@ class CodecSession:
     def __init__(self, codec: MossAudioTokenizer, slots: int = 16, n_q: int | None = None,
                  compute_dtype: torch.dtype | None = None, buckets: Iterable[int] | None = None,
                  graphs: bool | str | None = None, graph_frames: Iterable[int] | None = None,
-                 warmup: int = 2, attention: str = "auto", glue: str = "auto"):
+                 warmup: int = 2, attention: str = "auto", glue: str = "auto", priority_frames: Iterable[int] = ()):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.codec = codec
@@ -248,6 +248,15 @@ class CodecSession:
             raise ValueError(f"glue must be 'auto', 'triton' or 'torch', got {glue!r}")
         self.glue = glue
         self.graphs_disabled: str | None = None
+        # Steps of these sizes replay their graphs on a high-priority CUDA stream, from a memory pool of
+        # their own (graphs of one pool must never run concurrently), so a new stream's first chunk does
+        # not queue behind a steady step already on the device. Their rows are never a running step's:
+        # per-slot events order each slot's steps across the two streams (_wait_for_slots).
+        self.priority_frames = frozenset(int(t) for t in priority_frames) if self.graph_mode else frozenset()
+        self.last_step_priority = False
+        self._priority_pool = None
+        self._priority_stream = None
+        self._slot_events: dict[int, tuple[object, object]] = {}  # slot -> (stream, event after its last step)
         self.last_step_graphed = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
@@ -397,9 +406,8 @@ class CodecSession:
             self._reset(slot)
 
     def _reset(self, slot: int) -> None:
-        # frames = 0: no ring position is below the offset any more, so nothing is read (module docstring).
-        with torch.inference_mode():
-            self._frames[slot] = 0
+        # The next step reads this slot's frames as 0 (valid=False): no ring position is below the
+        # offset any more, so nothing is read (module docstring).
         self._frames_host[slot] = 0
 
     def _check_slot(self, slot: int) -> None:
@@ -507,10 +515,16 @@ class CodecSession:
             for _ in range(self.warmup):  # scratch rows only: live slots are untouched
                 self._run(codes, rows, valid)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if t in self.priority_frames:
+            if self._priority_pool is None:
+                self._priority_pool = torch.cuda.graph_pool_handle()
+            pool = self._priority_pool
+        else:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = self._run(codes, rows, valid)
         self._keep.append(graph)
         return _Graph(graph.replay, codes, rows, valid, out)
@@ -555,8 +569,9 @@ class CodecSession:
         if not codes:
             return {}
         with self._lock, torch.inference_mode():
-            slots, out = self._decode(codes, eager, bucket)
+            slots, out, stream = self._decode(codes, eager, bucket)
             out = out.to("cpu", copy=True) if to_cpu else out.clone()  # never a view of graph memory
+            self._after_step(slots, stream)
             return {s: out[i] for i, s in enumerate(slots)}
 
     def step_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
@@ -580,34 +595,36 @@ class CodecSession:
         with self._lock, torch.inference_mode():
             if not codes:
                 return PendingPcm(self, [], [], None, None)
-            slots, out = self._decode(codes, eager, bucket)
+            slots, out, stream = self._decode(codes, eager, bucket, allow_priority=True)
             groups = [(torch.int16, [i for i, s in enumerate(slots) if s in want16]),
                       (torch.float32, [i for i, s in enumerate(slots) if s not in want16])]
-            converted = []
-            for dtype, idx in groups:
-                if not idx:
-                    continue
-                x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
-                x = x.to(torch.float32).transpose(1, 2)  # [n, T*hop, C]: interleaved channels
-                if dtype == torch.int16:
-                    x = (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16)
-                else:
-                    x = x.contiguous()
-                converted.append((idx, x))
-            buf = self._staging_acquire(sum(x.numel() * x.element_size() for _, x in converted))
-            staged, offset = [], 0
-            for idx, x in converted:
-                nbytes = x.numel() * x.element_size()
-                host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
-                host.copy_(x, non_blocking=True)
-                staged.append((idx, host))
-                offset += nbytes
-            done = None
-            if out.is_cuda:
-                # A blocking-sync event: the finisher thread sleeps until the step is done instead of
-                # spinning a core through the whole (tens of ms) step, as a default event's wait does.
-                done = torch.cuda.Event(blocking=True)
-                done.record(torch.cuda.current_stream(out.device))
+            with self._on(stream):  # the conversion and the copy read the pcm on the step's stream
+                converted = []
+                for dtype, idx in groups:
+                    if not idx:
+                        continue
+                    x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
+                    x = x.to(torch.float32).transpose(1, 2)  # [n, T*hop, C]: interleaved channels
+                    if dtype == torch.int16:
+                        x = (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16)
+                    else:
+                        x = x.contiguous()
+                    converted.append((idx, x))
+                buf = self._staging_acquire(sum(x.numel() * x.element_size() for _, x in converted))
+                staged, offset = [], 0
+                for idx, x in converted:
+                    nbytes = x.numel() * x.element_size()
+                    host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
+                    host.copy_(x, non_blocking=True)
+                    staged.append((idx, host))
+                    offset += nbytes
+                done = None
+                if stream is not None:
+                    # A blocking-sync event: the finisher thread sleeps until the step is done instead
+                    # of spinning a core through the whole (tens of ms) step, as a default event's wait does.
+                    done = torch.cuda.Event(blocking=True)
+                    done.record(stream)
+            self._after_step(slots, stream, done)
             return PendingPcm(self, slots, staged, done, buf)
 
     def _staging_acquire(self, nbytes: int) -> int:
@@ -628,9 +645,46 @@ class CodecSession:
             self._staging_free.append(buf)
             self._staging_cond.notify()
 
-    def _decode(self, codes: Mapping[int, Tensor], eager: bool, bucket: int | None) -> tuple[list[int], Tensor]:
-        """One step on the device (call under the lock): the slots in order and pcm [n, C, T*hop], which
-        may alias graph memory until the next step."""
+    def uses_priority_stream(self, t: int) -> bool:
+        """Do steps of t frames run on the high-priority stream (see priority_frames)?"""
+        return t in self.priority_frames and self.graph_mode is not None and not self.graphs_disabled
+
+    def _stream(self, priority: bool):
+        """The CUDA stream a step runs on (None off CUDA): the current one, or the high-priority one."""
+        if self.device.type != "cuda":
+            return None
+        if not priority:
+            return torch.cuda.current_stream(self.device)
+        if self._priority_stream is None:
+            self._priority_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+        return self._priority_stream
+
+    @staticmethod
+    def _on(stream):
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    def _wait_for_slots(self, slots: list[int], stream) -> None:
+        """Order this step after the last step of each of its slots that ran on the other stream
+        (a first chunk on the priority stream, then the stream's next step on the current one; or a
+        slot's previous owner, cancelled while its last step still ran)."""
+        for s in slots:
+            last = self._slot_events.get(s)
+            if last is not None and last[0] != stream:
+                stream.wait_event(last[1])
+
+    def _after_step(self, slots: list[int], stream, event=None) -> None:
+        if stream is not None:
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(stream)
+            for s in slots:
+                self._slot_events[s] = (stream, event)
+
+    def _decode(self, codes: Mapping[int, Tensor], eager: bool, bucket: int | None,
+                allow_priority: bool = False) -> tuple[list[int], Tensor, object]:
+        """One step on the device (call under the lock): the slots in order, pcm [n, C, T*hop] (which
+        may alias graph memory until the next step) and the CUDA stream it ran on (None off CUDA);
+        read the pcm on that stream."""
         slots = list(codes)
         for s in slots:
             self._check_slot(s)
@@ -647,30 +701,37 @@ class CodecSession:
         if pad:
             batch = torch.cat((batch, batch.new_zeros(self.n_q, pad, t)), dim=1)
         rows = torch.tensor(slots + list(range(self.slots, self.slots + pad)), dtype=torch.long)
-        valid = torch.tensor([True] * n + [False] * pad)
+        # valid = the row continues a stream: a fresh stream (and a padding row) reads frames as 0, so
+        # acquire and release need no device write (one that could race a step on the other stream).
+        valid = torch.tensor([self._frames_host[s] > 0 for s in slots] + [False] * pad)
         gr = None if eager else self._graph_for(bucket, t)
+        priority = gr is not None and allow_priority and t in self.priority_frames
+        stream = self._stream(priority)
         out = None
-        if gr is not None:
-            try:
-                gr.codes.copy_(batch)
-                gr.rows.copy_(rows)
-                gr.valid.copy_(valid)
-                gr.replay()
-                out = gr.out
-            except Exception as e:  # noqa: BLE001
-                # A failed replay may have run partly; nothing is committed host-side, but device
-                # state of these rows is unknown, so the step fails and graphs are switched off.
-                self.graphs_disabled = f"replay of (bucket {bucket}, T {t}) failed: {e!r}"
-                self._graphs.clear()
-                self._keep.clear()
-                raise
-        self.last_step_graphed = out is not None
-        if out is None:
-            dev = self.device
-            out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
+        with self._on(stream):
+            if stream is not None:
+                self._wait_for_slots(slots, stream)
+            if gr is not None:
+                try:
+                    gr.codes.copy_(batch)
+                    gr.rows.copy_(rows)
+                    gr.valid.copy_(valid)
+                    gr.replay()
+                    out = gr.out
+                except Exception as e:  # noqa: BLE001
+                    # A failed replay may have run partly; nothing is committed host-side, but device
+                    # state of these rows is unknown, so the step fails and graphs are switched off.
+                    self.graphs_disabled = f"replay of (bucket {bucket}, T {t}) failed: {e!r}"
+                    self._graphs.clear()
+                    self._keep.clear()
+                    raise
+            if out is None:
+                dev = self.device
+                out = self._run(batch.to(dev), rows.to(dev), valid.to(dev))
+        self.last_step_graphed, self.last_step_priority = out is not None and gr is not None, priority
         for s in slots:
             self._frames_host[s] += t
-        return slots, out[:n]
+        return slots, out[:n], stream
 
     def _batch_codes(self, items: list[Tensor]) -> Tensor:
         shapes = {tuple(c.shape) for c in items}
