@@ -94,7 +94,7 @@ class GraphedPrefill:
         positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
         wrapper = e.kv.prefill_graph_wrapper(sequences, rows)
-        batch = self._plan(wrapper, self._padding([], rows, sequences), positions, write_slots)
+        batch = self._plan(wrapper, host_layout(self._padding([], rows, sequences)), positions, write_slots)
 
         def body() -> torch.Tensor:
             e.kv.active = wrapper
@@ -106,9 +106,10 @@ class GraphedPrefill:
         log.info("captured prefill graph for %d rows in %d sequences", rows, sequences)
         return g
 
-    def _plan(self, wrapper, spans: list[SequenceSpan], positions: torch.Tensor,
+    def _plan(self, wrapper, layout: tuple[np.ndarray, ...], positions: torch.Tensor,
               write_slots: torch.Tensor) -> AttentionBatch:
-        _, _, q_indptr, kv_indptr, kv_indices = host_layout(spans)
+        """Plan the wrapper for a padded step's host layout (attention.host_layout)."""
+        _, _, q_indptr, kv_indptr, kv_indices = layout
         batch = AttentionBatch(positions=positions, write_slots=write_slots,
                                qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
                                kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
@@ -123,8 +124,8 @@ class GraphedPrefill:
         e = self.engine
         g = self._get(*bucket)
         r = rows.shape[0]
-        padded = self._padding(spans, g.rows, g.sequences)
-        positions, write_slots, *_ = host_layout(padded)
+        layout = host_layout(self._padding(spans, g.rows, g.sequences))
+        positions, write_slots = layout[:2]
         staged = np.zeros((g.rows, rows.shape[1] + 2), dtype=np.int64)
         staged[:r, :-2] = rows
         staged[:, -2] = positions
@@ -133,6 +134,6 @@ class GraphedPrefill:
         g.tokens.copy_(staged[:, :-2])
         g.positions.copy_(staged[:, -2])
         g.write_slots.copy_(staged[:, -1])
-        self._plan(g.wrapper, padded, g.positions, g.write_slots)
+        self._plan(g.wrapper, layout, g.positions, g.write_slots)
         g.graph.replay()
         return g.out[:r]
