@@ -9,7 +9,8 @@
 # (default 32, so the kernel spreads them over the frontends). RATIOS picks the ratio runs
 # (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
 # 2 / 3 steps in flight, chunk2048 = c256 prefilling up to 2,048 prompt rows a step, vocoders4 =
-# c256 with four vocoder replicas of 64 streams); ONE_GPU=1 adds W1 at c1 and c16 with the
+# c256 with four vocoder replicas of 64 streams, chunk10 = c256 with 10-frame audio chunks, so a
+# stream's last vocoder step is short); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
 FINAL=${OUT:-/tmp/out}
@@ -43,6 +44,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=3 ;;
     chunk2048) run e2e_w1_c256_chunk2048 --workload W1 --concurrency 256 --scheduler-arg=--prefill-chunk=2048 ;;
     vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency 256 --vocoders 4 --vocoder-arg=--slots=64 ;;
+    chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
+               --vocoder-arg=--chunk-frames=10 ;;
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then
