@@ -656,7 +656,8 @@ class CodecSession:
         if not priority:
             return torch.cuda.current_stream(self.device)
         if self._priority_stream is None:
-            self._priority_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+            # Lower is higher; out-of-range values map to the device's highest priority.
+            self._priority_stream = torch.cuda.Stream(self.device, priority=-100)
         return self._priority_stream
 
     @staticmethod
