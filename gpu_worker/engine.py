@@ -28,6 +28,7 @@ from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import common_pb2, worker_pb2
 from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
+from gpu_worker.prefill_graphs import PrefillBucketUnusable
 from gpu_worker.state_pool import DecodeStatePool, RequestState
 
 log = logging.getLogger("chorus.worker")
@@ -270,7 +271,10 @@ class Engine:
             return self._eager(prompt_rows, spans, sample_at, rows_list, [])
         try:
             hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket)
-        except Exception as e:  # noqa: BLE001 - a capture or plan failure: serve on, eagerly
+        except PrefillBucketUnusable as e:  # this bucket only: the others keep their graphs
+            log.warning("prefill graph (%d rows, %d sequences) left out, prefill runs eagerly: %s", *bucket, e)
+            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
+        except Exception as e:  # noqa: BLE001 - a capture or replay failure: serve on, eagerly
             log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
             prefill.disabled = f"replay failed: {e!r}"
             return self._eager(prompt_rows, spans, sample_at, rows_list, [])

@@ -37,6 +37,11 @@ ROW_BUCKETS = (64, 128, 256, 512, 640, 1024, 1536, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
+class PrefillBucketUnusable(RuntimeError):
+    """flashinfer refused to plan this bucket (e.g. its workspace is too small for the rows):
+    prefills of that bucket run eagerly, the other buckets keep their graphs."""
+
+
 @dataclass
 class _PrefillGraph:
     rows: int
@@ -55,6 +60,7 @@ class GraphedPrefill:
         self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle()  # its own: the output is read after other graphs run
         self.disabled: str | None = None
+        self.unusable: dict[tuple[int, int], str] = {}  # bucket -> why flashinfer refused to plan it
 
     def bucket(self, rows: int, sequences: int) -> tuple[int, int] | None:
         """(R, S) for r rows in s sequences, or None: the step runs eagerly."""
@@ -62,15 +68,18 @@ class GraphedPrefill:
         if s is None or self.disabled:
             return None
         r = next((b for b in ROW_BUCKETS if b >= rows + s - sequences), None)
-        return None if r is None else (r, s)
+        return None if r is None or (r, s) in self.unusable else (r, s)
 
     def capture_all(self) -> None:
-        """Every bucket ahead of serving, largest first so smaller graphs reuse its memory; a
-        failure logs and leaves every prefill eager."""
+        """Every bucket ahead of serving, largest first so smaller graphs reuse its memory. A bucket
+        flashinfer cannot plan is left out (logged); any other failure leaves every prefill eager."""
         try:
             for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in SEQUENCE_BUCKETS if s <= r),
                                key=lambda rs: (-rs[0], -rs[1])):
-                self._get(r, s)
+                try:
+                    self._get(r, s)
+                except PrefillBucketUnusable as e:
+                    log.warning("prefill graph for %d rows in %d sequences left out: %s", r, s, e)
         except Exception as e:  # noqa: BLE001 - prefill can always run eagerly
             log.exception("prefill graph capture failed; prefill runs eagerly")
             self.disabled = f"capture failed: {e!r}"
@@ -94,7 +103,8 @@ class GraphedPrefill:
         positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
         wrapper = e.kv.prefill_graph_wrapper(sequences, rows)
-        batch = self._plan(wrapper, host_layout(self._padding([], rows, sequences)), positions, write_slots)
+        batch = self._plan(wrapper, host_layout(self._padding([], rows, sequences)), positions, write_slots,
+                           (rows, sequences))
 
         def body() -> torch.Tensor:
             e.kv.active = wrapper
@@ -107,14 +117,19 @@ class GraphedPrefill:
         return g
 
     def _plan(self, wrapper, layout: tuple[np.ndarray, ...], positions: torch.Tensor,
-              write_slots: torch.Tensor) -> AttentionBatch:
-        """Plan the wrapper for a padded step's host layout (attention.host_layout)."""
+              write_slots: torch.Tensor, bucket: tuple[int, int]) -> AttentionBatch:
+        """Plan the wrapper for a padded step's host layout (attention.host_layout). Nothing is
+        launched before the plan, so a refusal leaves no state behind: PrefillBucketUnusable."""
         _, _, q_indptr, kv_indptr, kv_indices = layout
         batch = AttentionBatch(positions=positions, write_slots=write_slots,
                                qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
                                kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
                                kv_indices=torch.from_numpy(kv_indices.astype(np.int32)))
-        self.engine.kv.plan_prefill(wrapper, batch)
+        try:
+            self.engine.kv.plan_prefill(wrapper, batch)
+        except (ValueError, RuntimeError) as e:
+            self.unusable[bucket] = repr(e)
+            raise PrefillBucketUnusable(repr(e)) from e
         return batch
 
     def run(self, rows: np.ndarray, spans: Sequence[SequenceSpan], bucket: tuple[int, int]) -> torch.Tensor:
@@ -125,6 +140,7 @@ class GraphedPrefill:
         g = self._get(*bucket)
         r = rows.shape[0]
         layout = host_layout(self._padding(spans, g.rows, g.sequences))
+        self._plan(g.wrapper, layout, g.positions, g.write_slots, bucket)  # before any copy: may refuse
         positions, write_slots = layout[:2]
         staged = np.zeros((g.rows, rows.shape[1] + 2), dtype=np.int64)
         staged[:r, :-2] = rows
@@ -134,6 +150,5 @@ class GraphedPrefill:
         g.tokens.copy_(staged[:, :-2])
         g.positions.copy_(staged[:, -2])
         g.write_slots.copy_(staged[:, -1])
-        self._plan(g.wrapper, layout, g.positions, g.write_slots)
         g.graph.replay()
         return g.out[:r]

@@ -179,7 +179,7 @@ def test_prefill_graph_buckets_and_padding():
         scratch_slot, page_size = 4080, 16
 
     g = GraphedPrefill.__new__(GraphedPrefill)
-    g.engine, g.disabled = FakeEngine(), None
+    g.engine, g.disabled, g.unusable = FakeEngine(), None, {}
     assert g.bucket(45, 1) == (64, 2)
     assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
     assert g.bucket(483, 10) == (512, 16) and g.bucket(512, 11) == (640, 16)
@@ -245,3 +245,35 @@ def test_prefill_graph_failure_falls_back_to_eager(model, monkeypatch):
     assert d.run(prompts, frames=6) == want
     assert "no graph-mode prefill here" in d.engine.prefill_graphs.disabled
     assert d.engine.prefill_graphs.bucket(10, 1) is None
+
+
+def test_prefill_bucket_flashinfer_refuses_runs_eagerly(model, monkeypatch, graph_stand_in):
+    """A bucket whose plan flashinfer refuses (say, a workspace too small for its rows) is left out:
+    its prefills run eagerly with the same frames, and the other buckets keep their graphs."""
+    from gpu_worker import cuda_graphs
+    from gpu_worker.prefill_graphs import GraphedPrefill
+
+    tok = load_tokenizer(None)
+    prompts = {1: (build_prompt_rows(model.cfg, tok, "Hello there.", language="English"), 3)}
+    want = Driver(model).run(prompts, frames=6)
+    d = Driver(model)
+    kv = d.engine.kv
+
+    def plan(wrapper, batch):
+        if wrapper == ("big",):
+            raise ValueError("workspace too small")
+        kv.begin(batch)
+
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: ("big",) if rows >= 128 else None,
+                        raising=False)
+    monkeypatch.setattr(kv, "plan_prefill", plan, raising=False)
+    graphs = cuda_graphs.GraphedDecode(d.engine)
+    graphs.fits = lambda n: False
+    graphs.frame_buckets = []
+    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine)
+    prefill = d.engine.prefill_graphs
+    prefill.capture_all()
+    assert prefill.disabled is None and prefill.unusable and all(r >= 128 for r, _ in prefill.unusable)
+    assert prefill.graphs and all(r < 128 for r, _ in prefill.graphs)
+    assert prefill.bucket(100, 1) is None and prefill.bucket(40, 1) == (64, 2)
+    assert d.run(prompts, frames=6) == want
