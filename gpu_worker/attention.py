@@ -186,11 +186,13 @@ class FlashInferPagedAttention(_SlotCache):
     """CUDA backend over the same slot cache, viewed as pages of page_size rows (NHD)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
-                 dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 256 << 20):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 512 << 20):
         import flashinfer  # CUDA-only dependency, imported lazily
 
         super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        # Shared by every wrapper (their runs are serial on one stream). 512 MB: split-KV partials of
+        # a 2,112-row prefill graph plan against it too.
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True)
