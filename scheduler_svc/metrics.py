@@ -30,5 +30,10 @@ WORKER_DECODE_STEP_MS = Histogram("chorus_worker_decode_step_ms", "Worker time o
 WORKER_MIXED_STEP_MS = Histogram("chorus_worker_prefill_step_ms", "Worker time of steps with prefill rows (ms)",
                                  registry=REGISTRY, buckets=_STEP_MS_BUCKETS)
 PREFILL_ROWS = Counter("chorus_prefill_rows", "Prompt rows sent to the worker for prefill", registry=REGISTRY)
+# The core's own time per step: a journal in, to the next plan out (applying the journal, the frames'
+# events to the frontends, building the plan). With lookahead the worker runs the steps already sent
+# meanwhile; when this approaches the worker's step time, the GPU waits for plans.
+TURNAROUND_MS = Histogram("chorus_scheduler_turnaround_ms", "Journal received to the next plan sent (ms)",
+                          registry=REGISTRY, buckets=(0.5, 1, 2, 3, 5, 8, 12, 20, 50, 100))
 LOOKAHEAD_STEPS = Counter("chorus_lookahead_steps", "Steps sent before the previous journal returned",
                           registry=REGISTRY)

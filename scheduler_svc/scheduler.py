@@ -178,6 +178,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.pending_release: list[int] = []
         self.inflight: deque[_InFlight] = deque()
+        self._journal_at: float | None = None  # when the last journal arrived, until the next plan is sent
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
@@ -262,6 +263,9 @@ class Scheduler:
             metrics.LOOKAHEAD_STEPS.inc()
         fut = asyncio.ensure_future(self.worker.step(plan))
         self.inflight.append(_InFlight(plan, fut, writes))
+        if self._journal_at is not None:
+            metrics.TURNAROUND_MS.observe((time.monotonic() - self._journal_at) * 1e3)
+            self._journal_at = None
         return True
 
     async def _receive(self, step: _InFlight) -> None:
@@ -273,7 +277,8 @@ class Scheduler:
             self._fail_step(step, f"worker unavailable: {e}")
             self.sink.flush()
             return
-        metrics.STEP_SECONDS.observe(time.monotonic() - t0)
+        self._journal_at = time.monotonic()
+        metrics.STEP_SECONDS.observe(self._journal_at - t0)
         (metrics.WORKER_MIXED_STEP_MS if step.plan.prefill else metrics.WORKER_DECODE_STEP_MS).observe(journal.step_ms)
         if journal.error:
             log.error("step %d failed on the worker: %s", step.plan.step_id, journal.error)

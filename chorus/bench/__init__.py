@@ -200,7 +200,9 @@ _STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum
                   "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames",
                   "chorus_worker_decode_step_ms_count": "decode_steps", "chorus_worker_decode_step_ms_sum": "decode_ms",
                   "chorus_worker_prefill_step_ms_count": "prefill_steps",
-                  "chorus_worker_prefill_step_ms_sum": "prefill_ms", "chorus_prefill_rows_total": "prefill_rows"}
+                  "chorus_worker_prefill_step_ms_sum": "prefill_ms", "chorus_prefill_rows_total": "prefill_rows",
+                  "chorus_scheduler_turnaround_ms_count": "turnarounds",
+                  "chorus_scheduler_turnaround_ms_sum": "turnaround_ms"}
 
 
 def _scheduler_counters(port: int | None) -> dict[str, float] | None:
@@ -215,8 +217,10 @@ def _scheduler_counters(port: int | None) -> dict[str, float] | None:
 
 
 def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
-    """What the scheduler's steps did over a level: how many per second, their mean round trip
-    (plan sent to journal back), frames per step and the share sent by lookahead."""
+    """What the scheduler's steps did over a level: how many per second, the mean time the core
+    waited for the oldest journal in flight ("round trip"; with lookahead less than a plan's whole
+    round trip), the core's mean turnaround (a journal in to the next plan out), frames per step
+    and the share sent by lookahead."""
     if not before or not after or wall <= 0:
         return None
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _STEP_COUNTERS.values()}
@@ -225,6 +229,7 @@ def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None,
     return {"steps_per_s": steps / wall, "round_trip_ms": 1e3 * d["step_seconds"] / steps if steps else None,
             "frames_per_step": d["frames"] / steps if steps else None,
             "lookahead_share": d["lookahead_steps"] / steps if steps else None,
+            "core_turnaround_ms": per("turnaround_ms", "turnarounds"),
             # the worker's own time per step (launch to journal), decode-only steps and steps with prefill
             "worker_decode_step_ms": per("decode_ms", "decode_steps"),
             "worker_prefill_step_ms": per("prefill_ms", "prefill_steps"),
@@ -289,9 +294,10 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                         f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None), flush=True)
                 st = lv["scheduler_steps"]
                 if st and st["round_trip_ms"] is not None:
+                    turnaround = st.get("core_turnaround_ms")
                     print(f"           scheduler steps: {st['steps_per_s']:.0f}/s, round trip {st['round_trip_ms']:.1f} ms, "
-                          f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%",
-                          flush=True)
+                          f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%"
+                          + (f", core turnaround {turnaround:.1f} ms" if turnaround is not None else ""), flush=True)
                     if st.get("worker_prefill_step_ms") is not None and st.get("worker_decode_step_ms") is not None:
                         print(f"           worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
                               f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
