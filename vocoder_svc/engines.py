@@ -155,8 +155,11 @@ class SessionWorker:
     second thread waits for each launched step's PCM and hands it to the jobs, so the next step is
     already queued on the device while the host turns this one's PCM into bytes.
 
-    Every session call (acquire, step, release) runs on this thread, so a slot
-    is never freed while a step that uses it is in flight. A stream takes a slot
+    Every session call (acquire, launch, release) runs on this thread. A slot may
+    be freed (its call cancelled) while its last step still runs on the device:
+    a step that reuses it runs after, since steps on one CUDA stream run in order
+    and the session orders a slot's steps across its two streams (CodecSession
+    priority_frames). A stream takes a slot
     when its first step is picked; when every slot is taken, that step waits
     (queued, in arrival order) until a call ends and frees one, while streams
     that hold slots keep stepping. The oldest runnable step and every other
