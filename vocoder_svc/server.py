@@ -33,7 +33,8 @@ other due step with the same frame count are decoded in one session step,
 padded to the next batch bucket (--buckets); each (bucket, T) with T in
 --graph-frames (default: the first and steady chunk sizes) is captured as a
 CUDA graph at startup, one progress line each, and replayed; any other T (a
-tail flush, a request's own chunk sizes) runs eagerly at the same bucket.
+request's own chunk sizes) runs eagerly at the same bucket. A stream's short
+last step (the tail flush) is padded to its chunk size and its PCM cut back.
 Streams whose start.codebooks is not --session-codebooks use the stream
 engine. Startup prints a self-check of the byte-identity facts below. On
 CUDA the session and its step loop run in a child process
