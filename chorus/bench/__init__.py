@@ -47,7 +47,7 @@ from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
 from chorus.launcher import Cluster, add_service_flags, free_port, read_metrics, service_args
-from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row
+from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row, ttfa_breakdown
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
 __all__ = ["SCHEMA", "WORKLOADS", "VOICE_FRAMES", "Workload", "make_text", "level_metrics", "percentile", "plot",
@@ -289,6 +289,8 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                     del r["_chunks"]
                 results["records"].extend(level.records)
                 print(table_row(lv), flush=True)
+                if (breakdown := ttfa_breakdown(lv)) is not None:
+                    print("           " + breakdown, flush=True)
                 if any(v is not None for v in lv["server_cpu"].values()):
                     print("           server CPU (cores busy): " + ", ".join(
                         f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None), flush=True)

@@ -98,6 +98,18 @@ def table_row(lv: dict) -> str:
     return " ".join(v.rjust(w) for v, (_, w) in zip(vals, _TABLE_COLS))
 
 
+def ttfa_breakdown(lv: dict) -> str | None:
+    """Where TTFA goes, p50 of the server's own timestamps (ms from the request's arrival): queue
+    (to its first prefill planned), first frame, the first chunk's frames all generated, first audio
+    sent. None when the server reported none of them."""
+    parts = [(name, lv.get(key, {}).get("p50")) for name, key in (
+        ("queue", "server_queue_ms"), ("first frame", "server_first_frame_ms"),
+        ("first chunk's frames", "server_first_chunk_frames_ms"), ("first audio", "server_first_audio_ms"))]
+    if all(v is None for _, v in parts):
+        return None
+    return "TTFA p50 on the server: " + ", ".join(f"{name} {_fmt(v, '.0f')}" for name, v in parts) + " ms"
+
+
 def plot(results: dict[str, Any], path: str) -> bool:
     """Throughput and TTFA p50/p99 against concurrency (or offered rate), one
     line per workload. Returns False (with a warning) without matplotlib."""
