@@ -611,19 +611,24 @@ class CodecSession:
                         x = x.contiguous()
                     converted.append((idx, x))
                 buf = self._staging_acquire(sum(x.numel() * x.element_size() for _, x in converted))
-                staged, offset = [], 0
-                for idx, x in converted:
-                    nbytes = x.numel() * x.element_size()
-                    host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
-                    host.copy_(x, non_blocking=True)
-                    staged.append((idx, host))
-                    offset += nbytes
-                done = None
-                if stream is not None:
-                    # A blocking-sync event: the finisher thread sleeps until the step is done instead
-                    # of spinning a core through the whole (tens of ms) step, as a default event's wait does.
-                    done = torch.cuda.Event(blocking=True)
-                    done.record(stream)
+                try:
+                    staged, offset = [], 0
+                    for idx, x in converted:
+                        nbytes = x.numel() * x.element_size()
+                        host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
+                        host.copy_(x, non_blocking=True)
+                        staged.append((idx, host))
+                        offset += nbytes
+                    done = None
+                    if stream is not None:
+                        # A blocking-sync event: the finisher thread sleeps until the step is done instead
+                        # of spinning a core through the whole (tens of ms) step, as a default event's
+                        # wait does.
+                        done = torch.cuda.Event(blocking=True)
+                        done.record(stream)
+                except BaseException:
+                    self._staging_release(buf)  # a lost buffer would block every later launch
+                    raise
             self._after_step(slots, stream, done)
             return PendingPcm(self, slots, staged, done, buf)
 
