@@ -6,6 +6,7 @@ See vocoder_svc/server.py for how the service picks between them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from vocoder_svc.metrics import Metrics
 from vocoder_svc.session import CodecSession, PendingPcm
 
 DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
+log = logging.getLogger("chorus.vocoder")
 
 
 # ---- the codec worker -------------------------------------------------------------------
@@ -344,19 +346,29 @@ class SessionWorker:
         self._launched.put((runnable, slots, pending, t0, s.last_step_graphed))
 
     def _finish_steps(self) -> None:
-        """The finisher thread: each launched step's PCM, in launch order, to its jobs."""
+        """The finisher thread: each launched step's PCM, in launch order, to its jobs. It must outlive
+        any one failure: a step it stops reading keeps a staging buffer, and launches then block."""
         while (item := self._launched.get()) is not None:
             runnable, slots, pending, t0, graphed = item
             try:
                 out = pending.result()
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
-                for j in runnable:
-                    j.finish(None, e)
-                continue
-            self.report(SessionReport(self.session.free_slots, self._waiting, (time.perf_counter() - t0) * 1000.0,
-                                      len(runnable), graphed))
-            for j, slot in zip(runnable, slots):
-                j.finish(out[slot], None)
+                results = [(None, e)] * len(runnable)
+            else:
+                results = [(out[slot], None) for slot in slots]
+                self._report_quietly(SessionReport(self.session.free_slots, self._waiting,
+                                                   (time.perf_counter() - t0) * 1000.0, len(runnable), graphed))
+            for j, (res, err) in zip(runnable, results):
+                try:
+                    j.finish(res, err)
+                except Exception:  # noqa: BLE001 - one caller's failure is not the session's
+                    log.exception("delivering a decode step's PCM failed")
+
+    def _report_quietly(self, report: SessionReport) -> None:
+        try:
+            self.report(report)
+        except Exception:  # noqa: BLE001 - metrics must not stop the finisher
+            log.exception("session report failed")
 
 
 class StreamTooLong(ValueError):
