@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -41,6 +42,8 @@ import zmq.asyncio
 from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
 from vocoder_svc.engines import SessionReport, SessionStream, SessionWorker, StreamTooLong
 from vocoder_svc.metrics import Metrics
+
+log = logging.getLogger("chorus.vocoder")
 
 
 class DecoderGone(RuntimeError):
@@ -162,25 +165,30 @@ class DecodeProcess:
     async def _read(self) -> None:
         while True:
             frames = await self._results.recv_multipart(copy=True)
-            msg = dpb.DecoderOutput.FromString(frames[0])
-            kind = msg.WhichOneof("kind")
-            if kind == "done":
-                done = msg.done
-                entry = self._open.pop(done.job, None)
-                if entry is None or entry[0].done():  # released meanwhile
-                    continue
-                fut = entry[0]
-                if done.error == dpb.DecoderJobDone.NONE:
-                    fut.set_result(frames[1])
-                elif done.error == dpb.DecoderJobDone.STREAM_TOO_LONG:
-                    fut.set_exception(StreamTooLong(done.message))
-                else:
-                    fut.set_exception(RuntimeError(done.message))
-            elif kind == "report":
-                r = msg.report
-                self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
-                                                          r.step_ms if r.stepped else None, r.step_streams,
-                                                          r.graphed))
+            try:
+                self._handle(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not leave every call waiting
+                log.exception("bad message from the decode process")
+
+    def _handle(self, frames: list[bytes]) -> None:
+        msg = dpb.DecoderOutput.FromString(frames[0])
+        kind = msg.WhichOneof("kind")
+        if kind == "done":
+            done = msg.done
+            entry = self._open.pop(done.job, None)
+            if entry is None or entry[0].done():  # released meanwhile
+                return
+            fut = entry[0]
+            if done.error == dpb.DecoderJobDone.NONE:
+                fut.set_result(frames[1])
+            elif done.error == dpb.DecoderJobDone.STREAM_TOO_LONG:
+                fut.set_exception(StreamTooLong(done.message))
+            else:
+                fut.set_exception(RuntimeError(done.message))
+        elif kind == "report":
+            r = msg.report
+            self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
+                                                      r.step_ms if r.stepped else None, r.step_streams, r.graphed))
 
     async def _watch(self) -> None:
         while self.proc.poll() is None:
