@@ -10,7 +10,8 @@
 # (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
 # 2 / 3 steps in flight, chunk2048 = c256 prefilling up to 2,048 prompt rows a step, vocoders4 =
 # c256 with four vocoder replicas of 64 streams, chunk10 = c256 with 10-frame audio chunks, so a
-# stream's last vocoder step is short); ONE_GPU=1 adds W1 at c1 and c16 with the
+# stream's last vocoder step is short, priority1gpu = the one-GPU run below with the vocoder's
+# --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
 FINAL=${OUT:-/tmp/out}
@@ -46,6 +47,10 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency 256 --vocoders 4 --vocoder-arg=--slots=64 ;;
     chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--chunk-frames=10 ;;
+    priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
+                    --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                    --vocoder-arg=--priority-first-chunks \
+                    --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then
