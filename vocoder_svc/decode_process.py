@@ -262,8 +262,7 @@ def _exit_with_parent() -> None:
 
 
 def child_main(argv: list[str] | None = None) -> None:
-    from vocoder_svc.server import MAX_CHUNK_FRAMES, add_arguments, build_session, make_codec
-    from vocoder_svc.selfcheck import check_session, describe_session_check
+    from vocoder_svc.server import add_arguments, build_session, make_codec
 
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,12 +285,7 @@ def child_main(argv: list[str] | None = None) -> None:
     replies = _Replies(outbox)
 
     codec, _ = make_codec(args)
-    session = build_session(codec, args, log=lambda *a, **k: print(*a, **k))
-    if session.glue_fallback:
-        print(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
-              flush=True)
-    first = max(1, min(args.first_chunk_frames, args.chunk_frames, MAX_CHUNK_FRAMES))
-    print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
+    session = build_session(codec, args)
     worker = SessionWorker(session, replies.report, args.launch_ahead_streams)
     replies.send(dpb.DecoderOutput(ready=dpb.DecoderReady(
         slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,

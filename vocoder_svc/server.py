@@ -239,18 +239,18 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         codes = stream.take(n)
         int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
         first_frame = stream.next_frame
-        padded = stream.threshold if last and stream.handle is not None else n
-        if padded > n and first_frame + padded <= limit:
-            codes = np.concatenate([codes, np.zeros((padded - n, codes.shape[1]), dtype=codes.dtype)])
-        stream.next_frame += n
         if stream.handle is not None:  # the session converts on the device: PCM bytes come back
+            pad = stream.threshold - n if last else 0
+            if pad > 0 and first_frame + n + pad <= limit:
+                codes = np.concatenate([codes, np.zeros((pad, codes.shape[1]), dtype=codes.dtype)])
             step = self.session_worker.submit(stream.handle, codes, int16=int16)
         else:
             step = self.worker.submit(stream.state, codes)  # [C, n*hop] float32
+        stream.next_frame += n
         real_bytes = n * self.codec.hop * self.codec.channels * (2 if int16 else 4)
 
         def response(out) -> vocoder_pb2.DecodeResponse:
-            if stream.handle is not None:
+            if stream.handle is not None:  # cut back to the real frames if the step was padded
                 pcm, num = out[:real_bytes], n * self.codec.hop
             else:  # the scheduler's own PCM16 encoding, so its output bytes do not change
                 num = out.shape[1]
@@ -506,9 +506,15 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def first_chunk(args: argparse.Namespace) -> int:
+    """The first chunk's frames as the service uses them: never above the steady chunk size."""
+    return max(1, min(args.first_chunk_frames, args.chunk_frames))
+
+
 def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
-    """The session engine's CodecSession, with every (bucket, T in --graph-frames) graph captured
-    now (largest first, one progress line each)."""
+    """The session engine's CodecSession, ready to serve: every (bucket, T in --graph-frames) graph
+    captured now (largest first, one progress line each), then the self-check of its byte-identity
+    facts (also the warm-up), logged with a warning if the fused glue kernels fell back."""
     if args.slots < 1:
         raise SystemExit(f"--slots {args.slots}: must be >= 1")
     n_q = args.session_codebooks
@@ -517,8 +523,8 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
     if not buckets or max(buckets) < args.slots:
         raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
+    first = first_chunk(args)
     if args.graph_frames is None:
-        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
         frames = sorted({first, args.chunk_frames})
     elif args.graph_frames.strip().lower() in ("", "none"):
         frames = []
@@ -527,7 +533,6 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     if any(t > MAX_CHUNK_FRAMES for t in frames):
         raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
     graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
-    first = max(1, min(args.first_chunk_frames, args.chunk_frames))
     session = CodecSession(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
                            priority_frames=[first] if args.priority_first_chunks else [])
     log(f"vocoder: session engine: {session.slots} slots, buckets {list(session.buckets)}, {n_q} codebooks, "
@@ -551,6 +556,10 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
                 f"{time.perf_counter() - t0:.2f} s", flush=True)
         else:
             log(f"vocoder: {len(pairs)} graphs captured in {time.perf_counter() - started:.2f} s", flush=True)
+    if session.glue_fallback:
+        log(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
+            flush=True)
+    log(describe_session_check(check_session(session, first)), flush=True)
     return session
 
 
@@ -589,17 +598,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         session = build_session(codec, args)
         metrics.session_kernels.labels("attention", session.attention_path).set(1)
         metrics.session_kernels.labels("glue", session.glue_impl).set(1)
-        if session.glue_fallback:
-            print(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
-                  flush=True)
-        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
-        print(describe_session_check(check_session(session, first)), flush=True)  # also the warm-up
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
     if session is not None or decoder is not None:
         max_batch = 1  # the stream engine only serves other codebook counts
     elif max_batch > 1 and invariant:
-        first = max(1, min(args.first_chunk_frames, args.chunk_frames))
-        problem = check_batch_invariance(codec, first, max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
+        problem = check_batch_invariance(codec, first_chunk(args), max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
         if problem is not None:
             print(f"vocoder: batched decode is not batch-invariant on {args.device}/{args.dtype} "
                   f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",

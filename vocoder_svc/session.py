@@ -673,13 +673,17 @@ class CodecSession:
         """Order this step after the last step of each of its slots that ran on the other stream
         (a first chunk on the priority stream, then the stream's next step on the current one; or a
         slot's previous owner, cancelled while its last step still ran)."""
+        if not self.priority_frames:
+            return  # one stream: its steps run in order
         for s in slots:
             last = self._slot_events.get(s)
             if last is not None and last[0] != stream:
                 stream.wait_event(last[1])
 
     def _after_step(self, slots: list[int], stream, event=None) -> None:
-        if stream is not None:
+        """Remember each slot's last step (its stream, an event after it) for _wait_for_slots;
+        only needed when steps run on two streams."""
+        if stream is not None and self.priority_frames:
             if event is None:
                 event = torch.cuda.Event()
                 event.record(stream)
