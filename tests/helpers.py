@@ -73,3 +73,17 @@ def triton_skip_reason() -> str | None:
     if not triton_support.INTERPRET:
         return "triton was imported in compiled mode: run the tests with TRITON_INTERPRET=1"
     return None
+
+
+def still_running(pids: list[int], timeout: float) -> list[int]:
+    """The pids still running (not gone, not zombies) after waiting up to timeout for them to exit."""
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive

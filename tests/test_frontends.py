@@ -6,7 +6,6 @@ service down loudly instead of leaving a port that half works."""
 import io
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,23 +16,9 @@ import soundfile as sf
 from chorus.client import synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from chorus.launcher import child_pids
-from helpers import make_cluster, metric, seeded_request, wait_until_idle
+from helpers import make_cluster, metric, seeded_request, still_running, wait_until_idle
 
 FRONTENDS = 2
-
-
-def still_running(pids: list[int], timeout: float) -> list[int]:
-    """The pids still running (not gone, not zombies) after waiting up to timeout for them to exit."""
-    def running(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-    deadline = time.monotonic() + timeout
-    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return alive
 
 
 def own_connection(address: str) -> grpc.Channel:

@@ -8,7 +8,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,15 +30,11 @@ from vocoder_svc.server import (DecodeWorker, Metrics, SessionWorker, VocoderSer
                               resolve_engine)
 from vocoder_svc.session import CodecSession
 
+from helpers import free_port, still_running
+
 REPO = Path(__file__).resolve().parent.parent
 HOP = 3840
 SEED = 7
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_vocoder(*flags: str, timeout: float = 90) -> tuple[subprocess.Popen, str, list[str], queue.Queue]:
@@ -707,15 +702,6 @@ def _start_decode_process_vocoder(metrics_port: int = 0):
     return proc, address, child, lines
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a zombie until its parent reaps it counts as gone
-    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
-
-
 def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
     """Through the decode process: streams beyond the slots wait and every one decodes to the offline
     PCM; a cancelled stream's slot comes back; the child's step figures reach /metrics; SIGTERM drains
@@ -759,7 +745,7 @@ def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
             rest = [got.get(timeout=30)]
             assert rest[0] != "done" and rest[0].frames == 7 and got.get(timeout=30) == "done"
         assert proc.wait(timeout=30) == 0
-        assert wait_for(lambda: _gone(child), timeout=10)
+        assert not still_running([child], timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
