@@ -343,11 +343,30 @@ def check_silu_mul() -> dict:
     return out
 
 
-def timings(iters: int) -> list[dict]:
+def check_head_linear() -> dict:
+    """head_linear vs F.linear (cuBLAS) on the sampling heads' shapes, both against a
+    float64 product: each is one rounding of an fp32 sum, in different orders."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    out = {}
+    for N in (V_AUDIO, 2):
+        w = (torch.randn(N, D, generator=gen, device=DEV) * D ** -0.5).to(torch.bfloat16)
+        for B in BATCHES:
+            x = torch.randn(B, D, generator=gen, device=DEV).to(torch.bfloat16)
+            exact = (x.double() @ w.double().T).to(torch.bfloat16)
+            got = K.head_linear(x, w, impl="triton")
+            out[f"N{N}_B{B}"] = {"vs_cublas": ulp_stats(got, F.linear(x, w)), "vs_fp64": ulp_stats(got, exact),
+                                 "cublas_vs_fp64": ulp_stats(F.linear(x, w), exact),
+                                 "batch_invariant": bool(torch.equal(got[:1], K.head_linear(x[:1], w, impl="triton")))}
+    return out
+
+
+def timings(iters: int, only: set[str] | None = None) -> list[dict]:
     gen = torch.Generator(device=DEV).manual_seed(4)
     rows = []
 
     def add(kernel, shape, torch_fn, triton_fn):
+        if only and kernel not in only:
+            return
         r = {"kernel": kernel, "shape": shape}
         for impl, fn in (("torch", torch_fn), ("triton", triton_fn)):
             try:
@@ -375,6 +394,12 @@ def timings(iters: int) -> list[dict]:
         sp = sampling_params(gen, B, 2, mixed=False, t=1.0, k=50, p=1.0)
         add("fused_sample", f"B{B} V2 (stop)", lambda: torch_sample(stop, *sp),
             lambda: K.fused_sample(stop, *sp, impl="triton"))
+    for N in (V_AUDIO, 2):  # an audio head and the stop head
+        hw = (torch.randn(N, D, generator=gen, device=DEV) * D ** -0.5).to(torch.bfloat16)
+        for B in BATCHES:
+            hx = torch.randn(B, D, generator=gen, device=DEV).to(torch.bfloat16)
+            add("head_linear", f"B{B} N{N} K{D} bfloat16", lambda: F.linear(hx, hw),
+                lambda: K.head_linear(hx, hw, impl="triton"))
     for dtype in (torch.bfloat16,):
         w = torch.ones(D, device=DEV, dtype=dtype)
         for B in BATCHES:
@@ -429,7 +454,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--quick", action="store_true", help="fewer sampler rows and timing iterations")
+    ap.add_argument("--only", help="comma-separated sections/kernels, e.g. head_linear (default: all)")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
     if not torch.cuda.is_available() or not K.HAVE_TRITON:
         raise SystemExit("needs CUDA and triton")
     import triton
@@ -438,7 +465,10 @@ def main() -> None:
     t0 = time.time()
     for name, fn in (("fused_sample", lambda: check_sampler(args.quick)), ("rms_norm", check_rms_norm),
                      ("qk_norm_rope", check_qk_norm_rope), ("silu_mul", check_silu_mul),
-                     ("add_norms", check_add_norms), ("local_attention", check_local_attention)):
+                     ("add_norms", check_add_norms), ("local_attention", check_local_attention),
+                     ("head_linear", check_head_linear)):
+        if only and name not in only:
+            continue
         t = time.time()
         try:
             result["sections"][name] = fn()
@@ -448,7 +478,7 @@ def main() -> None:
         print(json.dumps(result["sections"][name], indent=1)[:6000], flush=True)
     result["summary"] = summarize(result["sections"])
     print("== summary\n" + json.dumps(result["summary"], indent=1), flush=True)
-    result["timings"] = timings(100 if args.quick else 400)
+    result["timings"] = timings(100 if args.quick else 400, only)
     result["wall_s"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

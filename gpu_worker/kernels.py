@@ -15,6 +15,8 @@ inside one CUDA graph. These kernels collapse the worst offenders:
   and attention over its <= 13 positions, one launch.
 - `embed_rows`: the summed text + audio-code row embedding.
 - `silu_mul`: F.silu(gate) * up with torch's two bf16 roundings.
+- `head_linear`: x @ w.T for the frame decode's sampling heads (N <= 1024 outputs
+  and a few rows), tiled over enough programs to read the weights at speed.
 
 Every function takes `impl` (chorus/triton_support.py): "auto" runs the
 kernel on CUDA tensors and the torch path elsewhere (the CPU tests and the
@@ -61,7 +63,7 @@ from chorus.triton_support import KERNEL_DTYPES as _KERNEL_DTYPES, launch_opts a
 from chorus.triton_support import use_kernel
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "fused_sample", "rms_norm", "add_rms_norm", "add_layer_norm",
-           "qk_norm_rope_store", "local_attention", "silu_mul"]
+           "qk_norm_rope_store", "local_attention", "silu_mul", "head_linear"]
 
 MAX_SAMPLE_VOCAB = 2048
 # fused_sample sorts only the 2**6 largest scores of a row whose top-k is at most 64 and
@@ -460,6 +462,30 @@ if HAVE_TRITON:
         tl.store(out_ptr + row, out.to(tl.int64))
 
 
+    # ---- sampling heads -------------------------------------------------------------
+    @triton.jit
+    def _head_linear_kernel(x_ptr, w_ptr, out_ptr, B, N, x_stride, w_stride, out_stride, K: tl.constexpr,
+                            BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr, CUDA: tl.constexpr):
+        """out[B, N] = x[B, K] @ w[N, K].T with an fp32 accumulator, K in a fixed order."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K is constexpr (a model width): the interpreter needs that
+            kk = k0 + rk
+            xt = tl.load(x_ptr + rb[:, None].to(tl.int64) * x_stride + kk[None, :],
+                         mask=(rb[:, None] < B) & (kk[None, :] < K), other=0.0)
+            wt = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+                         mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            if CUDA:
+                acc += tl.dot(xt, tl.trans(wt), input_precision=PRECISION)
+            else:  # the interpreter's dot mishandles bf16; the fp32 products of bf16 inputs are exact
+                acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+        tl.store(out_ptr + rb[:, None].to(tl.int64) * out_stride + rn[None, :],
+                 _cast(acc, out_ptr.dtype.element_ty, CUDA), mask=(rb[:, None] < B) & (rn[None, :] < N))
+
+
 # =============================================================================
 # Public API
 # =============================================================================
@@ -674,4 +700,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> tor
     _silu_mul_kernel[(N, triton.cdiv(F, block))](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), F,
         BLOCK=block, CUDA=gate.is_cuda, **_launch_opts(4))
+    return out
+
+
+# head_linear's tiles: 16 output columns a program (tl.dot's minimum) puts a 1024-code head on
+# 64 programs; BLOCK_K is fixed, so a row's sum runs in one order whatever the batch.
+HEAD_BLOCK_N, HEAD_BLOCK_K = 16, 256
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """`F.linear(x, w)` (no bias) for x [B, K], w [N, K], output in x's dtype.
+
+    Why a kernel: for a sampling head (N = 1024 codes, or the 2-way stop head) and B <= 64
+    rows, cuBLAS picks 8x64 tiles, i.e. 16 thread blocks for the whole 5 MB weight: 13.5 us
+    per head on the H200 where the bytes take 1.2 us (profile_step_bs1_h200.json), 12 heads a
+    frame. Here each program owns 16 output columns and 16-64 rows and reads its slice of w
+    once, fp32 accumulation in a fixed K order, one rounding to x's dtype (as cuBLAS)."""
+    B, Kdim = x.shape
+    N = w.shape[0]
+    supported = (x.dtype in _KERNEL_DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == Kdim
+                 and B > 0 and N > 0 and x.stride(1) == 1 and w.stride(1) == 1)
+    if not _use_kernel(impl, supported, x, w):
+        return torch.nn.functional.linear(x, w)
+    out = torch.empty((B, N), dtype=x.dtype, device=x.device)
+    block_b = min(64, max(16, triton.next_power_of_2(B)))
+    _head_linear_kernel[(triton.cdiv(N, HEAD_BLOCK_N), triton.cdiv(B, block_b))](
+        x, w, out, B, N, x.stride(0), w.stride(0), out.stride(0),
+        K=Kdim, BLOCK_B=block_b, BLOCK_N=HEAD_BLOCK_N, BLOCK_K=HEAD_BLOCK_K,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 as torch's (no TF32) matmul
+        CUDA=x.is_cuda,
+        **_launch_opts(4, num_stages=4))
     return out

@@ -400,13 +400,13 @@ class MossTTSLocal(nn.Module):
         cache = lt.new_cache(b, hidden.dtype, hidden.device)
         base = sp.generation_step * (self.cfg.n_vq + 1)  # sampler position = 13n + channel
         l = lt.step(hidden, 0, cache)
-        stop_logits = self.local_text_lm_head(l)  # the sampler promotes to >= fp32 itself
+        stop_logits = kernels.head_linear(l, self.local_text_lm_head.weight)  # the sampler promotes to fp32
         # fused_sample = sampler.sample (after the repetition penalty), one launch on CUDA
         stop = fused_sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
         stop = stop & (sp.generation_step >= sp.min_frames)
         codes = []
         for k, table in enumerate(self.audio_embeddings):
-            logits = F.linear(l, table.weight)  # head k is tied to Eaudio_k, reads local position k
+            logits = kernels.head_linear(l, table.weight)  # head k is tied to Eaudio_k, reads local position k
             presence = sp.presence[:, k, :logits.shape[-1]] if sp.presence is not None else None
             c = fused_sample(logits, sp.audio_temperature, sp.audio_top_k, sp.audio_top_p, sp.seed, base,
                              presence, sp.audio_penalty if presence is not None else None, position_offset=k + 1)

@@ -401,3 +401,20 @@ def test_embed_rows(dtype):
     got = K.embed_rows(rows, text.weight, weights(), pad, impl="triton")
     assert torch.equal(got, want)
     assert K.embed_rows(rows, text.weight, weights(), pad) is None  # auto on CPU: the caller's torch path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 5, 70])
+def test_head_linear(dtype, B):
+    gen = torch.Generator().manual_seed(B)
+    N, Kdim = 40, 600  # neither a multiple of the 16-column or 256-deep tiles
+    x = torch.randn(B, Kdim + 3, generator=gen).to(dtype)[:, :Kdim]  # strided rows, as a view of the local output
+    w = (torch.randn(N, Kdim, generator=gen) / Kdim ** 0.5).to(dtype)
+    got = K.head_linear(x, w, impl="triton")
+    want = (x.double() @ w.double().T)
+    assert got.dtype == dtype and got.shape == (B, N)
+    if dtype == torch.float32:
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:  # fp32 sums in another order than the reference, then one rounding to dtype
+        assert _ulp_diff(got, want.to(dtype)) <= 1
+    assert torch.equal(K.head_linear(x, w), F.linear(x, w))  # auto on CPU: the torch path
