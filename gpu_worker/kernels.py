@@ -706,21 +706,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> tor
 # head_linear's tiles: 16 output columns a program (tl.dot's minimum) puts a 1024-code head on
 # 64 programs; BLOCK_K is fixed, so a row's sum runs in one order whatever the batch.
 HEAD_BLOCK_N, HEAD_BLOCK_K = 16, 256
+# From 16 rows on cuBLAS is as fast or faster (kernel_checks_head_s6_h200.json, in a graph:
+# 1 row 13.7 us cuBLAS vs 5.5 here; 64 rows 5.6 vs 6.1; 256 rows 7.1 vs 11.5).
+HEAD_KERNEL_MAX_ROWS = 15
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
-    """`F.linear(x, w)` (no bias) for x [B, K], w [N, K], output in x's dtype.
+    """`F.linear(x, w)` (no bias) for x [B, K], w [N, K], output in x's dtype: an audio head of
+    the frame decode (N = 1024 codes).
 
-    Why a kernel: for a sampling head (N = 1024 codes, or the 2-way stop head) and B <= 64
-    rows, cuBLAS picks 8x64 tiles, i.e. 16 thread blocks for the whole 5 MB weight: 13.5 us
-    per head on the H200 where the bytes take 1.2 us (profile_step_bs1_h200.json), 12 heads a
-    frame. Here each program owns 16 output columns and 16-64 rows and reads its slice of w
-    once, fp32 accumulation in a fixed K order, one rounding to x's dtype (as cuBLAS)."""
+    Why a kernel: for one row cuBLAS picks 8x64 tiles, i.e. 16 thread blocks for the whole
+    5 MB weight: 13.7 us per head on the H200 where the bytes take 1.2 us, 12 heads a frame.
+    Here each program owns 16 output columns and 16-64 rows and reads its slice of w once,
+    fp32 accumulation in a fixed K order, one rounding to x's dtype (as cuBLAS). "auto" runs
+    it on CUDA for at most HEAD_KERNEL_MAX_ROWS rows, cuBLAS above."""
     B, Kdim = x.shape
     N = w.shape[0]
     supported = (x.dtype in _KERNEL_DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.shape[1] == Kdim
                  and B > 0 and N > 0 and x.stride(1) == 1 and w.stride(1) == 1)
-    if not _use_kernel(impl, supported, x, w):
+    if (impl == "auto" and B > HEAD_KERNEL_MAX_ROWS) or not _use_kernel(impl, supported, x, w):
         return torch.nn.functional.linear(x, w)
     out = torch.empty((B, N), dtype=x.dtype, device=x.device)
     block_b = min(64, max(16, triton.next_power_of_2(B)))

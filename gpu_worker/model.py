@@ -400,7 +400,7 @@ class MossTTSLocal(nn.Module):
         cache = lt.new_cache(b, hidden.dtype, hidden.device)
         base = sp.generation_step * (self.cfg.n_vq + 1)  # sampler position = 13n + channel
         l = lt.step(hidden, 0, cache)
-        stop_logits = kernels.head_linear(l, self.local_text_lm_head.weight)  # the sampler promotes to fp32
+        stop_logits = self.local_text_lm_head(l)  # the sampler promotes to >= fp32 itself
         # fused_sample = sampler.sample (after the repetition penalty), one launch on CUDA
         stop = fused_sample(stop_logits, sp.text_temperature, sp.text_top_k, sp.text_top_p, sp.seed, base) == 1
         stop = stop & (sp.generation_step >= sp.min_frames)
