@@ -9,7 +9,8 @@
 # (default 32, so the kernel spreads them over the frontends). RATIOS picks the ratio runs
 # (default: the first four; frontends1 = c256 with one frontend, depth2 / depth3 = c256 with
 # 2 / 3 steps in flight, chunk2048 = c256 prefilling up to 2,048 prompt rows a step, vocoders4 =
-# c256 with four vocoder replicas of 64 streams, chunk10 = c256 with 10-frame audio chunks, so a
+# c256 with four vocoder replicas of 64 streams, vocoders1 = c256 with one replica of 256 (each
+# replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
 # stream's last vocoder step is short, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
@@ -45,6 +46,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=3 ;;
     chunk2048) run e2e_w1_c256_chunk2048 --workload W1 --concurrency 256 --scheduler-arg=--prefill-chunk=2048 ;;
     vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency 256 --vocoders 4 --vocoder-arg=--slots=64 ;;
+    vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency 256 --vocoders 1 --vocoder-arg=--slots=256 ;;
     chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--chunk-frames=10 ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
