@@ -147,50 +147,63 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         D = 2 * HALF
         width = tl.num_programs(1) * D  # n_head * head_dim: q, k, v sit at 0, width, 2*width
-        i = tl.arange(0, BLOCK_H)
-        m = i < HALF
-        # Even and odd channels apart: interleaved RoPE rotates the pairs (2i, 2i+1).
-        src = qkv_ptr + b * qkv_stride + h * D + 2 * i
-        q_e = tl.load(src, mask=m, other=0.0)
-        dt = q_e.dtype
-        qe = q_e.to(tl.float32)
-        qo = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
-        ke = tl.load(src + width, mask=m, other=0.0).to(tl.float32)
-        ko = tl.load(src + width + 1, mask=m, other=0.0).to(tl.float32)
-        ve = tl.load(src + 2 * width, mask=m, other=0.0).to(tl.float32)
-        vo = tl.load(src + 2 * width + 1, mask=m, other=0.0).to(tl.float32)
+        # Whole head rows are loaded (contiguous, vectorised) and split into even and odd
+        # channels in registers: interleaved RoPE rotates the pairs (2i, 2i+1).
+        c = tl.arange(0, 2 * BLOCK_H)
+        mc = c < D
+        src = qkv_ptr + b * qkv_stride + h * D + c
+        q = tl.load(src, mask=mc, other=0.0)
+        dt = q.dtype
+        qe, qo = _pairs(q.to(tl.float32), BLOCK_H)
+        ke, ko = _pairs(tl.load(src + width, mask=mc, other=0.0).to(tl.float32), BLOCK_H)
+        ve, vo = _pairs(tl.load(src + 2 * width, mask=mc, other=0.0).to(tl.float32), BLOCK_H)
         if HAS_ROPE:
             # model.rotate_interleaved in the activation dtype: x*cos + rot(x)*sin with
             # rot = (-x_odd, x_even) per pair, every product and the sum rounded.
-            c = _rnd(tl.load(cos_ptr + 2 * i, mask=m, other=0.0), dt, CUDA)
-            s = _rnd(tl.load(sin_ptr + 2 * i, mask=m, other=0.0), dt, CUDA)
-            qe, qo = (_rnd(_rnd(qe * c, dt, CUDA) + _rnd(-qo * s, dt, CUDA), dt, CUDA),
-                      _rnd(_rnd(qo * c, dt, CUDA) + _rnd(qe * s, dt, CUDA), dt, CUDA))
-            ke, ko = (_rnd(_rnd(ke * c, dt, CUDA) + _rnd(-ko * s, dt, CUDA), dt, CUDA),
-                      _rnd(_rnd(ko * c, dt, CUDA) + _rnd(ke * s, dt, CUDA), dt, CUDA))
+            cs, _ = _pairs(tl.load(cos_ptr + c, mask=mc, other=0.0), BLOCK_H)
+            sn, _ = _pairs(tl.load(sin_ptr + c, mask=mc, other=0.0), BLOCK_H)
+            cs = _rnd(cs, dt, CUDA)
+            sn = _rnd(sn, dt, CUDA)
+            qe, qo = (_rnd(_rnd(qe * cs, dt, CUDA) + _rnd(-qo * sn, dt, CUDA), dt, CUDA),
+                      _rnd(_rnd(qo * cs, dt, CUDA) + _rnd(qe * sn, dt, CUDA), dt, CUDA))
+            ke, ko = (_rnd(_rnd(ke * cs, dt, CUDA) + _rnd(-ko * sn, dt, CUDA), dt, CUDA),
+                      _rnd(_rnd(ko * cs, dt, CUDA) + _rnd(ke * sn, dt, CUDA), dt, CUDA))
         # Append this position's k, v; positions < P come from earlier launches.
-        kdst = kc_ptr + b * c_sb + h * c_sh + P * c_sp + 2 * i
-        vdst = vc_ptr + b * c_sb + h * c_sh + P * c_sp + 2 * i
-        tl.store(kdst, _cast(ke, dt, CUDA), mask=m)
-        tl.store(kdst + 1, _cast(ko, dt, CUDA), mask=m)
-        tl.store(vdst, _cast(ve, dt, CUDA), mask=m)
-        tl.store(vdst + 1, _cast(vo, dt, CUDA), mask=m)
+        row = b * c_sb + h * c_sh
+        tl.store(kc_ptr + row + P * c_sp + c, _cast(_interleave(ke, ko, BLOCK_H), dt, CUDA), mask=mc)
+        tl.store(vc_ptr + row + P * c_sp + c, _cast(_interleave(ve, vo, BLOCK_H), dt, CUDA), mask=mc)
         j = tl.arange(0, BLOCK_P)
-        cached = (j < P)[:, None] & m[None, :]
-        at = b * c_sb + h * c_sh + j[:, None] * c_sp + 2 * i[None, :]
+        cached = (j < P)[:, None] & mc[None, :]
+        at = row + j[:, None] * c_sp + c[None, :]
         is_new = (j == P)[:, None]
-        Ke = tl.where(is_new, ke[None, :], tl.load(kc_ptr + at, mask=cached, other=0.0).to(tl.float32))
-        Ko = tl.where(is_new, ko[None, :], tl.load(kc_ptr + at + 1, mask=cached, other=0.0).to(tl.float32))
+        Ke, Ko = _pairs2(tl.load(kc_ptr + at, mask=cached, other=0.0).to(tl.float32), BLOCK_P, BLOCK_H)
+        Ke = tl.where(is_new, ke[None, :], Ke)
+        Ko = tl.where(is_new, ko[None, :], Ko)
         # Scores and softmax in fp32, probabilities rounded to the activation dtype for P·V.
         sc = tl.sum(Ke * qe[None, :] + Ko * qo[None, :], axis=1) * scale
         sc = tl.where(j <= P, sc, float("-inf"))
         e = _exp(sc - tl.max(sc, axis=0), CUDA)
         p = _rnd(_div(e, tl.sum(e, axis=0)), dt, CUDA)
-        Ve = tl.where(is_new, ve[None, :], tl.load(vc_ptr + at, mask=cached, other=0.0).to(tl.float32))
-        Vo = tl.where(is_new, vo[None, :], tl.load(vc_ptr + at + 1, mask=cached, other=0.0).to(tl.float32))
-        dst = out_ptr + b * out_stride + h * D + 2 * i
-        tl.store(dst, _cast(tl.sum(p[:, None] * Ve, axis=0), dt, CUDA), mask=m)
-        tl.store(dst + 1, _cast(tl.sum(p[:, None] * Vo, axis=0), dt, CUDA), mask=m)
+        Ve, Vo = _pairs2(tl.load(vc_ptr + at, mask=cached, other=0.0).to(tl.float32), BLOCK_P, BLOCK_H)
+        Ve = tl.where(is_new, ve[None, :], Ve)
+        Vo = tl.where(is_new, vo[None, :], Vo)
+        o = _interleave(tl.sum(p[:, None] * Ve, axis=0), tl.sum(p[:, None] * Vo, axis=0), BLOCK_H)
+        tl.store(out_ptr + b * out_stride + h * D + c, _cast(o, dt, CUDA), mask=mc)
+
+    @triton.jit
+    def _pairs(x, BLOCK_H: tl.constexpr):
+        """[2*BLOCK_H] -> its even and odd elements, [BLOCK_H] each."""
+        return tl.split(tl.reshape(x, [BLOCK_H, 2]))
+
+    @triton.jit
+    def _pairs2(x, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+        """[BLOCK_P, 2*BLOCK_H] -> its even and odd columns, [BLOCK_P, BLOCK_H] each."""
+        return tl.split(tl.reshape(x, [BLOCK_P, BLOCK_H, 2]))
+
+    @triton.jit
+    def _interleave(even, odd, BLOCK_H: tl.constexpr):
+        """_pairs' inverse."""
+        return tl.reshape(tl.join(even, odd), [2 * BLOCK_H])
 
     # ---- QK-norm + half-split RoPE + paged KV store ------------------------------
     @triton.jit
@@ -333,14 +346,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_keys(skey):
-        """Scores of sorted (score, -index) keys."""
-        hi = (skey >> 32).to(tl.int32)
-        return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        """Scores of sorted int32 keys (fp32 bits with the order of the scores)."""
+        return (skey ^ ((skey >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _nucleus(skey, k, k_active, V, p, p_active, SIZE: tl.constexpr, CUDA: tl.constexpr):
-        """(k-th largest score, key threshold of the top-p nucleus) from the SIZE largest keys,
-        sorted descending; exact when every score >= the k-th is among them (or SIZE = all)."""
+        """(k-th largest score, key at the last rank of the top-p nucleus, nucleus size) from the
+        SIZE largest keys, sorted descending; exact when every score >= the k-th is among them
+        (or SIZE = all). A size past SIZE (no key matches) means: keep every score."""
         NEG_INF = float("-inf")
         j = tl.arange(0, SIZE)
         s_sorted = _decode_keys(skey)
@@ -351,6 +364,7 @@ if HAVE_TRITON:
         # P = exp(x - max) / sum, C = cumsum(P); keep sorted i iff i == 0 or C[i-1] <= p.
         # C is non-decreasing, so the kept set is the prefix up to and including the
         # first i with !(C[i] <= p) (a NaN C, from +inf scores, keeps index 0 only).
+        # Equal scores have equal P: C does not depend on the order among ties.
         masked = tl.where(drop_k_sorted, NEG_INF, s_sorted)
         e = _exp(masked - tl.max(masked, axis=0), CUDA)
         total = tl.sum(e, axis=0)
@@ -360,10 +374,21 @@ if HAVE_TRITON:
             probs = e * (1.0 / total)  # torch-CPU softmax multiplies by its reciprocal
         cum = tl.cumsum(probs, axis=0)
         n_keep = tl.where(p_active, _first_index(~(cum <= p), j, SIZE) + 1, SIZE)
-        # Back to columns without a scatter: sorted rank < n_keep <=> key >= the key at
-        # rank n_keep-1 (keys are unique); n_keep > SIZE-1 matches nothing: keep all.
-        thr = tl.max(tl.where(j == n_keep - 1, skey, -9223372036854775807 - 1), axis=0)
-        return kth, thr
+        thr = tl.max(tl.where(j == n_keep - 1, skey, -2147483647 - 1), axis=0)
+        return kth, thr, n_keep
+
+    @triton.jit
+    def _nucleus_keep(key, thr, n_keep):
+        """Columns in the first n_keep ranks of a stable descending sort (equal keys by column
+        index), given thr, the key at rank n_keep - 1: every key above thr, and of those equal
+        to it the lowest-indexed n_keep - #above."""
+        above = key > thr
+        tie = key == thr
+        keep = above | tie
+        m = n_keep - tl.sum(above.to(tl.int32), axis=0)
+        if m < tl.sum(tie.to(tl.int32), axis=0):  # the nucleus ends inside a run of equal scores
+            keep = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= m))
+        return keep
 
     @triton.jit
     def _first_index(cond, j, BLOCK: tl.constexpr):
@@ -407,14 +432,15 @@ if HAVE_TRITON:
         s_nan = s != s
         s_first_nan = _first_index(s_nan, j, BLOCK)
 
-        # -- one descending sort of (score, -index) keys serves top-k and top-p --
-        # fp32 -> int32 with the same order (flip the magnitude bits of negatives), the
-        # index below it so equal scores keep the lower index first (torch's stable sort).
+        # -- one descending sort of score keys serves top-k and top-p --
+        # fp32 -> int32 with the same order (flip the magnitude bits of negatives). Only the
+        # scores are sorted (int32 moves half the bytes of (score, index) int64 keys); torch's
+        # stable order among equal scores, lower index first, is restored from the column
+        # index afterwards (_nucleus_keep).
         s_key = tl.where(s_nan, NEG_INF, s)
         s_key = tl.where(s_key == 0.0, 0.0, s_key)  # -0.0 == +0.0: one key for both
         bits = s_key.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - j).to(tl.int64)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         k = tl.load(topk_ptr + row).to(tl.int64)
         k_active = (k > 0) & (k < V)
         p = tl.load(topp_ptr + row).to(tl.float32)
@@ -428,12 +454,13 @@ if HAVE_TRITON:
             kth_top = tl.max(tl.where(jt == tl.minimum(tl.maximum(k, 1), V) - 1, s_top, NEG_INF), axis=0)
             last = tl.min(s_top, axis=0)
             if k_active & (k <= 2 ** LOG_FAST) & (last < kth_top):
-                kth, thr = _nucleus(top, k, k_active, V, p, p_active, 2 ** LOG_FAST, CUDA)
+                kth, thr, n_keep = _nucleus(top, k, k_active, V, p, p_active, 2 ** LOG_FAST, CUDA)
             else:
-                kth, thr = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active, BLOCK, CUDA)
+                kth, thr, n_keep = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active,
+                                            BLOCK, CUDA)
         else:
-            kth, thr = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active, BLOCK, CUDA)
-        keep = valid & (key >= thr) & ~(k_active & (s_key < kth))
+            kth, thr, n_keep = _nucleus(_sort_descending(key, LOG_BLOCK), k, k_active, V, p, p_active, BLOCK, CUDA)
+        keep = valid & _nucleus_keep(key, thr, n_keep) & ~(k_active & (s_key < kth))
         s = tl.where(keep, s, NEG_INF)
         all_neg_inf = tl.max(s, axis=0) == NEG_INF
 

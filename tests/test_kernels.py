@@ -94,6 +94,20 @@ def test_fused_sample_matches_sampler(V, B, ties):
     _check(got, logits, t, k, p, seed, pos, max_boundary=1)
 
 
+def test_fused_sample_nucleus_ends_in_ties():
+    """Four score levels, ~256 columns each: the top-p boundary falls inside a run of equal
+    scores, where the kernel keeps the lowest-indexed ones (torch's stable sort) after
+    sorting scores alone; top-k small (fast path), 300 and off (full sort)."""
+    gen = torch.Generator().manual_seed(12)
+    B, V = 32, 1024
+    z = torch.randint(0, 4, (B, V), generator=gen).float() * 0.5
+    t, p = torch.ones(B), torch.tensor([0.3, 0.5, 0.7, 0.9]).repeat(B // 4)
+    seed, pos = torch.randint(0, 2**31, (B,), generator=gen), torch.arange(B)
+    for k in (-1, 25, 300):
+        kk = torch.full((B,), k)
+        assert torch.equal(K.fused_sample(z, t, kk, p, seed, pos, impl="triton"), _reference(z, t, kk, p, seed, pos))
+
+
 def test_fused_sample_audio_defaults_and_stop_head():
     """The production parameters: audio (T 1.7, top-p 0.8, top-k 25) and the stop head (V = 2)."""
     gen = torch.Generator().manual_seed(7)
