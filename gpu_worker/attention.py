@@ -186,11 +186,17 @@ class FlashInferPagedAttention(_SlotCache):
     """CUDA backend over the same slot cache, viewed as pages of page_size rows (NHD)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
-                 dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 512 << 20):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 512 << 20,
+                 decode_split_kv: bool = True):
         import flashinfer  # CUDA-only dependency, imported lazily
 
         super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        # Split-KV decode cuts each request's context into chunks on several thread blocks, then
+        # merges their partial softmaxes in a second kernel (2.3 us a layer at batch 1); without it,
+        # one block per (request, KV head) reads the whole context, and a row's result no longer
+        # depends on how the planner split it (batch invariant).
+        self.decode_split_kv = decode_split_kv
         # Shared by every wrapper (their runs are serial on one stream). 512 MB: split-KV partials of
         # a 2,112-row prefill graph plan against it too.
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
@@ -226,7 +232,8 @@ class FlashInferPagedAttention(_SlotCache):
         """Plan a decode over a page table from `page_table`."""
         indptr, indices, last_len = self._page_tensors(pages)
         self._plan(wrapper, indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                   self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype)
+                   self.page_size, q_data_type=self.k_cache.dtype, kv_data_type=self.k_cache.dtype,
+                   disable_split_kv=not self.decode_split_kv)
 
     def plan_prefill(self, wrapper, batch: AttentionBatch) -> None:
         """Plan a (mixed) prefill step on a batch-prefill wrapper."""
@@ -266,8 +273,10 @@ class FlashInferPagedAttention(_SlotCache):
 
 
 def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 num_qo_heads: int, dtype: torch.dtype, device: torch.device, page_size: int = 1):
-    """'auto' = flashinfer on CUDA when installed, else the torch reference."""
+                 num_qo_heads: int, dtype: torch.dtype, device: torch.device, page_size: int = 1,
+                 decode_split_kv: bool = True):
+    """'auto' = flashinfer on CUDA when installed, else the torch reference (which ignores
+    decode_split_kv: it never splits)."""
     if name == "auto":
         name = "torch"
         if device.type == "cuda":
@@ -275,7 +284,7 @@ def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, 
                 name = "flashinfer"
     if name == "flashinfer":
         return FlashInferPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, num_qo_heads, dtype, device,
-                                        page_size)
+                                        page_size, decode_split_kv=decode_split_kv)
     if name == "torch":
         return TorchPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
     raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")

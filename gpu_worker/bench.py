@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="as gpu_worker --decode-split-kv")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")
@@ -79,7 +81,8 @@ class Bench:
         P = args.page_size
         slots = max_b * (-(-(max(self.contexts) + growth + 1) // P) + 1) * P + 2 * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=max_b, max_context=1 << 20,
-                             attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P)
+                             attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
+                             decode_split_kv=args.decode_split_kv)
         self.device = self.engine.device
         self.next_page = 0
         self.rows: dict[int, list[int]] = {}  # request id -> its KV slots, page-aligned like the scheduler's

@@ -83,7 +83,7 @@ class PendingStep:
 
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
-                 attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1):
+                 attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True):
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
@@ -95,7 +95,8 @@ class Engine:
         num_kv_slots -= num_kv_slots % page_size
         self.page_size = page_size
         self.kv = make_backend(attention, bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
-                               bb.head_dim, bb.num_attention_heads, self.dtype, self.device, page_size)
+                               bb.head_dim, bb.num_attention_heads, self.dtype, self.device, page_size,
+                               decode_split_kv=decode_split_kv)
         # The last page is the worker's scratch (padding rows write and read its first slot);
         # the scheduler never sees it.
         self.kv_capacity = num_kv_slots - page_size

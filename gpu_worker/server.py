@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16,
                    help="KV rows per page; the scheduler allocates whole pages (flashinfer reads 16-row pages "
                         "much faster than 1-row ones)")
+    p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="flashinfer decode splits long contexts over several thread blocks and merges them "
+                        "(--no-decode-split-kv: one block per request and KV head, no merge kernel)")
     p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
     p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> None:
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
     engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
-                    attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=args.page_size)
+                    attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=args.page_size,
+                    decode_split_kv=args.decode_split_kv)
     if engine.graphs is not None and args.capture_graphs:
         print("capturing CUDA graphs for decode batches up to", args.max_batch, flush=True)
         engine.graphs.capture_all()
