@@ -135,7 +135,7 @@ def test_real_size_shapes_on_meta():
 def test_tiny_frame_shapes_and_counts(tiny64, monkeypatch):
     calls = {"step": 0, "sample": []}
     lt = tiny64.local_transformer
-    orig_step, orig_sample = lt.step, sampler_mod.sample
+    orig_step, orig_sample = lt.blocks, sampler_mod.sample
 
     def step(*a, **k):
         calls["step"] += 1
@@ -145,7 +145,7 @@ def test_tiny_frame_shapes_and_counts(tiny64, monkeypatch):
         calls["sample"].append(logits.shape[-1])
         return orig_sample(logits, *a, **k)
 
-    monkeypatch.setattr(lt, "step", step)
+    monkeypatch.setattr(lt, "blocks", step)
     monkeypatch.setattr(sampler_mod, "sample", rec_sample)
     hidden = torch.randn(3, 64, dtype=torch.float64)
     sp = FrameSampling(*(torch.tensor([v] * 3) for v in (1.0, 50, 1.0, 1.7, 25, 0.8, 1.0, 5, 0, 0)))
@@ -478,10 +478,10 @@ def test_modules_match_spec_transcription(cfg_fn):
 def _instrument(model, monkeypatch):
     log = {"cache_len": [], "new_cache": 0, "positions": [], "backbone_positions": []}
     lt = model.local_transformer
-    step, new_cache, samp, backbone = lt.step, lt.new_cache, sampler_mod.sample, model.backbone
+    step, new_cache, samp, backbone = lt.blocks, lt.new_cache, sampler_mod.sample, model.backbone
 
-    def rec_step(x, p, cache):
-        out = step(x, p, cache)
+    def rec_step(x, h, p, cache):
+        out = step(x, h, p, cache)
         log["cache_len"].append(cache.length)
         assert cache.length == p + 1
         return out
@@ -499,7 +499,7 @@ def _instrument(model, monkeypatch):
         log["backbone_positions"].append(batch.positions.tolist())
         return backbone(x, batch, backend)
 
-    monkeypatch.setattr(lt, "step", rec_step)
+    monkeypatch.setattr(lt, "blocks", rec_step)
     monkeypatch.setattr(lt, "new_cache", rec_new_cache)
     monkeypatch.setattr(sampler_mod, "sample", rec_sample)
     monkeypatch.setattr(model, "backbone", rec_backbone)
