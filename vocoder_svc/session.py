@@ -130,12 +130,22 @@ MAX_POSITION = 1 << 24
 STAGING_BUFFERS = 2
 
 
+# Above this many streams the buckets grow by BUCKET_STEP instead of doubling: a step costs
+# its bucket, and under load (c256 end to end) the ready streams rarely fill a power of two,
+# so doubling paid for up to twice the streams a step had.
+BUCKET_STEP = 16
+
+
 def default_buckets(slots: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, ... up to `slots`, plus `slots` itself."""
+    """1, 2, 4, ... BUCKET_STEP, then every BUCKET_STEP streams, up to `slots`, plus `slots` itself."""
     out, b = [], 1
-    while b < slots:
+    while b < min(slots, BUCKET_STEP):
         out.append(b)
         b *= 2
+    b = BUCKET_STEP
+    while b < slots:
+        out.append(b)
+        b += BUCKET_STEP
     out.append(slots)
     return tuple(out)
 
