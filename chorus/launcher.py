@@ -166,6 +166,8 @@ class Cluster:
     scheduler_port: int = 0
     worker_port: int = 0
     vocoder_ports: list[int] = field(default_factory=lambda: [0])
+    # Prometheus ports of the vocoders, one per replica (0 = none); None: no metrics endpoints
+    vocoder_metrics_ports: list[int] | None = None
     echo: bool = False
     services: list[Service] = field(default_factory=list)
 
@@ -181,10 +183,11 @@ class Cluster:
         py = [sys.executable, "-m"]
         worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
                                          *self.worker_args])
+        metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
         vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
-                            py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port", "0",
-                                  *self.vocoder_args])
-                    for i, port in enumerate(self.vocoder_ports)]
+                            py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port",
+                                  str(mport), *self.vocoder_args])
+                    for i, (port, mport) in enumerate(zip(self.vocoder_ports, metrics))]
         self.services = [worker, *vocoders]
         try:
             for s in self.services:

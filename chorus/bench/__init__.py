@@ -216,6 +216,38 @@ def _scheduler_counters(port: int | None) -> dict[str, float] | None:
     return {key: samples[name] for name, key in _STEP_COUNTERS.items() if name in samples}
 
 
+_VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_vocoder_decode_step_ms_sum": "step_ms",
+                     "chorus_vocoder_decode_batch_streams_sum": "streams",
+                     "chorus_vocoder_audio_seconds_total": "audio_s"}
+
+
+def _vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
+    """The vocoders' step counters, summed over the replicas (None when there are none)."""
+    if not ports:
+        return None
+    out = dict.fromkeys(_VOCODER_COUNTERS.values(), 0.0)
+    for port in ports:
+        try:
+            samples = read_metrics(port, timeout=2)
+        except OSError:
+            return None
+        for name, key in _VOCODER_COUNTERS.items():
+            out[key] += samples.get(name, 0.0)
+    return out
+
+
+def _vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
+    """What the vocoders' decode steps did over a level, all replicas together: steps per second,
+    streams per step and the mean step time from launch to PCM (a step launched while the previous
+    one runs includes that wait)."""
+    if not before or not after or wall <= 0:
+        return None
+    d = {k: after[k] - before[k] for k in _VOCODER_COUNTERS.values()}
+    steps = d["steps"]
+    return {"steps_per_s": steps / wall, "streams_per_step": d["streams"] / steps if steps else None,
+            "step_ms": d["step_ms"] / steps if steps else None, "audio_s_per_s": d["audio_s"] / wall}
+
+
 def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
     """What the scheduler's steps did over a level: how many per second, the mean time the core
     waited for the oldest journal in flight ("round trip"; with lookahead less than a plan's whole
@@ -238,9 +270,11 @@ def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None,
 
 
 async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
-                      services: list | None = None, metrics_port: int | None = None) -> None:
+                      services: list | None = None, metrics_port: int | None = None,
+                      vocoder_metrics_ports: list[int] | None = None) -> None:
     """services: the launched processes (chorus.launcher.Service), whose CPU use each level records;
-    metrics_port: the scheduler's Prometheus port, whose step counters each level records."""
+    metrics_port: the scheduler's Prometheus port, whose step counters each level records;
+    vocoder_metrics_ports: the vocoders' ones, whose decode-step counters each level records."""
     services = services or []
     runner = _Runner(args, address, seed)
     progress = _Progress(not args.no_progress)
@@ -256,6 +290,7 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                 level = _Level(wl, mode, value, runner.now(), max(0.0, args.warmup), args.duration, args.requests)
                 cpu0, wall0, server_cpu0 = time.process_time(), runner.now(), _service_cpu(services)
                 steps0 = _scheduler_counters(metrics_port)
+                vsteps0 = _vocoder_counters(vocoder_metrics_ports)
                 bar = asyncio.create_task(progress.run(runner, level))
                 try:
                     await (runner.closed_level(level) if mode == "closed" else runner.open_level(level))
@@ -282,7 +317,8 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                       "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
                                      and server_cpu0[name] is not None else None
                                      for name, t in _service_cpu(services).items()},
-                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_port), wall)}
+                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_port), wall),
+                      "vocoder_steps": _vocoder_stats(vsteps0, _vocoder_counters(vocoder_metrics_ports), wall)}
                 results["levels"].append(lv)
                 for r in level.records:
                     r["level"] = idx
@@ -304,6 +340,11 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                         print(f"           worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
                               f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
                               f"{st['prefill_rows_per_prefill_step']:.0f} rows each)", flush=True)
+                vs = lv["vocoder_steps"]
+                if vs and vs["step_ms"] is not None:
+                    print(f"           vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "
+                          f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s",
+                          flush=True)
     finally:
         await runner.close()
 
@@ -338,9 +379,10 @@ def _launch_cluster(args: argparse.Namespace):
     if not any(a.startswith("--metrics-port") for a in extra):
         metrics_port = free_port()
         extra += ["--metrics-port", str(metrics_port)]
+    replicas = max(1, args.vocoders)
     cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
-                      scheduler_args=scheduler + extra, scheduler_port=0,
-                      vocoder_ports=[0] * max(1, args.vocoders), echo=args.server_logs)
+                      scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
+                      vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs)
     return cluster, metrics_port
 
 
@@ -389,7 +431,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
         asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
-                                metrics_port))
+                                metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)
