@@ -284,3 +284,19 @@ def test_session_triton_glue_bf16():
     noise = (ref_out - ref).abs().max().item()
     assert torch.isfinite(out).all() and out.dtype == ref_out.dtype == F32
     assert (out - ref_out).abs().max().item() <= max(noise, 1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_pcm16_matches_encode_pcm16(channels):
+    import numpy as np
+    from chorus.audio import encode_pcm16
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(3, channels, 2500, generator=gen) * 0.8  # 2500: not a multiple of the 1024 block
+    x[0, 0, :6] = torch.tensor([1.5, -1.5, 0.5 / 32767, 1.5 / 32767, -2.5 / 32767, 0.0])  # clip, halves to even
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = SK.pcm16(xd, impl="triton")
+        assert got.dtype == torch.int16 and got.shape == (3, 2500, channels) and got.is_contiguous()
+        assert torch.equal(got, SK.pcm16(xd, impl="torch"))
+        want = np.frombuffer(encode_pcm16(xd[1].float().T.contiguous().numpy()), dtype="<i2")
+        assert np.array_equal(got[1].numpy().reshape(-1), want)

@@ -615,10 +615,11 @@ class CodecSession:
                     if not idx:
                         continue
                     x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
-                    x = x.to(torch.float32).transpose(1, 2)  # [n, T*hop, C]: interleaved channels
                     if dtype == torch.int16:
-                        x = (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16)
-                    converted.append((idx, x.contiguous()))  # one plain memcpy to the host
+                        x = sk.pcm16(x, impl=self.glue_impl)  # [n, T*hop, C]: interleaved channels
+                    else:
+                        x = x.to(torch.float32).transpose(1, 2).contiguous()
+                    converted.append((idx, x))  # contiguous: one plain memcpy to the host
             # The copy to the host runs on a stream of its own, so the next step's kernels (launched
             # ahead) overlap it instead of queueing behind it: a 64 x 25 step's PCM16 is ~25 MB.
             copy_stream = self._copy_stream_after(stream)

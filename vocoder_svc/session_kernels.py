@@ -13,6 +13,8 @@ and every LayerNorm followed by a cast kernel. These functions do each group in 
 - `scaled_add(y, u, s)`: ``y + (u if s is None else s * u)`` (the last FFN residual of a stage).
 - `rope_qk(qkv, cos, sin, nh, hd)` -> ``(q, k, v)`` ``[B, H, Tk, D]``: the fused QKV projection
   ``[B, Tk, 3*H*D]`` split into heads, q and k rotated as codec.apply_rope rotates them (v stays a view).
+- `pcm16(x)`: a step's audio ``[B, C, L]`` as the wire's interleaved int16 ``[B, L, C]``
+  (chorus.audio.encode_pcm16's values), one pass instead of six torch kernels over strided views.
 
 Every function takes ``impl`` as gpu_worker/kernels.py's do: "auto" runs the kernel for supported CUDA
 inputs and the torch path elsewhere; "triton" forces the kernel (CUDA, or CPU tensors under
@@ -58,7 +60,7 @@ from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES as _KERN
 from chorus.triton_support import launch_opts as _launch_opts
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "layer_norm_cast", "scaled_add_layer_norm", "scaled_add", "rope_qk",
-           "kernels_usable", "select_impl", "self_test"]
+           "pcm16", "kernels_usable", "select_impl", "self_test"]
 
 MAX_KERNEL_WIDTH = 16384
 # Device types on which glue="auto" takes the kernels, and on which select_impl self-tests them first
@@ -77,7 +79,30 @@ def _use_kernel(impl: str, supported: bool, *tensors: Tensor) -> bool:
 # =============================================================================
 if HAVE_TRITON:
 
-    from chorus.triton_support import cast as _cast
+    from chorus.triton_support import cast as _cast, libdevice
+
+    @triton.jit
+    def _pcm16_value(x, CUDA: tl.constexpr):
+        """encode_pcm16 of one sample: scale by 32767 in fp32, clip, round half to even."""
+        v = tl.minimum(tl.maximum(x.to(tl.float32) * 32767.0, -32767.0), 32767.0)
+        if CUDA:
+            v = libdevice.rint(v)
+        else:  # the interpreter has no rint: 1.5 * 2**23 added and taken away rounds half to even
+            v = (v + 12582912.0) - 12582912.0
+        return v.to(tl.int16)
+
+    @triton.jit
+    def _pcm16_kernel(x_ptr, out_ptr, s_b, s_c, L, C: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        src = x_ptr + b * s_b + t
+        if C == 2:  # both channels, interleaved in registers: one contiguous store
+            y = tl.join(_pcm16_value(tl.load(src, mask=t < L, other=0.0), CUDA),
+                        _pcm16_value(tl.load(src + s_c, mask=t < L, other=0.0), CUDA))
+            o = 2 * tl.program_id(1) * BLOCK + tl.arange(0, 2 * BLOCK)
+            tl.store(out_ptr + b * (2 * L) + o, tl.reshape(y, [2 * BLOCK]), mask=o < 2 * L)
+        else:
+            tl.store(out_ptr + b * L + t, _pcm16_value(tl.load(src, mask=t < L, other=0.0), CUDA), mask=t < L)
 
     @triton.jit
     def _residual_norm_kernel(y_ptr, u_ptr, s_ptr, w_ptr, b_ptr, ynew_ptr, out_ptr,
@@ -224,6 +249,26 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int, *,
     return out[0], out[1], v
 
 
+def _pcm16_torch(x: Tensor) -> Tensor:
+    x = x.to(torch.float32).transpose(1, 2)  # [B, L, C]: interleaved channels
+    return (x * 32767.0).clamp_(-32767.0, 32767.0).round_().to(torch.int16).contiguous()
+
+
+def pcm16(x: Tensor, *, impl: str = "auto") -> Tensor:
+    """x [B, C, L] (float, C 1 or 2) -> contiguous int16 [B, L, C]: chorus.audio.encode_pcm16's values
+    (x * 32767 in fp32, clipped to +-32767, rounded half to even), channels interleaved."""
+    supported = (x.dim() == 3 and x.dtype in _KERNEL_DTYPES and x.shape[1] in (1, 2) and x.stride(2) == 1
+                 and x.numel() > 0)
+    if not _use_kernel(impl, supported, x):
+        return _pcm16_torch(x)
+    B, C, L = x.shape
+    out = torch.empty((B, L, C), dtype=torch.int16, device=x.device)
+    block = 1024
+    _pcm16_kernel[(B, triton.cdiv(L, block))](x, out, x.stride(0), x.stride(1), L, C=C, BLOCK=block,
+                                              CUDA=x.is_cuda, **_launch_opts(4))
+    return out
+
+
 # =============================================================================
 # Selection and the self-test
 # =============================================================================
@@ -290,6 +335,11 @@ def self_test(device: torch.device | str, compute_dtype: torch.dtype, shapes: It
                 got = rope_qk(qkv, cos, sin, nh, hd, impl="triton")
                 ref = rope_qk(qkv, cos, sin, nh, hd, impl="torch")
                 checks += [(f"rope_qk {n}", g, r) for n, g, r in zip("qkv", got, ref)]
+            audio = rnd(batch, 2, 300, scale=0.7).to(cd)
+            audio[0, 0, :4] = torch.tensor([1.5, -1.5, 0.5 / 32767, 1.5 / 32767])  # clipped; halves to even
+            got, ref = pcm16(audio, impl="triton"), pcm16(audio, impl="torch")
+            if not torch.equal(got, ref):
+                return f"{where}: pcm16 differs from the torch path in {int((got != ref).sum())} samples"
             for name, got, ref in checks:
                 why = _close(got, ref, name)
                 if why is not None:
