@@ -790,9 +790,6 @@ def test_session_worker_launches_ahead_only_under_load():
         def wait_device(self) -> None:
             events.append(f"wait for the {self.n}-stream step")
 
-        def device_done(self) -> bool:
-            return True  # SessionWorker._gather has nothing to wait for; _launch's own wait is under test
-
         def result(self) -> dict[int, bytes]:
             return {s: b"pcm" for s in self.slots}
 
@@ -843,79 +840,6 @@ def test_session_worker_launches_ahead_only_under_load():
     finally:
         worker.close()
     assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
-
-
-def test_session_worker_gathers_small_steps_while_the_device_runs():
-    """While a launched step still runs on the device, small steps are not formed yet: three new
-    streams' first chunks that arrive meanwhile go out together, as one 3-stream step, once it is
-    done (under load most steps were a few first chunks each, and a small step costs nearly what a
-    large one does)."""
-    events: list[str] = []
-    busy = threading.Event()  # set while the fake device still runs the last step
-
-    class Pending:
-        def __init__(self, slots: list[int]):
-            self.slots = slots
-
-        def device_done(self) -> bool:
-            return not busy.is_set()
-
-        def wait_device(self) -> None:
-            while busy.is_set():
-                time.sleep(0.001)
-
-        def result(self) -> dict[int, bytes]:
-            return {s: b"pcm" for s in self.slots}
-
-    class FakeSession:
-        slots, n_q, max_stream_frames, last_step_graphed = 8, 12, 1000, True
-        device = torch.device("cpu")
-
-        def __init__(self):
-            self._free = list(range(7, -1, -1))
-
-        @property
-        def free_slots(self) -> int:
-            return len(self._free)
-
-        def acquire(self) -> int:
-            return self._free.pop()
-
-        def release(self, slot: int) -> None:
-            self._free.append(slot)
-
-        def frames_decoded(self, slot: int) -> int:
-            return 0
-
-        def uses_priority_stream(self, t: int) -> bool:
-            return False
-
-        def launch_pcm(self, codes, int16=()):
-            events.append(f"launch {len(codes)}")
-            return Pending(list(codes))
-
-    worker = SessionWorker(FakeSession(), lambda report: None, launch_ahead_streams=4)
-
-    async def run() -> None:
-        busy.set()
-        a = worker.open()
-        await worker.submit(a, random_codes(25, 1))  # launched at once: nothing runs yet
-        late = [worker.open() for _ in range(3)]
-        futures = []
-        for i, h in enumerate(late):  # one by one, while the 1-stream step still runs
-            futures.append(worker.submit(h, random_codes(5, 2 + i)))
-            await asyncio.sleep(0.01)
-        assert events == ["launch 1"]
-        busy.clear()
-        await asyncio.gather(*futures)
-        for h in [a, *late]:
-            worker.release(h)
-
-    try:
-        asyncio.run(run())
-    finally:
-        worker.close()
-    assert events == ["launch 1", "launch 3"]
 
 
 def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):

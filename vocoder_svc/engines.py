@@ -152,10 +152,6 @@ def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Fini
     return lambda result, error: loop.call_soon_threadsafe(_resolve, fut, result, error)
 
 
-# How often SessionWorker._gather looks at the running step while no submit wakes it.
-GATHER_POLL_S = 0.0005
-
-
 class SessionWorker:
     """One thread that owns a CodecSession: it hands out slots, launches steps and frees slots; a
     second thread waits for each launched step's PCM and hands it to the jobs, so the next step is
@@ -306,10 +302,7 @@ class SessionWorker:
         finisher = threading.Thread(target=self._finish_steps, name="codec-session-finish", daemon=True)
         finisher.start()
         try:
-            while True:
-                self._gather()
-                if (work := self._take()) is None:
-                    break
+            while (work := self._take()) is not None:
                 group, releases = work
                 for stream in releases:
                     if stream.slot is not None:
@@ -322,24 +315,6 @@ class SessionWorker:
         finally:
             self._launched.put(None)
             finisher.join()
-
-    def _gather(self) -> None:
-        """Before the next step is formed: while the last launched step still runs on the device, let
-        work gather, so that it joins one step instead of forming small ones of its own (under c256 load
-        the steps carried 11 streams on average, most of them first chunks of a few streams each, and a
-        small step costs nearly what a large one does). Returns when the device is done, when a step of
-        launch_ahead_streams streams is pending (worth launching ahead), when a first chunk can go to the
-        priority stream, or when a call was released or the worker closed."""
-        last = self._last
-        if last is None:
-            return
-        with self._cond:
-            while not last.device_done():
-                if (self._closed or self._releases or len(self._pending) >= self.launch_ahead_streams
-                        or any(j.stream.slot is None and self.session.uses_priority_stream(j.codes.shape[0])
-                               for j in self._pending)):
-                    return
-                self._cond.wait(GATHER_POLL_S)  # a submit wakes it; the timeout polls the device
 
     def _launch(self, group: list[_SessionJob]) -> None:
         """Queue the group's step on the device and hand it to the finisher thread, which waits for

@@ -812,10 +812,6 @@ class PendingPcm:
         self._session, self.slots, self._staged, self._done, self._buf = session, slots, staged, done, buf
         self._read = False
 
-    def device_done(self) -> bool:
-        """Whether the step's device work (and its copy to the host buffer) is done; never blocks."""
-        return self._done is None or self._done.query()
-
     def wait_device(self) -> None:
         """Block until the step's device work (and its copy to the host buffer) is done."""
         if self._done is not None:
