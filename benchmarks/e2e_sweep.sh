@@ -11,7 +11,8 @@
 # 2 / 3 steps in flight, chunk2048 = c256 prefilling up to 2,048 prompt rows a step, vocoders4 =
 # c256 with four vocoder replicas of 64 streams, vocoders1 = c256 with one replica of 256 (each
 # replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
-# stream's last vocoder step is short, priority1gpu = the one-GPU run below with the vocoder's
+# stream's last vocoder step is short, chunk5 = c256 with every chunk 5 frames like the first, so first
+# chunks and steady chunks share the vocoder's steps, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
@@ -49,6 +50,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency 256 --vocoders 1 --vocoder-arg=--slots=256 ;;
     chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--chunk-frames=10 ;;
+    chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks \
