@@ -12,7 +12,8 @@
 # c256 with four vocoder replicas of 64 streams, vocoders1 = c256 with one replica of 256 (each
 # replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
 # stream's last vocoder step is short, chunk5 = c256 with every chunk 5 frames like the first, so first
-# chunks and steady chunks share the vocoder's steps, priority1gpu = the one-GPU run below with the vocoder's
+# chunks and steady chunks share the vocoder's steps, step5 = c256 with 25-frame chunks decoded in 5-frame
+# steps (the same sharing without 5x the relay messages), priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
@@ -52,6 +53,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--chunk-frames=10 ;;
     chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 ;;
+    step5) run e2e_w1_c256_step5 --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks \

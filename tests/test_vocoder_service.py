@@ -842,6 +842,104 @@ def test_session_worker_launches_ahead_only_under_load():
     assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
 
 
+def test_session_worker_decodes_chunks_in_step_frame_pieces():
+    """--step-frames 5: a 25-frame chunk is decoded as five 5-frame steps, the first of them together
+    with a new stream's 5-frame first chunk, and its caller gets the five pieces' PCM as one chunk;
+    an error in a piece fails the chunk once and skips the pieces not yet run."""
+    events: list[str] = []
+    counter = iter(range(1000))
+
+    class Pending:
+        def __init__(self, codes):
+            self.pcm = {s: b"<%d:%d>" % (s, next(counter)) for s in codes}
+
+        def wait_device(self) -> None:
+            pass
+
+        def result(self) -> dict[int, bytes]:
+            return self.pcm
+
+    class FakeSession:
+        slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
+        device = torch.device("cpu")
+        fail_at = -1
+
+        def __init__(self):
+            self._free = [3, 2, 1, 0]
+
+        @property
+        def free_slots(self) -> int:
+            return len(self._free)
+
+        def acquire(self) -> int:
+            return self._free.pop()
+
+        def release(self, slot: int) -> None:
+            self._free.append(slot)
+
+        def frames_decoded(self, slot: int) -> int:
+            return 0
+
+        def uses_priority_stream(self, t: int) -> bool:
+            return False
+
+        def launch_pcm(self, codes, int16=()):
+            events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
+            if len(events) == self.fail_at:
+                raise RuntimeError("device fault")
+            return Pending(codes)
+
+    session = FakeSession()
+    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, step_frames=5)
+    shared: list[str] = []
+
+    async def run() -> tuple[bytes, bytes]:
+        a, b = worker.open(), worker.open()
+        await worker.submit(a, random_codes(5, 1))  # a holds slot 0
+        events.clear()
+        with worker._cond:  # queued together: a's steady chunk, then b's first chunk
+            steady = worker.submit(a, random_codes(25, 2))
+            first = worker.submit(b, random_codes(5, 3))
+        out = await asyncio.gather(steady, first)
+        shared.extend(events)
+        session.fail_at = 2  # the second piece of the next chunk fails
+        events.clear()
+        with pytest.raises(RuntimeError, match="device fault"):
+            await worker.submit(a, random_codes(15, 4))
+        for h in (a, b):
+            worker.release(h)
+        return out
+
+    try:
+        steady, first = asyncio.run(run())
+    finally:
+        worker.close()
+    assert shared == ["launch [0, 1] x [5, 5]"] + ["launch [0] x [5]"] * 4
+    assert first == b"<1:2>"  # b's first chunk shared a step with a's first piece
+    assert steady == b"<0:1><0:3><0:4><0:5><0:6>"  # the five pieces, in order, as one chunk
+    assert events == ["launch [0] x [5]", "launch [0] x [5]"]  # the failed chunk's third piece never ran
+
+
+def test_session_engine_step_frames_match_offline(tiny_codec):
+    """--step-frames 5 on a real session: chunks of 5, 25 and a 12-frame tail come back as those
+    chunks, decoded in 5-frame graph steps (1 + 5 + 3: the tail is padded to 15, not 25), with the
+    offline decode's audio."""
+    session = CodecSession(tiny_codec, slots=SESSION_SLOTS, n_q=12, graphs="emulate", graph_frames=[5])
+    session.capture()
+    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
+                                         session=session, step_frames=5))
+    try:
+        sample = v.servicer.metrics.registry.get_sample_value
+        codes = random_codes(42, seed=31)
+        responses = list(v.stub.Decode(decode_requests(codes, [42]), timeout=60))
+        assert [(r.first_frame, r.frames) for r in responses] == [(0, 5), (5, 25), (30, 12)]
+        assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
+        assert sample("chorus_vocoder_session_steps_total", {"path": "graph"}) == 9
+        assert wait_for(lambda: settled(v))
+    finally:
+        v.close()
+
+
 def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):
     """A stream's last step shorter than its chunk runs padded to the chunk (graphed, with code-0
     frames) and comes back cut to its real frames: a 3-frame stream is one 5-frame graph step and

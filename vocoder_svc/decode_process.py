@@ -52,7 +52,8 @@ class DecoderGone(RuntimeError):
 
 # Flags the child needs to build the same codec and session as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
-              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams")
+              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams",
+              "step_frames")
 _FORWARDED_SWITCHES = ("priority_first_chunks",)
 
 
@@ -286,7 +287,7 @@ def child_main(argv: list[str] | None = None) -> None:
 
     codec, _ = make_codec(args)
     session = build_session(codec, args)
-    worker = SessionWorker(session, replies.report, args.launch_ahead_streams)
+    worker = SessionWorker(session, replies.report, args.launch_ahead_streams, args.step_frames)
     replies.send(dpb.DecoderOutput(ready=dpb.DecoderReady(
         slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
         attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "")))

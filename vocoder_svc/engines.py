@@ -137,6 +137,37 @@ class _SessionJob:
     abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
 
 
+class _Pieces:
+    """A chunk decoded in pieces (SessionWorker step_frames): each piece's PCM bytes are kept until
+    every piece is in, then the chunk's bytes go to `finish` whole; the first error (or a drop) ends
+    it at once, and the pieces not yet run are skipped as abandoned. Pieces finish on the finisher
+    thread, or on a releasing caller's thread when dropped, hence the lock."""
+
+    def __init__(self, n: int, finish: Finish, abandoned: Callable[[], bool]):
+        self._parts: list[bytes | None] = [None] * n
+        self._left, self._finish, self._abandoned = n, finish, abandoned
+        self._done = False
+        self._lock = threading.Lock()
+
+    def abandoned(self) -> bool:
+        return self._done or self._abandoned()
+
+    def finish_piece(self, i: int) -> Finish:
+        def finish(result, error) -> None:
+            with self._lock:
+                if self._done:
+                    return
+                if error is None:
+                    self._parts[i] = result
+                    self._left -= 1
+                    if self._left:
+                        return
+                    result = b"".join(self._parts)
+                self._done = True
+            self._finish(None if error is not None else result, error)
+        return finish
+
+
 @dataclass
 class SessionReport:
     """What the session thread tells the metrics: slot gauges, and after a step what it did."""
@@ -170,16 +201,25 @@ class SessionWorker:
     steps and frees its slot before the next step."""
 
     def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
-                 launch_ahead_streams: int | None = None):
+                 launch_ahead_streams: int | None = None, step_frames: int = 0):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
         service; the decode process forwards them to its parent).
+
+        step_frames: decode a chunk of more frames in pieces of this many (the last may be shorter),
+        one piece a step, and hand its PCM over whole once the last piece is done; 0: a chunk is one
+        step. Steps group equal frame counts only, so with step_frames equal to the first chunk's
+        size a new stream's first chunk shares a step with the other streams' steady chunks (under
+        load, steps of a few first chunks each were most of the vocoder's steps). The codec is
+        causal, so the samples equal those of whole-chunk steps up to rounding.
 
         launch_ahead_streams: a step is launched while the previous one still runs on the device
         only if it carries at least this many streams (default: half the slots). Under load that
         keeps the device busy while the host reads the previous step's PCM; lightly loaded, a new
         stream's first chunk then waits behind at most the one step already running, not also a
         queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA)."""
-        self.session, self.report = session, report
+        if step_frames < 0:
+            raise ValueError(f"step_frames must be >= 0, got {step_frames}")
+        self.session, self.report, self.step_frames = session, report, step_frames
         self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
                                      else launch_ahead_streams)
         self._last: PendingPcm | None = None  # the last launched step (session thread only)
@@ -221,7 +261,13 @@ class SessionWorker:
                 raise RuntimeError("session worker is closed")
             if stream.released:
                 raise RuntimeError("decode stream already released")
-            self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
+            step, n = self.step_frames, codes.shape[0]
+            if step and n > step:
+                whole = _Pieces(-(-n // step), finish, abandoned)
+                self._pending.extend(_SessionJob(stream, codes[a:a + step], int16, whole.finish_piece(i),
+                                                 whole.abandoned) for i, a in enumerate(range(0, n, step)))
+            else:
+                self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
             self._cond.notify()
 
     def release(self, stream: SessionStream) -> None:

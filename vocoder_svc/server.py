@@ -151,7 +151,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
                  metrics: Metrics | None = None, session: CodecSession | None = None,
-                 decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None):
+                 decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None,
+                 step_frames: int = 0):
         """session: decode streams of session.n_q codebooks on this CodecSession (the session
         engine); decoder: the same, with the session in a decode process (already started); other
         streams, and every stream without either, use the stream engine."""
@@ -166,9 +167,10 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         if session is not None and decoder is not None:
             raise ValueError("a session runs in this process or in a decode process, not both")
         self.session = session
+        self.step_frames = step_frames
         # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
         self.session_worker: SessionWorker | DecodeProcess | None = (
-            SessionWorker(session, self.metrics.record_session, launch_ahead_streams)
+            SessionWorker(session, self.metrics.record_session, launch_ahead_streams, step_frames)
             if session is not None else decoder)
         # With a session, the stream engine only serves the odd codebook count: one stream per step.
         self.worker = DecodeWorker(codec, self.metrics, 1 if self.session_worker is not None else max_batch_streams,
@@ -222,12 +224,18 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                                   f"codec codes)")
         return codes
 
+    def _padded_length(self, chunk: int, n: int) -> int:
+        """Frames a stream's short last step of n frames is padded to: its chunk size, or with
+        --step-frames the next multiple of the step (pieces past the real frames would be all padding)."""
+        step = self.step_frames
+        return chunk if not step else min(chunk, -(-n // step) * step)
+
     def _submit(self, stream: _Stream, n: int, last: bool = False) -> asyncio.Future:
         """Queue the stream's next n frames for decoding; the future resolves to its DecodeResponse.
         Steps of one stream run in submission order, so the next may be queued before this one is done.
 
         last: the stream's final flush. On the session engine a short last step is padded with code-0
-        frames to the stream's current chunk size and its PCM cut back to the n real frames: the codec
+        frames to the stream's current chunk size (_padded_length) and its PCM cut back to the n real frames: the codec
         is causal, so the real samples do not depend on the padding, and the step then joins the
         steady steps of other streams in their graph instead of running alone, eagerly (a W1 tail of
         20 frames otherwise waited behind 128-stream steps at c256). Padding is a pure function of the
@@ -240,7 +248,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
         first_frame = stream.next_frame
         if stream.handle is not None:  # the session converts on the device: PCM bytes come back
-            pad = stream.threshold - n if last else 0
+            pad = self._padded_length(stream.threshold, n) - n if last else 0
             if pad > 0 and first_frame + n + pad <= limit:
                 codes = np.concatenate([codes, np.zeros((pad, codes.shape[1]), dtype=codes.dtype)])
             step = self.session_worker.submit(stream.handle, codes, int16=int16)
@@ -440,6 +448,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only if it carries at least N streams (throughput under load; below it a new "
                              "stream's first chunk waits behind one running step at most). Default: half of "
                              "--slots")
+    parser.add_argument("--step-frames", type=int, default=0, metavar="N",
+                        help="session engine: decode chunks longer than N frames in N-frame steps (the PCM still "
+                             "goes back per chunk). With N = --first-chunk-frames every step has one frame count, "
+                             "so new streams' first chunks and other streams' steady chunks share steps instead of "
+                             "taking turns in small ones. Experimental: not yet measured on a GPU. 0 = one step per "
+                             "chunk (default: %(default)s)")
     parser.add_argument("--priority-first-chunks", action="store_true",
                         help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
                              "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
@@ -524,8 +538,10 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     if not buckets or max(buckets) < args.slots:
         raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
     first = first_chunk(args)
+    if args.step_frames < 0:
+        raise SystemExit(f"--step-frames {args.step_frames}: must be >= 0")
     if args.graph_frames is None:
-        frames = sorted({first, args.chunk_frames})
+        frames = sorted({first, args.step_frames or args.chunk_frames})
     elif args.graph_frames.strip().lower() in ("", "none"):
         frames = []
     else:
@@ -615,7 +631,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
-                               session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams)
+                               session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
+                               step_frames=args.step_frames)
     if session is None and decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
