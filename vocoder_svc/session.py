@@ -616,7 +616,8 @@ class CodecSession:
                         continue
                     x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
                     if dtype == torch.int16:
-                        x = sk.pcm16(x, impl=self.glue_impl)  # [n, T*hop, C]: interleaved channels
+                        # [n, T*hop, C], interleaved; "auto": the torch path for layouts the kernel skips
+                        x = sk.pcm16(x, impl="auto" if self.glue_impl == "triton" else "torch")
                     else:
                         x = x.to(torch.float32).transpose(1, 2).contiguous()
                     converted.append((idx, x))  # contiguous: one plain memcpy to the host
