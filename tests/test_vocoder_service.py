@@ -777,6 +777,33 @@ def test_decode_process_death_fails_calls_unavailable_and_stops_the_service():
             proc.wait()
 
 
+class FakeSession:
+    """What SessionWorker calls on a CodecSession, without a codec: 4 slots; tests override
+    launch_pcm (and uses_priority_stream) to record the steps the worker forms."""
+
+    slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self._free = [3, 2, 1, 0]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def frames_decoded(self, slot: int) -> int:
+        return 0
+
+    def uses_priority_stream(self, t: int) -> bool:
+        return False
+
+
 def test_session_worker_launches_ahead_only_under_load():
     """A step is launched while the previous one still runs on the device only if it carries at least
     launch_ahead_streams streams; a smaller one (e.g. a new stream's first chunk) waits for the device
@@ -793,26 +820,7 @@ def test_session_worker_launches_ahead_only_under_load():
         def result(self) -> dict[int, bytes]:
             return {s: b"pcm" for s in self.slots}
 
-    class FakeSession:
-        slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
-        device = torch.device("cpu")
-
-        def __init__(self):
-            self._free = [3, 2, 1, 0]
-
-        @property
-        def free_slots(self) -> int:
-            return len(self._free)
-
-        def acquire(self) -> int:
-            return self._free.pop()
-
-        def release(self, slot: int) -> None:
-            self._free.append(slot)
-
-        def frames_decoded(self, slot: int) -> int:
-            return 0
-
+    class Session(FakeSession):
         def uses_priority_stream(self, t: int) -> bool:
             return t == 7
 
@@ -820,7 +828,7 @@ def test_session_worker_launches_ahead_only_under_load():
             events.append(f"launch {len(codes)}")
             return Pending(len(codes), list(codes))
 
-    worker = SessionWorker(FakeSession(), lambda report: None, launch_ahead_streams=2)
+    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=2)
 
     async def run() -> None:
         a, b, c = worker.open(), worker.open(), worker.open()
@@ -859,29 +867,8 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
         def result(self) -> dict[int, bytes]:
             return self.pcm
 
-    class FakeSession:
-        slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
-        device = torch.device("cpu")
+    class Session(FakeSession):
         fail_at = -1
-
-        def __init__(self):
-            self._free = [3, 2, 1, 0]
-
-        @property
-        def free_slots(self) -> int:
-            return len(self._free)
-
-        def acquire(self) -> int:
-            return self._free.pop()
-
-        def release(self, slot: int) -> None:
-            self._free.append(slot)
-
-        def frames_decoded(self, slot: int) -> int:
-            return 0
-
-        def uses_priority_stream(self, t: int) -> bool:
-            return False
 
         def launch_pcm(self, codes, int16=()):
             events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
@@ -889,7 +876,7 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
                 raise RuntimeError("device fault")
             return Pending(codes)
 
-    session = FakeSession()
+    session = Session()
     worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, step_frames=5)
     shared: list[str] = []
 
