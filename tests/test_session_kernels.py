@@ -286,17 +286,29 @@ def test_session_triton_glue_bf16():
     assert (out - ref_out).abs().max().item() <= max(noise, 1e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("channels", [1, 2])
-def test_pcm16_matches_encode_pcm16(channels):
-    import numpy as np
-    from chorus.audio import encode_pcm16
+def _pcm16_input(channels: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(channels)
     x = torch.randn(3, channels, 2500, generator=gen) * 0.8  # 2500: not a multiple of the 1024 block
     x[0, 0, :6] = torch.tensor([1.5, -1.5, 0.5 / 32767, 1.5 / 32767, -2.5 / 32767, 0.0])  # clip, halves to even
+    return x
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_pcm16_torch_path_matches_encode_pcm16(channels):
+    import numpy as np
+    from chorus.audio import encode_pcm16
     for dtype in (torch.float32, torch.bfloat16):
-        xd = x.to(dtype)
-        got = SK.pcm16(xd, impl="triton")
+        xd = _pcm16_input(channels).to(dtype)
+        got = SK.pcm16(xd, impl="torch")
         assert got.dtype == torch.int16 and got.shape == (3, 2500, channels) and got.is_contiguous()
-        assert torch.equal(got, SK.pcm16(xd, impl="torch"))
         want = np.frombuffer(encode_pcm16(xd[1].float().T.contiguous().numpy()), dtype="<i2")
         assert np.array_equal(got[1].numpy().reshape(-1), want)
+
+
+@needs_triton
+@pytest.mark.parametrize("channels", [1, 2])
+def test_pcm16_kernel_matches_torch_path(channels):
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = _pcm16_input(channels).to(dtype)
+        got = SK.pcm16(xd, impl="triton")
+        assert got.is_contiguous() and torch.equal(got, SK.pcm16(xd, impl="torch"))
