@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 import zmq
 import zmq.asyncio
 
@@ -80,14 +82,16 @@ class RemoteStream:
 
 
 class DecodeProcess:
-    """Starts the decode process and speaks SessionWorker's interface to it: open, submit (a future
-    of wire PCM bytes), release, close. Use from one asyncio loop."""
+    """Starts the decode process (or, with `attach`, connects to a decoder that gpu_worker hosts) and
+    speaks SessionWorker's interface to it: open, submit (a future of wire PCM bytes), release,
+    close. Use from one asyncio loop."""
 
     def __init__(self, args: argparse.Namespace, metrics: Metrics,
-                 on_exit: Callable[[str], None] = lambda reason: None):
-        """on_exit(reason): called once if the child exits while the service still runs."""
+                 on_exit: Callable[[str], None] = lambda reason: None, attach: str | None = None):
+        """on_exit(reason): called once if the decoder is gone while the service still runs.
+        attach: the directory a hosted decoder serves under (host_endpoints); no child is started."""
         self.metrics, self.on_exit = metrics, on_exit
-        self._tmp = tempfile.TemporaryDirectory(prefix="chorus-vocoder-")
+        self._tmp = None if attach else tempfile.TemporaryDirectory(prefix="chorus-vocoder-")
         self._ctx = zmq.asyncio.Context()
         self._jobs = self._ctx.socket(zmq.PUSH)
         self._results = self._ctx.socket(zmq.PULL)
@@ -95,18 +99,28 @@ class DecodeProcess:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        jobs, results = f"ipc://{self._tmp.name}/jobs", f"ipc://{self._tmp.name}/results"
+        if attach:
+            os.makedirs(attach, exist_ok=True)
+        jobs, results = host_endpoints(attach or self._tmp.name)
         self._jobs.bind(jobs)
         self._results.bind(results)
         # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
-        self.proc = subprocess.Popen([sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs,
-                                      "--results", results, *child_argv(args)])
+        self.proc = None if attach else subprocess.Popen(
+            [sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs, "--results", results,
+             *child_argv(args)])
         self.ready: dpb.DecoderReady | None = None
         self.gone: str | None = None
         self._closing = False
-        self._ids = itertools.count(1)
+        self._heard = time.monotonic()
+        # Ids from a random base: a hosted decoder may still answer an earlier gRPC process's jobs.
+        self._ids = itertools.count(secrets.randbits(40) << 20)
         self._open: dict[int, tuple[asyncio.Future, RemoteStream]] = {}  # job id -> (future, stream)
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def pid(self) -> int:
+        """The decoder's process: the child, or the worker hosting it."""
+        return self.ready.pid if self.ready is not None else self.proc.pid
 
     # What the servicer reads off a session.
     @property
@@ -118,19 +132,25 @@ class DecodeProcess:
         return self.ready.max_stream_frames
 
     async def start(self, timeout: float = 1800.0) -> dpb.DecoderReady:
-        """Wait for the child's ready message (it loads the codec and captures its graphs first)."""
+        """Wait for the decoder's ready message (it loads the codec and captures its graphs first; a
+        hosted one may not have started yet)."""
         deadline = time.monotonic() + timeout
+        self._send(dpb.DecoderInput(hello=True))  # a hosted decoder drops an earlier process's streams
         while self.ready is None:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise SystemExit(f"vocoder: the decode process exited with {self.proc.returncode} before it was "
                                  f"ready (its output is above)")
             if time.monotonic() > deadline:
-                self.proc.kill()
-                raise SystemExit(f"vocoder: the decode process was not ready after {timeout:.0f} s")
+                if self.proc is not None:
+                    self.proc.kill()
+                raise SystemExit(f"vocoder: the decoder was not ready after {timeout:.0f} s")
             if await self._results.poll(200):
                 msg = dpb.DecoderOutput.FromString((await self._results.recv_multipart())[0])
+                # A hosted decoder that was already up answers our hello after its own start-up ready
+                # (meant for nobody): either will do, it is the same decoder.
                 if msg.WhichOneof("kind") == "ready":
                     self.ready = msg.ready
+        self._heard = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
         return self.ready
 
@@ -166,6 +186,7 @@ class DecodeProcess:
     async def _read(self) -> None:
         while True:
             frames = await self._results.recv_multipart(copy=True)
+            self._heard = time.monotonic()
             try:
                 self._handle(frames)
             except Exception:  # noqa: BLE001 - one bad message must not leave every call waiting
@@ -186,17 +207,30 @@ class DecodeProcess:
                 fut.set_exception(StreamTooLong(done.message))
             else:
                 fut.set_exception(RuntimeError(done.message))
+        elif kind == "ready" and msg.ready.incarnation != self.ready.incarnation:
+            self._lost(f"the vocoder's decoder restarted (pid {msg.ready.pid}): its streams are gone")
         elif kind == "report":
             r = msg.report
             self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
                                                       r.step_ms if r.stepped else None, r.step_streams, r.graphed))
 
     async def _watch(self) -> None:
+        if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
+            while time.monotonic() - self._heard < HOST_SILENCE_S and self.gone is None:
+                await asyncio.sleep(0.2)
+            if self.gone is None:
+                self._lost(f"the vocoder's hosted decoder (pid {self.ready.pid}) went silent for "
+                           f"{HOST_SILENCE_S:.0f} s")
+            return
         while self.proc.poll() is None:
             await asyncio.sleep(0.2)
-        if self._closing:
+        self._lost(f"the vocoder's decode process exited with {self.proc.returncode}")
+
+    def _lost(self, reason: str) -> None:
+        """The decoder is gone: fail every open job (their calls end UNAVAILABLE) and tell the service."""
+        if self._closing or self.gone is not None:
             return
-        self.gone = f"the vocoder's decode process exited with {self.proc.returncode}"
+        self.gone = reason
         for fut, _ in self._open.values():
             if not fut.done():
                 fut.set_exception(DecoderGone(self.gone))
@@ -205,21 +239,27 @@ class DecodeProcess:
 
     def close(self) -> None:
         """Stop the child (after the calls have drained: it ignores SIGTERM/SIGINT so that a signal to
-        the whole process group does not cut them off)."""
+        the whole process group does not cut them off). A hosted decoder keeps running (it belongs to
+        the worker): it only hears that this process's streams are released."""
         if self._closing:
             return
         self._closing = True
         for t in self._tasks:
             t.cancel()
-        if self.proc.poll() is None:
+        if self.proc is None:
+            streams = {s.id for _, s in self._open.values()}
+            if streams and self.gone is None:
+                self._send(dpb.DecoderInput(released=sorted(streams)))
+        elif self.proc.poll() is None:
             self._send(dpb.DecoderInput(shutdown=True))
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._ctx.destroy(linger=0)
-        self._tmp.cleanup()
+        self._ctx.destroy(linger=0 if self.proc is not None else 500)
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
 # ---- the decode process -------------------------------------------------------------------------
@@ -262,8 +302,100 @@ def _exit_with_parent() -> None:
     os._exit(0)  # the gRPC process is gone (even by SIGKILL): nobody will read our answers
 
 
+class Decoder:
+    """The decode side: one CodecSession and its SessionWorker, answering DecoderInput from the
+    gRPC process on `jobs` with DecoderOutput on `results`. Runs as the gRPC process's child
+    (child_main) or as a thread of the worker's process (host_in_thread)."""
+
+    def __init__(self, args: argparse.Namespace, jobs: str, results: str, *, cuda_stream=None,
+                 hosted: bool = False):
+        from vocoder_svc.server import build_session, make_codec
+
+        self._ctx = zmq.Context()
+        self._inbox = self._ctx.socket(zmq.PULL)
+        outbox = self._ctx.socket(zmq.PUSH)
+        for sock in (self._inbox, outbox):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.connect(jobs)
+        outbox.connect(results)
+        self._replies = _Replies(outbox)
+        codec, _ = make_codec(args)
+        session = build_session(codec, args)
+        self.worker = SessionWorker(session, self._replies.report, args.launch_ahead_streams, args.step_frames,
+                                    cuda_stream=cuda_stream)
+        self.ready = dpb.DecoderReady(
+            slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
+            attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",
+            incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted)
+        self._streams: dict[int, SessionStream] = {}
+
+    def serve(self, heartbeat_s: float | None = None) -> None:
+        """Answer DecoderInput until `shutdown`. heartbeat_s: send a report after that long without
+        input (a hosted decoder's sign of life; its gRPC process has no child to watch)."""
+        self._replies.send(dpb.DecoderOutput(ready=self.ready))
+        try:
+            while True:
+                if heartbeat_s is not None and not self._inbox.poll(int(heartbeat_s * 1000)):
+                    self.worker.report(self.worker.gauges())
+                    continue
+                msg = dpb.DecoderInput.FromString(self._inbox.recv())
+                if msg.hello:  # a new gRPC process: whatever an earlier one left open is nobody's now
+                    for stream in self._streams.values():
+                        self.worker.release(stream)
+                    self._streams.clear()
+                    self._replies.send(dpb.DecoderOutput(ready=self.ready))
+                for job in msg.jobs:
+                    stream = self._streams.get(job.stream)
+                    if stream is None:
+                        stream = self._streams[job.stream] = self.worker.open()
+                    codes = np.frombuffer(job.codes.data, dtype="<i4").reshape(job.codes.rows, job.codes.cols)
+                    self.worker.submit_job(stream, codes, job.int16, self._replies.finish(job.job))
+                for sid in msg.released:
+                    stream = self._streams.pop(sid, None)
+                    if stream is not None:
+                        self.worker.release(stream)
+                if msg.shutdown:
+                    break
+        finally:
+            self.worker.close()
+            self._ctx.destroy(linger=0)
+
+
+HOST_HEARTBEAT_S = 1.0
+HOST_SILENCE_S = 10.0  # an attached gRPC process gives its hosted decoder up after this long unheard
+
+
+def host_endpoints(path: str) -> tuple[str, str]:
+    """(jobs, results) ipc endpoints under a directory shared by the worker and the vocoder."""
+    return f"ipc://{path}/jobs", f"ipc://{path}/results"
+
+
+def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
+    """The vocoder's decoder as a daemon thread of this (the worker's) process, on `device`: one
+    CUDA context with the worker, so the GPU interleaves the two processes' kernels instead of
+    time-slicing whole contexts, and the decoder's steady steps run on a low-priority stream
+    (its first chunks, with --priority-first-chunks, on a high one). The codec is built and its
+    graphs captured before this returns (never while the worker captures or replays its own);
+    `vocoder_svc.server --attach-decoder path` connects to it. vocoder_argv: the vocoder's flags
+    (--preset, --slots, ...); --device is the worker's."""
+    from vocoder_svc.server import add_arguments
+
+    parser = argparse.ArgumentParser(prog="--vocoder-decoder-args")
+    add_arguments(parser)
+    args = parser.parse_args([*vocoder_argv, "--device", device])
+    os.makedirs(path, exist_ok=True)
+    stream = torch.cuda.Stream(torch.device(device), priority=0) if torch.device(device).type == "cuda" else None
+    decoder = Decoder(args, *host_endpoints(path), cuda_stream=stream, hosted=True)
+    if stream is not None:
+        torch.cuda.synchronize(torch.device(device))  # the build's work, queued on this thread's stream
+    threading.Thread(target=decoder.serve, args=(HOST_HEARTBEAT_S,), name="vocoder-decoder", daemon=True).start()
+    return decoder
+
+
 def child_main(argv: list[str] | None = None) -> None:
-    from vocoder_svc.server import add_arguments, build_session, make_codec
+    from vocoder_svc.server import add_arguments
 
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,42 +406,9 @@ def child_main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
         signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    outbox = ctx.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-    inbox.connect(args.jobs)
-    outbox.connect(args.results)
-    replies = _Replies(outbox)
-
-    codec, _ = make_codec(args)
-    session = build_session(codec, args)
-    worker = SessionWorker(session, replies.report, args.launch_ahead_streams, args.step_frames)
-    replies.send(dpb.DecoderOutput(ready=dpb.DecoderReady(
-        slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
-        attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "")))
+    decoder = Decoder(args, args.jobs, args.results)
     print(f"vocoder: decode process {os.getpid()} ready", flush=True)
-    streams: dict[int, SessionStream] = {}
-    try:
-        while True:
-            msg = dpb.DecoderInput.FromString(inbox.recv())
-            for job in msg.jobs:
-                stream = streams.get(job.stream)
-                if stream is None:
-                    stream = streams[job.stream] = worker.open()
-                codes = np.frombuffer(job.codes.data, dtype="<i4").reshape(job.codes.rows, job.codes.cols)
-                worker.submit_job(stream, codes, job.int16, replies.finish(job.job))
-            for sid in msg.released:
-                stream = streams.pop(sid, None)
-                if stream is not None:
-                    worker.release(stream)
-            if msg.shutdown:
-                break
-    finally:
-        worker.close()
+    decoder.serve()
 
 
 if __name__ == "__main__":

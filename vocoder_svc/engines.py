@@ -201,7 +201,7 @@ class SessionWorker:
     steps and frees its slot before the next step."""
 
     def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
-                 launch_ahead_streams: int | None = None, step_frames: int = 0):
+                 launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
         service; the decode process forwards them to its parent).
 
@@ -216,10 +216,15 @@ class SessionWorker:
         only if it carries at least this many streams (default: half the slots). Under load that
         keeps the device busy while the host reads the previous step's PCM; lightly loaded, a new
         stream's first chunk then waits behind at most the one step already running, not also a
-        queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA)."""
+        queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA).
+
+        cuda_stream: the CUDA stream steps run on (default: the thread's current one, i.e. the
+        device's default stream). A decoder hosted in the worker's process passes a low-priority
+        one, so the worker's kernels go first wherever both wait for the GPU."""
         if step_frames < 0:
             raise ValueError(f"step_frames must be >= 0, got {step_frames}")
         self.session, self.report, self.step_frames = session, report, step_frames
+        self.cuda_stream = cuda_stream
         self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
                                      else launch_ahead_streams)
         self._last: PendingPcm | None = None  # the last launched step (session thread only)
@@ -244,6 +249,10 @@ class SessionWorker:
 
     def open(self) -> SessionStream:
         return SessionStream()
+
+    def gauges(self) -> SessionReport:
+        """The slot gauges now (no step)."""
+        return SessionReport(self.session.free_slots, self._waiting)
 
     def submit(self, stream: SessionStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
         """Queue one step of codes [T, n_q]; the future gets its audio as wire PCM bytes (interleaved,
@@ -345,6 +354,8 @@ class SessionWorker:
     def _run(self) -> None:
         if self.session.device.type == "cuda":
             torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
+            if self.cuda_stream is not None:
+                torch.cuda.set_stream(self.cuda_stream)  # this thread's current stream only
         finisher = threading.Thread(target=self._finish_steps, name="codec-session-finish", daemon=True)
         finisher.start()
         try:

@@ -443,6 +443,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "PCM (one process tops out near 1,500 s of audio per second on an H200). The child "
                              "holds its own copy of the codec weights. auto = on for CUDA devices "
                              "(default: %(default)s)")
+    parser.add_argument("--attach-decoder", default=None, metavar="DIR",
+                        help="session engine: use the decoder that `gpu_worker --host-vocoder-decoder DIR` runs "
+                             "in the worker's process instead of starting a decode process. On one GPU the codec "
+                             "then shares the worker's CUDA context: the GPU interleaves their kernels (the "
+                             "worker's on a high-priority stream) where two processes' contexts take turns in "
+                             "time slices. The codec flags (--preset, --slots, ...) go to the worker's "
+                             "--vocoder-decoder-args, not here")
     parser.add_argument("--launch-ahead-streams", type=int, default=None, metavar="N",
                         help="session engine: launch a step while the previous one still runs on the device "
                              "only if it carries at least N streams (throughput under load; below it a new "
@@ -581,6 +588,8 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
 
 def use_decode_process(args: argparse.Namespace) -> bool:
     """--decode-process: auto = for the session engine on CUDA devices."""
+    if getattr(args, "attach_decoder", None):
+        return True
     if resolve_engine(args.engine, args.device) != "session" or args.decode_process == "off":
         return False
     return args.decode_process == "on" or torch.device(args.device).type == "cuda"
@@ -598,7 +607,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             print(f"vocoder: {reason}; stopping", flush=True)
             stop.set()
 
-        decoder = DecodeProcess(args, metrics, on_exit=decoder_exited)  # starts loading beside this process
+        # A child starts loading beside this process; a hosted decoder may be up already.
+        decoder = DecodeProcess(args, metrics, on_exit=decoder_exited, attach=args.attach_decoder)
     codec, name = make_codec(args)
     session = None
     if decoder is not None:
@@ -609,7 +619,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             raise
         metrics.session_kernels.labels("attention", ready.attention).set(1)
         metrics.session_kernels.labels("glue", ready.glue).set(1)
-        print(f"vocoder: session engine in decode process {decoder.proc.pid}", flush=True)
+        print(f"vocoder: session engine in " + (f"the decoder hosted by process {decoder.pid}" if ready.hosted
+                                                else f"decode process {decoder.pid}"), flush=True)
     elif engine == "session":
         session = build_session(codec, args)
         metrics.session_kernels.labels("attention", session.attention_path).set(1)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from chorus.v1 import common_pb2 as chorus_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63horus/v1/vocoder_decoder.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"]\n\nDecoderJob\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\x04\x12#\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\r\n\x05int16\x18\x04 \x01(\x08\"W\n\x0c\x44\x65\x63oderInput\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.chorus.v1.DecoderJob\x12\x10\n\x08released\x18\x02 \x03(\x04\x12\x10\n\x08shutdown\x18\x03 \x01(\x08\"}\n\x0c\x44\x65\x63oderReady\x12\r\n\x05slots\x18\x01 \x01(\x05\x12\x0b\n\x03n_q\x18\x02 \x01(\x05\x12\x19\n\x11max_stream_frames\x18\x03 \x01(\x05\x12\x11\n\tattention\x18\x04 \x01(\t\x12\x0c\n\x04glue\x18\x05 \x01(\t\x12\x15\n\rglue_fallback\x18\x06 \x01(\t\"\x92\x01\n\x0e\x44\x65\x63oderJobDone\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12.\n\x05\x65rror\x18\x02 \x01(\x0e\x32\x1f.chorus.v1.DecoderJobDone.Error\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x05\x45rror\x12\x08\n\x04NONE\x10\x00\x12\x13\n\x0fSTREAM_TOO_LONG\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\"\x85\x01\n\rDecoderReport\x12\x12\n\nfree_slots\x18\x01 \x01(\x05\x12\x17\n\x0fwaiting_streams\x18\x02 \x01(\x05\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01\x12\x14\n\x0cstep_streams\x18\x05 \x01(\x05\x12\x0f\n\x07graphed\x18\x06 \x01(\x08\"\x98\x01\n\rDecoderOutput\x12(\n\x05ready\x18\x01 \x01(\x0b\x32\x17.chorus.v1.DecoderReadyH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.chorus.v1.DecoderJobDoneH\x00\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x18.chorus.v1.DecoderReportH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63horus/v1/vocoder_decoder.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"]\n\nDecoderJob\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\x04\x12#\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\r\n\x05int16\x18\x04 \x01(\x08\"f\n\x0c\x44\x65\x63oderInput\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.chorus.v1.DecoderJob\x12\x10\n\x08released\x18\x02 \x03(\x04\x12\x10\n\x08shutdown\x18\x03 \x01(\x08\x12\r\n\x05hello\x18\x04 \x01(\x08\"\xaf\x01\n\x0c\x44\x65\x63oderReady\x12\r\n\x05slots\x18\x01 \x01(\x05\x12\x0b\n\x03n_q\x18\x02 \x01(\x05\x12\x19\n\x11max_stream_frames\x18\x03 \x01(\x05\x12\x11\n\tattention\x18\x04 \x01(\t\x12\x0c\n\x04glue\x18\x05 \x01(\t\x12\x15\n\rglue_fallback\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\x0b\n\x03pid\x18\x08 \x01(\x05\x12\x0e\n\x06hosted\x18\t \x01(\x08\"\x92\x01\n\x0e\x44\x65\x63oderJobDone\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12.\n\x05\x65rror\x18\x02 \x01(\x0e\x32\x1f.chorus.v1.DecoderJobDone.Error\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x05\x45rror\x12\x08\n\x04NONE\x10\x00\x12\x13\n\x0fSTREAM_TOO_LONG\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\"\x85\x01\n\rDecoderReport\x12\x12\n\nfree_slots\x18\x01 \x01(\x05\x12\x17\n\x0fwaiting_streams\x18\x02 \x01(\x05\x12\x0f\n\x07stepped\x18\x03 \x01(\x08\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01\x12\x14\n\x0cstep_streams\x18\x05 \x01(\x05\x12\x0f\n\x07graphed\x18\x06 \x01(\x08\"\x98\x01\n\rDecoderOutput\x12(\n\x05ready\x18\x01 \x01(\x0b\x32\x17.chorus.v1.DecoderReadyH\x00\x12)\n\x04\x64one\x18\x02 \x01(\x0b\x32\x19.chorus.v1.DecoderJobDoneH\x00\x12*\n\x06report\x18\x03 \x01(\x0b\x32\x18.chorus.v1.DecoderReportH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODERJOB']._serialized_start=70
   _globals['_DECODERJOB']._serialized_end=163
   _globals['_DECODERINPUT']._serialized_start=165
-  _globals['_DECODERINPUT']._serialized_end=252
-  _globals['_DECODERREADY']._serialized_start=254
-  _globals['_DECODERREADY']._serialized_end=379
-  _globals['_DECODERJOBDONE']._serialized_start=382
-  _globals['_DECODERJOBDONE']._serialized_end=528
-  _globals['_DECODERJOBDONE_ERROR']._serialized_start=478
-  _globals['_DECODERJOBDONE_ERROR']._serialized_end=528
-  _globals['_DECODERREPORT']._serialized_start=531
-  _globals['_DECODERREPORT']._serialized_end=664
-  _globals['_DECODEROUTPUT']._serialized_start=667
-  _globals['_DECODEROUTPUT']._serialized_end=819
+  _globals['_DECODERINPUT']._serialized_end=267
+  _globals['_DECODERREADY']._serialized_start=270
+  _globals['_DECODERREADY']._serialized_end=445
+  _globals['_DECODERJOBDONE']._serialized_start=448
+  _globals['_DECODERJOBDONE']._serialized_end=594
+  _globals['_DECODERJOBDONE_ERROR']._serialized_start=544
+  _globals['_DECODERJOBDONE_ERROR']._serialized_end=594
+  _globals['_DECODERREPORT']._serialized_start=597
+  _globals['_DECODERREPORT']._serialized_end=730
+  _globals['_DECODEROUTPUT']._serialized_start=733
+  _globals['_DECODEROUTPUT']._serialized_end=885
 # @@protoc_insertion_point(module_scope)

@@ -21,30 +21,38 @@ class DecoderJob(_message.Message):
     def __init__(self, job: _Optional[int] = ..., stream: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., int16: _Optional[bool] = ...) -> None: ...
 
 class DecoderInput(_message.Message):
-    __slots__ = ("jobs", "released", "shutdown")
+    __slots__ = ("jobs", "released", "shutdown", "hello")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[DecoderJob]
     released: _containers.RepeatedScalarFieldContainer[int]
     shutdown: bool
-    def __init__(self, jobs: _Optional[_Iterable[_Union[DecoderJob, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+    hello: bool
+    def __init__(self, jobs: _Optional[_Iterable[_Union[DecoderJob, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., shutdown: _Optional[bool] = ..., hello: _Optional[bool] = ...) -> None: ...
 
 class DecoderReady(_message.Message):
-    __slots__ = ("slots", "n_q", "max_stream_frames", "attention", "glue", "glue_fallback")
+    __slots__ = ("slots", "n_q", "max_stream_frames", "attention", "glue", "glue_fallback", "incarnation", "pid", "hosted")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     N_Q_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     GLUE_FIELD_NUMBER: _ClassVar[int]
     GLUE_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTED_FIELD_NUMBER: _ClassVar[int]
     slots: int
     n_q: int
     max_stream_frames: int
     attention: str
     glue: str
     glue_fallback: str
-    def __init__(self, slots: _Optional[int] = ..., n_q: _Optional[int] = ..., max_stream_frames: _Optional[int] = ..., attention: _Optional[str] = ..., glue: _Optional[str] = ..., glue_fallback: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    pid: int
+    hosted: bool
+    def __init__(self, slots: _Optional[int] = ..., n_q: _Optional[int] = ..., max_stream_frames: _Optional[int] = ..., attention: _Optional[str] = ..., glue: _Optional[str] = ..., glue_fallback: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., hosted: _Optional[bool] = ...) -> None: ...
 
 class DecoderJobDone(_message.Message):
     __slots__ = ("job", "error", "message")
