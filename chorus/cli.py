@@ -51,7 +51,7 @@ def _cluster(args: argparse.Namespace):
     scheduler += ["--metrics-port", str(args.metrics_port), "--frontends", str(getattr(args, "frontends", 1))]
     return Cluster(worker_args=worker, vocoder_args=vocoder, scheduler_args=scheduler, host=args.host,
                    scheduler_port=args.port, vocoder_ports=[0] * max(1, getattr(args, "vocoders", 1)),
-                   echo=not args.quiet)
+                   echo=not args.quiet, colocate_vocoder=args.colocate_vocoder)
 
 
 def cmd_up(args: argparse.Namespace) -> None:

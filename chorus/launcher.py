@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -117,6 +119,11 @@ def add_service_flags(p) -> None:
     p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
                    help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
+    p.add_argument("--colocate-vocoder", action="store_true",
+                   help="run the vocoder's decoder inside the worker's process (gpu_worker "
+                        "--host-vocoder-decoder, vocoder --attach-decoder): on one GPU the two then share one "
+                        "CUDA context instead of taking turns in time slices. One vocoder replica, on the "
+                        "worker's device")
 
 
 def service_args(model: str | None, codec: str | None, device: str, dtype: str | None,
@@ -169,7 +176,11 @@ class Cluster:
     # Prometheus ports of the vocoders, one per replica (0 = none); None: no metrics endpoints
     vocoder_metrics_ports: list[int] | None = None
     echo: bool = False
+    # The vocoder's decoder in the worker's process (one replica, the worker's device): see
+    # gpu_worker --host-vocoder-decoder.
+    colocate_vocoder: bool = False
     services: list[Service] = field(default_factory=list)
+    _decoder_dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def address(self) -> str:
@@ -181,12 +192,20 @@ class Cluster:
     def start(self, timeout: float = 300.0) -> "Cluster":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
+        worker_args, vocoder_args = list(self.worker_args), list(self.vocoder_args)
+        if self.colocate_vocoder:
+            if len(self.vocoder_ports) != 1:
+                raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+            self._decoder_dir = tempfile.TemporaryDirectory(prefix="chorus-decoder-")
+            worker_args += ["--host-vocoder-decoder", self._decoder_dir.name,
+                            "--vocoder-decoder-args", shlex.join(vocoder_args)]
+            vocoder_args += ["--attach-decoder", self._decoder_dir.name]
         worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
-                                         *self.worker_args])
+                                         *worker_args])
         metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
         vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
                             py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port",
-                                  str(mport), *self.vocoder_args])
+                                  str(mport), *vocoder_args])
                     for i, (port, mport) in enumerate(zip(self.vocoder_ports, metrics))]
         self.services = [worker, *vocoders]
         try:
@@ -210,6 +229,9 @@ class Cluster:
     def stop(self) -> None:
         for s in reversed(self.services):
             s.stop()
+        if self._decoder_dir is not None:
+            self._decoder_dir.cleanup()
+            self._decoder_dir = None
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -57,6 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly on CUDA (for debugging; graphs are much faster)")
     p.add_argument("--no-capture-at-start", dest="capture_graphs", action="store_false",
                    help="capture each batch bucket's graph on first use instead of at startup")
+    p.add_argument("--host-vocoder-decoder", default=None, metavar="DIR",
+                   help="also run the vocoder's decoder (codec session and step loop) in this process, for "
+                        "`vocoder_svc.server --attach-decoder DIR` (ipc sockets under DIR). With worker and "
+                        "vocoder on one GPU they then share one CUDA context: the GPU interleaves their "
+                        "kernels, the worker's on a high-priority stream, where two processes' contexts take "
+                        "turns in time slices")
+    p.add_argument("--vocoder-decoder-args", default="", metavar="FLAGS",
+                   help="the hosted decoder's vocoder flags, one string (e.g. \"--preset full --slots 64 "
+                        "--priority-first-chunks\"); --device is this worker's")
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -71,6 +80,10 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
+    if args.host_vocoder_decoder and torch.device(args.device).type == "cuda":
+        # Steps run on a high-priority stream: where the hosted decoder's steady steps (low priority)
+        # and a step both wait for SMs, the step's blocks go first. Set before anything is queued.
+        torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device), priority=-100))
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
     engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
@@ -86,6 +99,16 @@ def run(args: argparse.Namespace) -> None:
               flush=True)
     if engine.kv_capacity >= engine.warm_up_slots and engine.pool.capacity >= 2:
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
+    if args.host_vocoder_decoder:
+        import shlex
+
+        from vocoder_svc.decode_process import host_in_thread
+        t0 = time.perf_counter()
+        host_in_thread(args.host_vocoder_decoder, shlex.split(args.vocoder_decoder_args), args.device)
+        # The decoder's threads and this loop share the GIL: hand it over within 0.5 ms, not 5.
+        sys.setswitchinterval(0.0005)
+        print(f"hosting the vocoder's decoder under {args.host_vocoder_decoder} "
+              f"(built in {time.perf_counter() - t0:.1f}s)", flush=True)
     hello = worker_pb2.Hello(
         model_name=model.cfg.name, architecture="moss_tts_local", model_config_json=model.cfg.to_json(),
         kv_slots=engine.kv_capacity, max_batch=args.max_batch, max_context=args.max_context,

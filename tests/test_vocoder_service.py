@@ -777,6 +777,76 @@ def test_decode_process_death_fails_calls_unavailable_and_stops_the_service():
             proc.wait()
 
 
+# ---- the decoder hosted in another process (gpu_worker --host-vocoder-decoder) -------------------------
+
+def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
+    """A decoder hosted in this process (as gpu_worker hosts it) serves a vocoder started with
+    --attach-decoder; SIGKILL that vocoder mid-stream and a new one attaches to the same decoder: its
+    hello frees the dead one's slot, and its streams decode to the offline PCM."""
+    import zmq
+
+    from chorus.v1 import vocoder_decoder_pb2 as dpb
+    from vocoder_svc.decode_process import host_endpoints, host_in_thread
+
+    path = str(tmp_path / "decoder")
+    decoder = host_in_thread(path, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2", "--graphs", "emulate",
+                                    "--graph-frames", "5,25"], "cpu")
+    assert decoder.ready.hosted and decoder.ready.pid == os.getpid()
+    procs = []
+    try:
+        for round_ in range(2):
+            metrics_port = free_port()
+            proc, address, seen, _ = start_vocoder("--metrics-port", str(metrics_port), "--attach-decoder", path,
+                                                   "--grace", "1")
+            procs.append(proc)
+            assert any(f"hosted by process {os.getpid()}" in line for line in seen), "".join(seen)
+            metric = lambda name: _metric({"metrics_port": metrics_port}, name)  # noqa: E731
+            with grpc.insecure_channel(address) as ch:
+                stub = vocoder_pb2_grpc.VocoderStub(ch)
+                # The first vocoder's stream holds a slot when it dies; the second's hello frees it.
+                assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 2)
+                responses = list(stub.Decode(decode_requests(random_codes(33, round_), [10, 23]), timeout=60))
+                assert [r.frames for r in responses] == [5, 25, 3]
+                assert_close(pcm_of(responses), offline_pcm(tiny_codec, random_codes(33, round_)))
+                if round_ == 0:
+                    outbox, got, _ = _open_stream(stub, random_codes(7, 9))
+                    assert got.get(timeout=30).frames == 5
+                    assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 1)
+                    proc.kill()
+                    proc.wait()
+                    outbox.put(None)
+        assert wait_for(lambda: decoder.worker.session.free_slots == 2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        ctx = zmq.Context()  # nobody is bound any more: stand in for a vocoder and stop the decoder
+        jobs = ctx.socket(zmq.PUSH)
+        jobs.bind(host_endpoints(path)[0])
+        jobs.send(dpb.DecoderInput(shutdown=True).SerializeToString())
+        assert wait_for(lambda: decoder.worker._closed)
+        ctx.destroy(linger=0)
+
+
+def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):
+    """chorus up --colocate-vocoder's layout, started for real: the worker hosts the vocoder's decoder and
+    a request's audio is the offline decode of the codes it returns."""
+    from chorus.client import channel, synthesize
+    from chorus.v1 import tts_pb2, tts_pb2_grpc
+    from helpers import make_cluster, seeded_request
+
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
+                      vocoder_args=["--seed", str(SEED), "--slots", "2"], colocate_vocoder=True) as cluster:
+        worker = cluster.service("worker")
+        assert any("hosting the vocoder's decoder" in line for line in worker.lines), worker.lines
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
+        req = seeded_request(seed=5, frames=14, return_codes=True, format=tts_pb2.FLOAT32)
+        r = synthesize(stub, req, timeout=120)
+        assert r.summary.frames == 14
+        assert_close(r.pcm(), offline_pcm(tiny_codec, r.code_frames().astype(np.int32)))
+
+
 class FakeSession:
     """What SessionWorker calls on a CodecSession, without a codec: 4 slots; tests override
     launch_pcm (and uses_priority_stream) to record the steps the worker forms."""

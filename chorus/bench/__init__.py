@@ -382,7 +382,8 @@ def _launch_cluster(args: argparse.Namespace):
     replicas = max(1, args.vocoders)
     cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
                       scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
-                      vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs)
+                      vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs,
+                      colocate_vocoder=args.colocate_vocoder)
     return cluster, metrics_port
 
 
