@@ -13,13 +13,15 @@
 # replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
 # stream's last vocoder step is short, chunk5 = c256 with every chunk 5 frames like the first, so first
 # chunks and steady chunks share the vocoder's steps, step5 = c256 with 25-frame chunks decoded in 5-frame
-# steps (the same sharing without 5x the relay messages), priority1gpu = the one-GPU run below with the vocoder's
+# steps (the same sharing without 5x the relay messages), step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
+# --step-frames=5 instead, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
-DUR=${DUR:-15}
+DUR=${DUR:-15}  # RUN_TIMEOUT: seconds per run (default 420)
 COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --worker-arg=--preset=full
         --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 --vocoder-arg=--preset=full
         --vocoders ${VOCODERS:-2} --vocoder-arg=--slots=${VOCODER_SLOTS:-128}
@@ -29,8 +31,10 @@ COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --work
 run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
-  timeout 420 python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  timeout ${RUN_TIMEOUT:-420} python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "rc=$?"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+  # A run cut off by the timeout leaves its services (own sessions) running: stop them before the next one.
+  pkill -9 -f "gpu_worker.server|vocoder_svc.server|vocoder_svc.decode_process|scheduler_svc.server" 2>/dev/null; sleep 1
   tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished
 }
 python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
@@ -54,6 +58,20 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 ;;
     step5) run e2e_w1_c256_step5 --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 ;;
+    step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
+                  --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
+                  --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
+    colocated1gpu) run e2e_w1_1gpu_colocated --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
+                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --colocate-vocoder --server-logs \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, bf16, dummy weights" ;;
+    colocated_priority1gpu) run e2e_w1_1gpu_colocated_priority --workload W1 --concurrency 1,16 \
+                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                     --colocate-vocoder --vocoder-arg=--priority-first-chunks \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, first chunks on a high-priority stream, bf16, dummy weights" ;;
+    colocated_step5_1gpu) run e2e_w1_1gpu_colocated_step5 --workload W1 --concurrency 1,16 \
+                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                     --colocate-vocoder --vocoder-arg=--step-frames=5 \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks \

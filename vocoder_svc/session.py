@@ -272,6 +272,7 @@ class CodecSession:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._keep: list[object] = []  # the CUDAGraph objects behind the replay methods
+        self._capture_streams: dict[bool, object] = {}  # priority? -> the stream its graphs are captured on
         self._lock = threading.RLock()
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._active: set[int] = set()
@@ -293,6 +294,14 @@ class CodecSession:
         # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
         self._glue_call = ("torch" if self.glue_impl == "torch" else
                            "auto" if self.device.type == "cuda" else "triton")
+        # The FFN's first GEMM with its GELU fused in, per (d, ff) where it measured faster (CUDA only).
+        self.linear_gelu: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.linear_gelu_note = "FFN: linear + gelu"
+        if self.glue_impl == "triton" and self.device.type == "cuda":
+            with torch.inference_mode():
+                self.linear_gelu, self.linear_gelu_note = sk.select_linear_gelu(
+                    self.device, self.compute_dtype, [(st.d_model, st.layers[0].w1.shape[0]) for st in stages
+                                                      if st.layers])
 
     # ---- construction -------------------------------------------------------------
     def _build(self) -> None:
@@ -475,7 +484,8 @@ class CodecSession:
                 wa.ring_write_kv(st.k[li], st.v[li], k, v, rows, offset, write, impl=self.attention_impl)
                 o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
                 y, f = sk.scaled_add_layer_norm(y, o, lay.s1, lay.ln2_w, lay.ln2_b, LN_EPS, cd, impl=glue)
-                f = F.linear(F.gelu(F.linear(f, lay.w1), approximate="none"), lay.w2)
+                fused = self.linear_gelu.get((d, lay.w1.shape[0]))
+                f = F.linear(sk.linear_gelu(f, lay.w1, impl="auto" if fused else "torch", config=fused), lay.w2)
                 if li + 1 < nl:
                     nxt = st.layers[li + 1]
                     y, a = sk.scaled_add_layer_norm(y, f, lay.s2, nxt.ln1_w, nxt.ln1_b, LN_EPS, cd, impl=glue)
@@ -534,8 +544,18 @@ class CodecSession:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             pool = self._pool
+        # Captured on a stream of the session's own, one for priority graphs and one for the rest: a
+        # graph bakes in the cuBLAS workspace of the stream it was captured on, and torch.cuda.graph's
+        # default capture stream is one per process. Graphs that replay concurrently (a priority first
+        # chunk beside a steady step; a decoder hosted in the worker's process beside the worker's
+        # graphs) must not share a workspace: on an H200 the hosted decoder and the worker hung the
+        # GPU at c16 with their graphs captured on the default stream.
+        priority = t in self.priority_frames
+        if priority not in self._capture_streams:
+            self._capture_streams[priority] = torch.cuda.Stream(device=self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=self._capture_streams[priority],
+                              capture_error_mode="thread_local"):
             out = self._run(codes, rows, valid)
         self._keep.append(graph)
         return _Graph(graph.replay, codes, rows, valid, out)
