@@ -563,7 +563,7 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
         f"{session.state_nbytes() / 1e9:.3f} GB, graphs {session.graph_mode or 'off'}"
         + (f" for {frames} frames" if session.graph_mode else "")
         + (f", {sorted(session.priority_frames)}-frame steps on a high-priority stream"
-           if session.priority_frames else ""), flush=True)
+           if session.priority_frames else "") + f"; {session.linear_gelu_note}", flush=True)
     if session.graph_mode:
         pairs = sorted({(b, t) for b in session.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
         started = time.perf_counter()
