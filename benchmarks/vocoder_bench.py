@@ -278,11 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                       "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype),
                       "attention": args.attention,
                       "attention_kernel": wa.kernel_selected(dtype, device, 64, args.attention),
-                      "glue": args.glue, "glue_impl": session.glue_impl, "glue_fallback": session.glue_fallback,
-                      "linear_gelu": {f"{k}x{n}": list(c) for (k, n), c in session.linear_gelu.items()},
-                      "linear_gelu_note": session.linear_gelu_note}
+                      "glue": args.glue, "glue_impl": session.glue_impl, "glue_fallback": session.glue_fallback}
     log(f"session: attention kernel {res['session']['attention_kernel']} ({args.attention}), "
-        f"glue {session.glue_impl} ({args.glue}); {session.linear_gelu_note}"
+        f"glue {session.glue_impl} ({args.glue})"
         + (f"; glue self-test FAILED, torch fallback: {session.glue_fallback}" if session.glue_fallback else ""))
     save()
     gen = torch.Generator().manual_seed(args.seed + 1)

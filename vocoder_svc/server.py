@@ -98,7 +98,7 @@ from prometheus_client import start_http_server
 from chorus.audio import decode_audio, encode_pcm16, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
-from vocoder_svc.decode_process import DecodeProcess, DecoderGone
+from vocoder_svc.decode_process import HOST_SILENCE_S, DecodeProcess, DecoderGone
 from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
                                  StreamTooLong)
 from vocoder_svc.metrics import Metrics
@@ -450,6 +450,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker's on a high-priority stream) where two processes' contexts take turns in "
                              "time slices. The codec flags (--preset, --slots, ...) go to the worker's "
                              "--vocoder-decoder-args, not here")
+    parser.add_argument("--attach-silence-s", type=float, default=HOST_SILENCE_S, metavar="S",
+                        help="with --attach-decoder: the decoder is gone (open calls end UNAVAILABLE and the "
+                             "service stops, so its pod restarts) after this long without a word from it; it "
+                             "sends one each second (default: %(default)s)")
     parser.add_argument("--launch-ahead-streams", type=int, default=None, metavar="N",
                         help="session engine: launch a step while the previous one still runs on the device "
                              "only if it carries at least N streams (throughput under load; below it a new "
@@ -563,7 +567,7 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
         f"{session.state_nbytes() / 1e9:.3f} GB, graphs {session.graph_mode or 'off'}"
         + (f" for {frames} frames" if session.graph_mode else "")
         + (f", {sorted(session.priority_frames)}-frame steps on a high-priority stream"
-           if session.priority_frames else "") + f"; {session.linear_gelu_note}", flush=True)
+           if session.priority_frames else ""), flush=True)
     if session.graph_mode:
         pairs = sorted({(b, t) for b in session.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
         started = time.perf_counter()

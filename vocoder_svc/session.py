@@ -294,14 +294,6 @@ class CodecSession:
         # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
         self._glue_call = ("torch" if self.glue_impl == "torch" else
                            "auto" if self.device.type == "cuda" else "triton")
-        # The FFN's first GEMM with its GELU fused in, per (d, ff) where it measured faster (CUDA only).
-        self.linear_gelu: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.linear_gelu_note = "FFN: linear + gelu"
-        if self.glue_impl == "triton" and self.device.type == "cuda":
-            with torch.inference_mode():
-                self.linear_gelu, self.linear_gelu_note = sk.select_linear_gelu(
-                    self.device, self.compute_dtype, [(st.d_model, st.layers[0].w1.shape[0]) for st in stages
-                                                      if st.layers])
 
     # ---- construction -------------------------------------------------------------
     def _build(self) -> None:
@@ -484,8 +476,7 @@ class CodecSession:
                 wa.ring_write_kv(st.k[li], st.v[li], k, v, rows, offset, write, impl=self.attention_impl)
                 o = F.linear(o.transpose(1, 2).reshape(bsz, tk, d), lay.wo)
                 y, f = sk.scaled_add_layer_norm(y, o, lay.s1, lay.ln2_w, lay.ln2_b, LN_EPS, cd, impl=glue)
-                fused = self.linear_gelu.get((d, lay.w1.shape[0]))
-                f = F.linear(sk.linear_gelu(f, lay.w1, impl="auto" if fused else "torch", config=fused), lay.w2)
+                f = F.linear(F.gelu(F.linear(f, lay.w1), approximate="none"), lay.w2)
                 if li + 1 < nl:
                     nxt = st.layers[li + 1]
                     y, a = sk.scaled_add_layer_norm(y, f, lay.s2, nxt.ln1_w, nxt.ln1_b, LN_EPS, cd, impl=glue)

@@ -60,7 +60,7 @@ from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES as _KERN
 from chorus.triton_support import launch_opts as _launch_opts
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "layer_norm_cast", "scaled_add_layer_norm", "scaled_add", "rope_qk",
-           "pcm16", "linear_gelu", "kernels_usable", "select_impl", "select_linear_gelu", "self_test"]
+           "pcm16", "kernels_usable", "select_impl", "self_test"]
 
 MAX_KERNEL_WIDTH = 16384
 # Device types on which glue="auto" takes the kernels, and on which select_impl self-tests them first
@@ -154,39 +154,6 @@ if HAVE_TRITON:
         y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (BLOCK_T, BLOCK_D))
         dst = out_ptr + which * o_2 + b * o_b + h * o_h + t * o_t + d
         tl.store(dst, _cast(y, out_ptr.dtype.element_ty, CUDA), mask=tm & (d < HD))
-
-
-    @triton.jit
-    def _linear_gelu_kernel(a_ptr, w_ptr, out_ptr, M, N, s_am, s_wn, s_om, K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, PRECISION: tl.constexpr, CUDA: tl.constexpr):
-        """A [BLOCK_M, BLOCK_N] tile of GELU_erf(a @ w^T): a [M, K], w [N, K] (nn.Linear's layout), unit
-        stride in K, K a multiple of BLOCK_K. fp32 sums, the GELU on them, one rounding to out's dtype.
-        Tiles go in groups of GROUP_M rows of tiles, so neighbouring programs share w's columns in L2."""
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BLOCK_M)
-        n_n = tl.cdiv(N, BLOCK_N)
-        in_group = GROUP_M * n_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        mm = rm[:, None] < M
-        nm = rn[None, :] < N
-        a = a_ptr + rm.to(tl.int64)[:, None] * s_am + rk[None, :]
-        w = w_ptr + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):  # K is constexpr (a model width): the interpreter needs that
-            acc = tl.dot(tl.load(a, mask=mm, other=0.0), tl.load(w, mask=nm, other=0.0), acc,
-                         input_precision=PRECISION)
-            a += BLOCK_K
-            w += BLOCK_K
-        y = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(out_ptr + rm.to(tl.int64)[:, None] * s_om + rn[None, :], _cast(y, out_ptr.dtype.element_ty, CUDA),
-                 mask=mm & nm)
 
 
 # =============================================================================
@@ -302,47 +269,6 @@ def pcm16(x: Tensor, *, impl: str = "auto") -> Tensor:
     return out
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): linear_gelu's tilings, the first the default;
-# select_linear_gelu times them on the session's FFN shapes and keeps the fastest.
-LINEAR_GELU_CONFIGS = ((128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4))
-# Below this many rows the fused kernel's row tiles run mostly empty while cuBLAS splits the weight read
-# over more blocks: small steps (a first chunk's early stages) keep linear + gelu.
-LINEAR_GELU_MIN_ROWS = 1024
-
-
-def _linear_gelu_torch(x: Tensor, w: Tensor) -> Tensor:
-    return F.gelu(F.linear(x, w), approximate="none")
-
-
-def linear_gelu(x: Tensor, w: Tensor, *, impl: str = "auto", config: tuple[int, ...] | None = None) -> Tensor:
-    """``F.gelu(F.linear(x, w), approximate="none")`` (the FFN's first half, no bias): x [..., K], w [N, K].
-    The kernel applies the GELU to the GEMM's fp32 sums before the one rounding (the torch path rounds the
-    GEMM's output first), so a bf16 element may differ by an ulp; its GELU costs no pass over the
-    [..., N] activations of its own. fp32 inputs multiply in full fp32 (no TF32). "auto" takes the kernel
-    for inputs of at least LINEAR_GELU_MIN_ROWS rows (the session asks only for shapes where
-    select_linear_gelu found it faster); `config` is one of LINEAR_GELU_CONFIGS (default the first)."""
-    k = x.shape[-1]
-    bm, bn, bk, group, warps, stages = config or LINEAR_GELU_CONFIGS[0]
-    rows = x.numel() // k if k else 0
-    supported = (x.dtype in _KERNEL_DTYPES and w.dtype == x.dtype and w.dim() == 2
-                 and w.shape[1] == k and k % bk == 0 and w.stride(1) == 1 and x.stride(-1) == 1
-                 and (impl == "triton" or rows >= LINEAR_GELU_MIN_ROWS))
-    if supported:
-        try:
-            a = x.view(rows, k)  # no copy: a step's activations are contiguous
-        except RuntimeError:
-            supported = False
-    if not _use_kernel(impl, supported, x, w):
-        return _linear_gelu_torch(x, w)
-    n = w.shape[0]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, bm) * triton.cdiv(n, bn),)
-    _linear_gelu_kernel[grid](a, w, out, rows, n, a.stride(0), w.stride(0), n, K=k, BLOCK_M=bm, BLOCK_N=bn,
-                              BLOCK_K=bk, GROUP_M=group, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                              CUDA=x.is_cuda, **_launch_opts(warps, num_stages=stages))
-    return out
-
-
 # =============================================================================
 # Selection and the self-test
 # =============================================================================
@@ -452,52 +378,3 @@ def select_impl(glue: str, device: torch.device | str, compute_dtype: torch.dtyp
         log.info("fused session glue kernels passed their self-test (%s, widths %s)", compute_dtype,
                  sorted({d for d, _, _ in shapes}))
     return "triton", None
-
-
-def _time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def select_linear_gelu(device: torch.device | str, compute_dtype: torch.dtype, shapes: Iterable[tuple[int, int]],
-                       rows: int = 8192, seed: int = 0) -> tuple[dict[tuple[int, int], tuple[int, ...]], str]:
-    """Which FFN shapes (K, N) take linear_gelu, and with which of LINEAR_GELU_CONFIGS: each config is
-    checked against the torch path and timed on `rows` rows (a large step's size) beside linear + gelu;
-    a shape gets the fastest config that agrees and beats torch by 3%, else stays on torch (left out of
-    the dict). CUDA and bf16/fp16 only (else {}). Returns (choices, a line for the log)."""
-    dev = torch.device(device)
-    if not (HAVE_TRITON and dev.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16)):
-        return {}, "FFN: linear + gelu (the fused kernel needs CUDA and bf16/fp16)"
-    gen = torch.Generator().manual_seed(seed)
-    chosen: dict[tuple[int, int], tuple[int, ...]] = {}
-    notes = []
-    for k, n in sorted(set((int(k), int(n)) for k, n in shapes)):
-        x = torch.randn(rows, k, generator=gen).to(dev, compute_dtype)
-        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dev, compute_dtype)
-        ref = _linear_gelu_torch(x, w)
-        base = _time_ms(lambda: _linear_gelu_torch(x, w))
-        best, best_ms = None, base / 1.03
-        for cfg in LINEAR_GELU_CONFIGS:
-            try:
-                if _close(linear_gelu(x, w, impl="triton", config=cfg), ref, "linear_gelu") is not None:
-                    continue
-                ms = _time_ms(lambda: linear_gelu(x, w, impl="triton", config=cfg))
-            except Exception as e:  # noqa: BLE001 - a config that does not compile here is skipped
-                log.warning("linear_gelu config %s failed on (%d, %d): %r", cfg, k, n, e)
-                continue
-            if ms < best_ms:
-                best, best_ms = cfg, ms
-        if best is not None:
-            chosen[(k, n)] = best
-            notes.append(f"{k}x{n} fused {best_ms:.3f} ms vs {base:.3f}")
-        else:
-            notes.append(f"{k}x{n} linear + gelu {base:.3f} ms (fused not faster)")
-    return chosen, f"FFN at {rows} rows: " + "; ".join(notes)
-
