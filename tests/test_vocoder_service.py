@@ -829,6 +829,36 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
         ctx.destroy(linger=0)
 
 
+def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_path):
+    """SIGKILL of the process hosting the decoder (the worker, in production) mid-stream: its heartbeat
+    stops, the open call ends UNAVAILABLE after --attach-silence-s and the vocoder exits non-zero."""
+    path = str(tmp_path / "decoder")
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from vocoder_svc.decode_process import host_in_thread; "
+         f"host_in_thread({path!r}, ['--preset', 'tiny', '--seed', '{SEED}', '--slots', '2'], 'cpu'); "
+         "print('hosting', flush=True); time.sleep(600)"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = None
+    try:
+        assert any(line.strip() == "hosting" for line in iter(host.stdout.readline, "")), "the host did not start"
+        proc, address, _, lines = start_vocoder("--attach-decoder", path, "--attach-silence-s", "2")
+        with grpc.insecure_channel(address) as ch:
+            outbox, got, _ = _open_stream(vocoder_pb2_grpc.VocoderStub(ch), random_codes(7, 4))
+            assert got.get(timeout=30).frames == 5
+            host.kill()
+            outbox.put(vocoder_pb2.DecodeRequest(end=True))
+            outbox.put(None)
+            err = got.get(timeout=30)
+            assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert "went silent" in err.details()
+        assert proc.wait(timeout=30) != 0
+    finally:
+        for p in (host, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):
     """chorus up --colocate-vocoder's layout, started for real: the worker hosts the vocoder's decoder and
     a request's audio is the offline decode of the codes it returns."""

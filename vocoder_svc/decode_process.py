@@ -112,6 +112,7 @@ class DecodeProcess:
         self.gone: str | None = None
         self._closing = False
         self._heard = time.monotonic()
+        self.silence_s = getattr(args, "attach_silence_s", HOST_SILENCE_S)
         # Ids from a random base: a hosted decoder may still answer an earlier gRPC process's jobs.
         self._ids = itertools.count(secrets.randbits(40) << 20)
         self._open: dict[int, tuple[asyncio.Future, RemoteStream]] = {}  # job id -> (future, stream)
@@ -216,11 +217,11 @@ class DecodeProcess:
 
     async def _watch(self) -> None:
         if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
-            while time.monotonic() - self._heard < HOST_SILENCE_S and self.gone is None:
+            while time.monotonic() - self._heard < self.silence_s and self.gone is None:
                 await asyncio.sleep(0.2)
             if self.gone is None:
                 self._lost(f"the vocoder's hosted decoder (pid {self.ready.pid}) went silent for "
-                           f"{HOST_SILENCE_S:.0f} s")
+                           f"{self.silence_s:g} s")
             return
         while self.proc.poll() is None:
             await asyncio.sleep(0.2)
@@ -364,7 +365,7 @@ class Decoder:
 
 
 HOST_HEARTBEAT_S = 1.0
-HOST_SILENCE_S = 10.0  # an attached gRPC process gives its hosted decoder up after this long unheard
+HOST_SILENCE_S = 10.0  # default --attach-silence-s: an attached process gives its decoder up after this long unheard
 
 
 def host_endpoints(path: str) -> tuple[str, str]:
