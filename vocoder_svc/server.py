@@ -623,8 +623,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             raise
         metrics.session_kernels.labels("attention", ready.attention).set(1)
         metrics.session_kernels.labels("glue", ready.glue).set(1)
-        print(f"vocoder: session engine in " + (f"the decoder hosted by process {decoder.pid}" if ready.hosted
-                                                else f"decode process {decoder.pid}"), flush=True)
+        where = f"the decoder hosted by process {decoder.pid}" if ready.hosted else f"decode process {decoder.pid}"
+        print(f"vocoder: session engine in {where}", flush=True)
     elif engine == "session":
         session = build_session(codec, args)
         metrics.session_kernels.labels("attention", session.attention_path).set(1)
