@@ -752,21 +752,27 @@ def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
             proc.wait()
 
 
+def _kill_decoder_mid_stream(proc: subprocess.Popen, address: str, kill, why: str) -> None:
+    """Open a stream on the vocoder, kill its decoder after the first chunk: the call must end UNAVAILABLE
+    saying `why`, and the vocoder must exit non-zero."""
+    with grpc.insecure_channel(address) as ch:
+        outbox, got, _ = _open_stream(vocoder_pb2_grpc.VocoderStub(ch), random_codes(7, 4))
+        assert got.get(timeout=30).frames == 5
+        kill()
+        outbox.put(vocoder_pb2.DecodeRequest(end=True))
+        outbox.put(None)
+        err = got.get(timeout=30)
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert why in err.details()
+    assert proc.wait(timeout=30) != 0
+
+
 def test_decode_process_death_fails_calls_unavailable_and_stops_the_service():
     """SIGKILL of the decode process mid-stream: the open call ends UNAVAILABLE (the scheduler replays it
     on another replica) and the service exits non-zero, so its pod restarts."""
     proc, address, child, lines = _start_decode_process_vocoder()
     try:
-        with grpc.insecure_channel(address) as ch:
-            outbox, got, call = _open_stream(vocoder_pb2_grpc.VocoderStub(ch), random_codes(7, 4))
-            assert got.get(timeout=30).frames == 5
-            os.kill(child, signal.SIGKILL)
-            outbox.put(vocoder_pb2.DecodeRequest(end=True))
-            outbox.put(None)
-            err = got.get(timeout=30)
-            assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert "decode process exited" in err.details()
-        assert proc.wait(timeout=30) != 0
+        _kill_decoder_mid_stream(proc, address, lambda: os.kill(child, signal.SIGKILL), "decode process exited")
         out = []
         while not lines.empty():
             out.append(lines.get())
@@ -842,16 +848,7 @@ def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_
     try:
         assert any(line.strip() == "hosting" for line in iter(host.stdout.readline, "")), "the host did not start"
         proc, address, _, lines = start_vocoder("--attach-decoder", path, "--attach-silence-s", "2")
-        with grpc.insecure_channel(address) as ch:
-            outbox, got, _ = _open_stream(vocoder_pb2_grpc.VocoderStub(ch), random_codes(7, 4))
-            assert got.get(timeout=30).frames == 5
-            host.kill()
-            outbox.put(vocoder_pb2.DecodeRequest(end=True))
-            outbox.put(None)
-            err = got.get(timeout=30)
-            assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
-            assert "went silent" in err.details()
-        assert proc.wait(timeout=30) != 0
+        _kill_decoder_mid_stream(proc, address, host.kill, "went silent")
     finally:
         for p in (host, proc):
             if p is not None and p.poll() is None:
