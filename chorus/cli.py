@@ -49,6 +49,7 @@ def _cluster(args: argparse.Namespace):
 
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
     scheduler += ["--metrics-port", str(args.metrics_port), "--frontends", str(getattr(args, "frontends", 1))]
+    worker, vocoder, scheduler = worker + args.worker_arg, vocoder + args.vocoder_arg, scheduler + args.scheduler_arg
     return Cluster(worker_args=worker, vocoder_args=vocoder, scheduler_args=scheduler, host=args.host,
                    scheduler_port=args.port, vocoder_ports=[0] * max(1, getattr(args, "vocoders", 1)),
                    echo=not args.quiet, colocate_vocoder=args.colocate_vocoder)
@@ -171,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("up", help="start worker, vocoder and scheduler locally; Ctrl-C stops them")
     _add_model_flags(p)
     p.add_argument("--vocoders", type=int, default=1, metavar="N",
-                   help="vocoder replicas (on --vocoder-device, or the worker's device); one process tops out near "
-                        "1,500 s of audio per second on an H200, so run 2 per GPU there")
+                   help="vocoder replicas (on --vocoder-device, or the worker's device). One replica decodes about "
+                        "2,000 s of audio per second on an H200; replicas on one GPU take turns on it (each is a "
+                        "CUDA context of its own), so more than one per GPU buys failover, not speed")
     p.add_argument("--frontends", type=int, default=1, metavar="N", help="the scheduler's --frontends")
     p.set_defaults(func=cmd_up)
 

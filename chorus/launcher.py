@@ -119,6 +119,12 @@ def add_service_flags(p) -> None:
     p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
                    help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="extra gpu_worker flag, repeatable; attach with '=': --worker-arg=--kv-slots=65536")
+    p.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
+                   help="extra vocoder flag, repeatable (e.g. --vocoder-arg=--step-frames=5)")
+    p.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
+                   help="extra scheduler flag, repeatable (e.g. --scheduler-arg=--max-queue=1024)")
     p.add_argument("--colocate-vocoder", action="store_true",
                    help="run the vocoder's decoder inside the worker's process (gpu_worker "
                         "--host-vocoder-decoder, vocoder --attach-decoder): on one GPU the two then share one "

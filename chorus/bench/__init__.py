@@ -115,12 +115,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     la = p.add_argument_group("with --launch")
     add_service_flags(la)
     la.add_argument("--vocoders", type=int, default=1, metavar="N", help="vocoder replicas to start (default 1)")
-    la.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
-                    help="extra gpu_worker flag, repeatable; attach with '=': --worker-arg=--kv-slots=65536")
-    la.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
-                    help="extra vocoder flag, repeatable (e.g. --vocoder-arg=--max-batch-streams=16)")
-    la.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
-                    help="extra scheduler flag, repeatable (e.g. --scheduler-arg=--max-queue=1024)")
     la.add_argument("--server-logs", action="store_true", help="relay the launched services' logs")
 
     w = p.add_argument_group("workload")
