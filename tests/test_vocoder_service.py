@@ -799,7 +799,12 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
                                     "--graph-frames", "5,25"], "cpu")
     assert decoder.ready.hosted and decoder.ready.pid == os.getpid()
     procs = []
+    ctx = zmq.Context()
     try:
+        jobs = ctx.socket(zmq.PUSH)  # a frame that is no DecoderInput is dropped; the decoder serves on
+        jobs.bind(host_endpoints(path)[0])
+        jobs.send(b"\xff not a DecoderInput")
+        jobs.close(linger=2000)
         for round_ in range(2):
             metrics_port = free_port()
             proc, address, seen, _ = start_vocoder("--metrics-port", str(metrics_port), "--attach-decoder", path,
@@ -827,8 +832,7 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        ctx = zmq.Context()  # nobody is bound any more: stand in for a vocoder and stop the decoder
-        jobs = ctx.socket(zmq.PUSH)
+        jobs = ctx.socket(zmq.PUSH)  # nobody is bound any more: stand in for a vocoder and stop the decoder
         jobs.bind(host_endpoints(path)[0])
         jobs.send(dpb.DecoderInput(shutdown=True).SerializeToString())
         assert wait_for(lambda: decoder.worker._closed)

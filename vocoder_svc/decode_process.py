@@ -341,7 +341,12 @@ class Decoder:
                 if heartbeat_s is not None and not self._inbox.poll(int(heartbeat_s * 1000)):
                     self.worker.report(self.worker.gauges())
                     continue
-                msg = dpb.DecoderInput.FromString(self._inbox.recv())
+                frame = self._inbox.recv()
+                try:
+                    msg = dpb.DecoderInput.FromString(frame)
+                except Exception:  # noqa: BLE001 - one bad frame must not end the decoder
+                    log.exception("unparseable DecoderInput (%d bytes) ignored", len(frame))
+                    continue
                 if msg.hello:  # a new gRPC process: whatever an earlier one left open is nobody's now
                     for stream in self._streams.values():
                         self.worker.release(stream)
@@ -391,7 +396,16 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
     decoder = Decoder(args, *host_endpoints(path), cuda_stream=stream, hosted=True)
     if stream is not None:
         torch.cuda.synchronize(torch.device(device))  # the build's work, queued on this thread's stream
-    threading.Thread(target=decoder.serve, args=(HOST_HEARTBEAT_S,), name="vocoder-decoder", daemon=True).start()
+    def serve() -> None:
+        try:
+            decoder.serve(HOST_HEARTBEAT_S)
+        except BaseException:  # noqa: BLE001 - see below
+            # Without its decoder this process can serve no audio, and an attached vocoder would wait for a
+            # ready that never comes: exit, so whatever supervises the worker restarts both.
+            log.exception("the hosted vocoder decoder failed; exiting")
+            os._exit(70)
+
+    threading.Thread(target=serve, name="vocoder-decoder", daemon=True).start()
     return decoder
 
 
