@@ -17,6 +17,13 @@ fails every open job when the child is gone (the calls end UNAVAILABLE, so
 the scheduler replays them on another replica) and the service stops with
 an error, so its pod restarts.
 
+The decoder can also live in another process that outlives the gRPC one:
+`gpu_worker --host-vocoder-decoder DIR` serves it from a thread (host_in_thread),
+so on one GPU the codec shares the worker's CUDA context instead of
+time-slicing against it, and `vocoder_svc.server --attach-decoder DIR`
+connects to it (DecodeProcess(attach=DIR)) instead of starting a child. It
+says hello first, and it takes a heartbeat's silence for the decoder's death.
+
     python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
 """
 
