@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -100,9 +101,7 @@ def run(args: argparse.Namespace) -> None:
     if engine.kv_capacity >= engine.warm_up_slots and engine.pool.capacity >= 2:
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
     if args.host_vocoder_decoder:
-        import shlex
-
-        from vocoder_svc.decode_process import host_in_thread
+        from vocoder_svc.decode_process import host_in_thread  # the vocoder's code only where it is hosted
         t0 = time.perf_counter()
         host_in_thread(args.host_vocoder_decoder, shlex.split(args.vocoder_decoder_args), args.device)
         # The decoder's threads and this loop share the GIL: hand it over within 0.5 ms, not 5.
