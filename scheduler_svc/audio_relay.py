@@ -19,6 +19,7 @@ once. After `max_failovers` broken streams the request fails with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import AsyncIterator
@@ -60,6 +61,7 @@ class _Attempt:
         self.returned = 0         # frames the call has answered with PCM
         self.end_sent = False
         self.owed_since: float | None = None  # stall watchdog
+        self.writes: collections.deque[tuple[int, float]] = collections.deque()  # (fed after a write, its time)
 
 
 class _Session:
@@ -89,6 +91,7 @@ class _Session:
         while True:
             event = await self.req.events.get()
             if isinstance(event, FrameEvent):
+                self.req.t_last_frame = time.monotonic()
                 codes = event.row[1:]
                 self.codes.append(codes)
                 if self.return_codes:
@@ -181,6 +184,7 @@ class _Session:
                         self.req.t_first_chunk = time.monotonic()  # reported in the request's summary
                     await call.write(vocoder_pb2.DecodeRequest(frames=rows_matrix(block)))
                     att.fed += len(block)
+                    att.writes.append((att.fed, time.monotonic()))
                 elif self.finished:
                     att.end_sent = True  # before the await: the reader may see the stream's end first
                     await call.write(vocoder_pb2.DecodeRequest(end=True))
@@ -261,6 +265,15 @@ class _Session:
         except Exception as e:  # noqa: BLE001
             self._fail_other(att, e)
 
+    def _record_lag(self, att: _Attempt) -> None:
+        """The request's longest wait so far from a chunk's frames all written to the vocoder to its PCM
+        back (the summary's max_audio_lag_ms): a vocoder falling behind shows here first."""
+        while att.writes and att.writes[0][0] < att.returned:
+            att.writes.popleft()
+        if att.writes:
+            lag = time.monotonic() - att.writes[0][1]
+            self.req.max_audio_lag = max(self.req.max_audio_lag, lag)
+
     def _deliver(self, att: _Attempt, resp: vocoder_pb2.DecodeResponse) -> None:
         """Hand the part of resp the client does not have yet to the output converter (no awaits here:
         the sample count and the converter move together)."""
@@ -273,6 +286,7 @@ class _Session:
                                f"malformed chunk: frame {resp.first_frame} (expected {att.returned}), "
                                f"{pcm.shape[0]} samples (header says {resp.num_samples})")
         att.returned = resp.first_frame + resp.frames
+        self._record_lag(att)
         first, n = resp.first_sample, pcm.shape[0]
         if first > self.sent_native:
             raise _StreamBroke(grpc.StatusCode.INTERNAL, f"chunk starts at sample {first} but the client has "

@@ -36,6 +36,8 @@ class Ticket:
     finished: frontend_pb2.Finished | None = None  # set with the FinishEvent / ErrorEvent
     t_first_frame: float | None = None
     t_first_chunk: float | None = None  # the first audio chunk's frames went to the vocoder (the relay sets it)
+    t_last_frame: float | None = None   # the relay saw the last frame
+    max_audio_lag: float = 0.0          # seconds: the relay's longest chunk wait for its audio
 
 
 class CoreClient:

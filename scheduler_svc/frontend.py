@@ -173,7 +173,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 / self.codec.sample_rate, finish_reason=FINISH_REASONS.get(done.reason, 0),
                 queue_ms=done.queue_ms, first_audio_ms=ms(first_audio), total_ms=ms(time.monotonic()),
                 prompt_rows=req.prompt_len, cached_prompt_rows=done.cached_prompt_rows,
-                first_frame_ms=ms(req.t_first_frame), first_chunk_frames_ms=ms(req.t_first_chunk)))
+                first_frame_ms=ms(req.t_first_frame), first_chunk_frames_ms=ms(req.t_first_chunk),
+                last_frame_ms=ms(req.t_last_frame), max_audio_lag_ms=req.max_audio_lag * 1e3))
         finally:
             self.core.abort(req)
 

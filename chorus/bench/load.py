@@ -159,6 +159,8 @@ class _Runner:
             "server_first_frame_ms": summary.first_frame_ms if summary else None,
             "server_first_chunk_frames_ms": summary.first_chunk_frames_ms if summary else None,
             "server_total_ms": summary.total_ms if summary else None,
+            "server_last_frame_ms": summary.last_frame_ms if summary else None,
+            "server_max_audio_lag_ms": summary.max_audio_lag_ms if summary else None,
             "sample_rate": sr,
             "samples_per_frame": header.samples_per_frame if header else 0,
             "_chunks": chunks,

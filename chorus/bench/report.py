@@ -67,6 +67,12 @@ def level_metrics(records: list[dict], window: tuple[float, float]) -> dict[str,
                                          if r.get("server_first_frame_ms") is not None]),
         "server_first_chunk_frames_ms": _stats([r["server_first_chunk_frames_ms"] for r in ok
                                                 if r.get("server_first_chunk_frames_ms") is not None]),
+        # the end of a request: its last frame, and the wait from there to the summary (the last audio)
+        "server_last_frame_ms": _stats([r["server_last_frame_ms"] for r in ok if r.get("server_last_frame_ms")]),
+        "server_tail_ms": _stats([r["server_total_ms"] - r["server_last_frame_ms"] for r in ok
+                                  if r.get("server_last_frame_ms") and r.get("server_total_ms")]),
+        "server_max_audio_lag_ms": _stats([r["server_max_audio_lag_ms"] for r in ok
+                                           if r.get("server_max_audio_lag_ms") is not None]),
         "prompt_rows_mean": sum(r["prompt_rows"] for r in ok) / len(ok) if ok else None,
         "cached_prompt_rows": {"mean": sum(cached) / len(cached) if cached else None, "total": sum(cached)},
     }
@@ -107,7 +113,13 @@ def ttfa_breakdown(lv: dict) -> str | None:
         ("first chunk's frames", "server_first_chunk_frames_ms"), ("first audio", "server_first_audio_ms"))]
     if all(v is None for _, v in parts):
         return None
-    return "TTFA p50 on the server: " + ", ".join(f"{name} {_fmt(v, '.0f')}" for name, v in parts) + " ms"
+    line = "TTFA p50 on the server: " + ", ".join(f"{name} {_fmt(v, '.0f')}" for name, v in parts) + " ms"
+    last, tail, lag = (lv.get(k, {}).get("p50") for k in ("server_last_frame_ms", "server_tail_ms",
+                                                          "server_max_audio_lag_ms"))
+    if last is not None:
+        line += (f"\n           end p50: last frame {last:.0f}, then last audio {_fmt(tail, '.0f')} ms later; "
+                 f"a chunk's longest wait for its audio {_fmt(lag, '.0f')} ms")
+    return line
 
 
 def plot(results: dict[str, Any], path: str) -> bool:

@@ -149,7 +149,7 @@ class CodesChunk(_message.Message):
     def __init__(self, first_frame: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ...) -> None: ...
 
 class SynthesisSummary(_message.Message):
-    __slots__ = ("frames", "audio_seconds", "finish_reason", "queue_ms", "first_audio_ms", "total_ms", "prompt_rows", "cached_prompt_rows", "first_frame_ms", "first_chunk_frames_ms")
+    __slots__ = ("frames", "audio_seconds", "finish_reason", "queue_ms", "first_audio_ms", "total_ms", "prompt_rows", "cached_prompt_rows", "first_frame_ms", "first_chunk_frames_ms", "last_frame_ms", "max_audio_lag_ms")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class SynthesisSummary(_message.Message):
     CACHED_PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FRAME_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AUDIO_LAG_MS_FIELD_NUMBER: _ClassVar[int]
     frames: int
     audio_seconds: float
     finish_reason: FinishReason
@@ -170,7 +172,9 @@ class SynthesisSummary(_message.Message):
     cached_prompt_rows: int
     first_frame_ms: float
     first_chunk_frames_ms: float
-    def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., first_audio_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_rows: _Optional[int] = ..., cached_prompt_rows: _Optional[int] = ..., first_frame_ms: _Optional[float] = ..., first_chunk_frames_ms: _Optional[float] = ...) -> None: ...
+    last_frame_ms: float
+    max_audio_lag_ms: float
+    def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., first_audio_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_rows: _Optional[int] = ..., cached_prompt_rows: _Optional[int] = ..., first_frame_ms: _Optional[float] = ..., first_chunk_frames_ms: _Optional[float] = ..., last_frame_ms: _Optional[float] = ..., max_audio_lag_ms: _Optional[float] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
     __slots__ = ("header", "audio", "codes", "summary")
