@@ -925,14 +925,14 @@ def test_session_worker_launches_ahead_only_under_load():
         def uses_priority_stream(self, t: int) -> bool:
             return t == 7
 
-        def launch_pcm(self, codes, int16=()):
-            events.append(f"launch {len(codes)}")
+        def launch_pcm(self, codes, int16=(), priority=True):
+            events.append(f"launch {len(codes)}" + (" (priority)" if priority else ""))
             return Pending(len(codes), list(codes))
 
     worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=2)
 
     async def run() -> None:
-        a, b, c = worker.open(), worker.open(), worker.open()
+        a, b, c, d = worker.open(), worker.open(), worker.open(), worker.open()
         with worker._cond:  # both queued before the worker looks: one 2-stream step
             first = [worker.submit(a, random_codes(5, 1)), worker.submit(b, random_codes(5, 2))]
         await asyncio.gather(*first)
@@ -940,15 +940,17 @@ def test_session_worker_launches_ahead_only_under_load():
         with worker._cond:
             second = [worker.submit(a, random_codes(25, 1)), worker.submit(b, random_codes(25, 2))]
         await asyncio.gather(*second)  # 2 streams: launched ahead
-        await worker.submit(c, random_codes(7, 3))  # 1 stream, but on the priority stream: never waits
-        for h in (a, b, c):
+        await worker.submit(d, random_codes(7, 4))  # a first chunk on the priority stream: never waits
+        await worker.submit(c, random_codes(7, 5))  # no first chunk: not on the priority stream
+        for h in (a, b, c, d):
             worker.release(h)
 
     try:
         asyncio.run(run())
     finally:
         worker.close()
-    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
+    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1 (priority)",
+                      "wait for the 1-stream step", "launch 1"]
 
 
 def test_session_worker_decodes_chunks_in_step_frame_pieces():
@@ -971,7 +973,7 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
     class Session(FakeSession):
         fail_at = -1
 
-        def launch_pcm(self, codes, int16=()):
+        def launch_pcm(self, codes, int16=(), priority=True):
             events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
             if len(events) == self.fail_at:
                 raise RuntimeError("device fault")
@@ -1006,6 +1008,98 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
     assert first == b"<1:2>"  # b's first chunk shared a step with a's first piece
     assert steady == b"<0:1><0:3><0:4><0:5><0:6>"  # the five pieces, in order, as one chunk
     assert events == ["launch [0] x [5]", "launch [0] x [5]"]  # the failed chunk's third piece never ran
+
+
+def test_session_worker_coalesces_a_backlog():
+    """--coalesce-frames 15: a stream with three 5-frame chunks queued waits out a new stream's first
+    step (which takes only the streams that are not behind) and then has its 15 frames decoded in one
+    step, each chunk's caller getting its own frames' PCM; later its two queued chunks go as one
+    10-frame step, again after the next new stream's first step."""
+    events: list[str] = []
+
+    class Pending:
+        def __init__(self, codes):  # 4 bytes a frame: (step, frame), step counted from the first launch
+            n = len(events) - 1
+            self.pcm = {s: b"".join(b"%02d%02d" % (n, f) for f in range(c.shape[1])) for s, c in codes.items()}
+
+        def wait_device(self) -> None:
+            pass
+
+        def result(self) -> dict[int, bytes]:
+            return self.pcm
+
+    class Session(FakeSession):
+        graph_mode = None
+
+        def bucket_for(self, n: int) -> int:
+            return n
+
+        def launch_pcm(self, codes, int16=(), priority=True):
+            events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
+            return Pending(codes)
+
+    def pcm(step: int, frames: range) -> bytes:
+        return b"".join(b"%02d%02d" % (step, f) for f in frames)
+
+    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=1, coalesce_frames=15)
+
+    async def run() -> list[bytes]:
+        a, b, c, d = (worker.open() for _ in range(4))
+        for i in (1, 3):  # queued together: one step of both
+            with worker._cond:
+                pair = [worker.submit(a, random_codes(5, i)), worker.submit(b, random_codes(5, i + 1))]
+            await asyncio.gather(*pair)
+        with worker._cond:  # a is three chunks behind, b one; c is new
+            out = [worker.submit(a, random_codes(5, 5 + i)) for i in range(3)]
+            out += [worker.submit(b, random_codes(5, 8)), worker.submit(c, random_codes(5, 9))]
+        out = list(await asyncio.gather(*out))
+        with worker._cond:  # a is two chunks behind; d is new
+            again = [worker.submit(a, random_codes(5, 10)), worker.submit(a, random_codes(5, 11)),
+                     worker.submit(d, random_codes(5, 12))]
+        out += await asyncio.gather(*again)
+        for h in (a, b, c, d):
+            worker.release(h)
+        return out
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        worker.close()
+    assert events == ["launch [0, 1] x [5, 5]", "launch [0, 1] x [5, 5]",
+                      "launch [1, 2] x [5, 5]", "launch [0] x [15]",  # c (new) with b, then a's backlog
+                      "launch [3] x [5]", "launch [0] x [10]"]         # d first, then a's two chunks
+    assert out[:3] == [pcm(3, range(0, 5)), pcm(3, range(5, 10)), pcm(3, range(10, 15))]
+    assert out[3:5] == [pcm(2, range(5))] * 2
+    assert out[5:] == [pcm(5, range(0, 5)), pcm(5, range(5, 10)), pcm(4, range(5))]
+
+
+def test_session_engine_coalesced_steps_match_offline(tiny_codec):
+    """On a real session, a backlog decoded in coalesced steps (graphs for 5, 10 and 15 frames) gives
+    each chunk the offline decode's audio."""
+    session = CodecSession(tiny_codec, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 10, 15])
+    session.capture()
+    steps: list[tuple[int, int]] = []
+    worker = SessionWorker(session, lambda r: steps.append((r.step_streams, r.step_frames)) if r.step_ms else None,
+                           launch_ahead_streams=1, coalesce_frames=15)
+    codes = {0: random_codes(30, seed=41), 1: random_codes(10, seed=42)}
+
+    async def run() -> dict[int, bytes]:
+        handles = {k: worker.open() for k in codes}
+        with worker._cond:  # everything queued at once, as a vocoder far behind would have it
+            futures = {k: [worker.submit(handles[k], c[i:i + 5]) for i in range(0, len(c), 5)]
+                       for k, c in codes.items()}
+        out = {k: b"".join(await asyncio.gather(*f)) for k, f in futures.items()}
+        for h in handles.values():
+            worker.release(h)
+        return out
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        worker.close()
+    assert max(f for _, f in steps) == 15 and sum(n * f for n, f in steps) == 40
+    for k, c in codes.items():
+        assert_close(np.frombuffer(out[k], "<f4").reshape(-1, 2), offline_pcm(tiny_codec, c))
 
 
 def test_session_engine_step_frames_match_offline(tiny_codec):

@@ -62,7 +62,7 @@ class DecoderGone(RuntimeError):
 # Flags the child needs to build the same codec and session as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
               "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams",
-              "step_frames")
+              "step_frames", "coalesce_frames")
 _FORWARDED_SWITCHES = ("priority_first_chunks",)
 
 
@@ -220,7 +220,8 @@ class DecodeProcess:
         elif kind == "report":
             r = msg.report
             self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
-                                                      r.step_ms if r.stepped else None, r.step_streams, r.graphed))
+                                                      r.step_ms if r.stepped else None, r.step_streams, r.graphed,
+                                                      r.step_frames, r.queue_wait_ms))
 
     async def _watch(self) -> None:
         if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
@@ -289,7 +290,8 @@ class _Replies:
     def report(self, r: SessionReport) -> None:
         self.send(dpb.DecoderOutput(report=dpb.DecoderReport(
             free_slots=r.free_slots, waiting_streams=r.waiting_streams, stepped=r.step_ms is not None,
-            step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed)))
+            step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed, step_frames=r.step_frames,
+            queue_wait_ms=r.queue_wait_ms)))
 
     def finish(self, job: int) -> Callable[[object, BaseException | None], None]:
         def done(result: object, error: BaseException | None) -> None:
@@ -332,7 +334,7 @@ class Decoder:
         codec, _ = make_codec(args)
         session = build_session(codec, args)
         self.worker = SessionWorker(session, self._replies.report, args.launch_ahead_streams, args.step_frames,
-                                    cuda_stream=cuda_stream)
+                                    cuda_stream=cuda_stream, coalesce_frames=args.coalesce_frames)
         self.ready = dpb.DecoderReady(
             slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
             attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",

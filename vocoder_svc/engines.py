@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -21,6 +21,10 @@ from vocoder_svc.metrics import Metrics
 from vocoder_svc.session import CodecSession, PendingPcm
 
 DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
+# A session step's fixed cost in stream-frames, for choosing how many queued frames to coalesce: on the
+# H200 (full codec, graphed, PCM16) one stream x 5 frames took 4.6 ms and 64 x 25 took 60.7 ms, i.e.
+# ~4.4 ms fixed and ~0.035 ms per padded stream-frame.
+COALESCE_OVERHEAD_FRAMES = 128
 log = logging.getLogger("chorus.vocoder")
 
 
@@ -116,11 +120,12 @@ class DecodeWorker:
 class SessionStream:
     """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
 
-    __slots__ = ("slot", "released")
+    __slots__ = ("slot", "released", "started")
 
     def __init__(self) -> None:
         self.slot: int | None = None
         self.released = False
+        self.started = False  # its first step was launched
 
 
 # A job's completion: (wire PCM bytes, None), or (None, the error); asyncio.CancelledError when the
@@ -135,6 +140,28 @@ class _SessionJob:
     int16: bool        # wire PCM16, else float32
     finish: Finish     # called once, on the session thread (or the releasing thread for dropped jobs)
     abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
+    submitted: float = field(default_factory=time.monotonic)
+
+
+def _coalesced(jobs: list[_SessionJob]) -> _SessionJob:
+    """One step's job for a stream's consecutive queued jobs: their codes joined, and the step's PCM cut
+    back into each job's frames (the codec is causal and every frame has the same number of samples,
+    so each part's bytes equal what its own step would have given, up to rounding)."""
+    sizes = [j.codes.shape[0] for j in jobs]
+
+    def finish(result, error) -> None:
+        if error is not None:
+            for j in jobs:
+                j.finish(None, error)
+            return
+        per_frame = len(result) // sum(sizes)
+        start = 0
+        for j, n in zip(jobs, sizes):
+            j.finish(result[start:start + n * per_frame], None)
+            start += n * per_frame
+
+    return _SessionJob(jobs[0].stream, np.concatenate([j.codes for j in jobs]), jobs[0].int16, finish,
+                       lambda: any(j.abandoned() for j in jobs), jobs[0].submitted)
 
 
 class _Pieces:
@@ -177,6 +204,8 @@ class SessionReport:
     step_ms: float | None = None  # None: no step (a gauge update only)
     step_streams: int = 0
     graphed: bool = False
+    step_frames: int = 0          # frames per stream in the step
+    queue_wait_ms: float = 0.0    # from the step's oldest job's submit to the step's launch
 
 
 def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Finish:
@@ -201,7 +230,8 @@ class SessionWorker:
     steps and frees its slot before the next step."""
 
     def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
-                 launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None):
+                 launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None,
+                 coalesce_frames: int = 0):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
         service; the decode process forwards them to its parent).
 
@@ -218,12 +248,17 @@ class SessionWorker:
         stream's first chunk then waits behind at most the one step already running, not also a
         queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA).
 
+        coalesce_frames: decode up to this many queued frames of a stream that fell behind in one step
+        (see _group); 0: one queued step at a time.
+
         cuda_stream: the CUDA stream steps run on (default: the thread's current one, i.e. the
         device's default stream). A decoder hosted in the worker's process passes a low-priority
         one, so the worker's kernels go first wherever both wait for the GPU."""
-        if step_frames < 0:
-            raise ValueError(f"step_frames must be >= 0, got {step_frames}")
+        if step_frames < 0 or coalesce_frames < 0:
+            raise ValueError(f"step_frames and coalesce_frames must be >= 0, got {step_frames}, {coalesce_frames}")
         self.session, self.report, self.step_frames = session, report, step_frames
+        self.coalesce_frames = coalesce_frames
+        self._starter_led = False  # the last step was led by a new stream's first step
         self.cuda_stream = cuda_stream
         self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
                                      else launch_ahead_streams)
@@ -300,33 +335,77 @@ class SessionWorker:
         self._thread.join(timeout=10)
 
     # ---- the thread -------------------------------------------------------------------------------
+    def _prefixes(self, queue: list[_SessionJob]) -> dict[int, int]:
+        """frames -> jobs, for each run of a stream's oldest queued jobs that one step can decode: the
+        oldest job, and with coalescing every longer run (one PCM encoding) of up to coalesce_frames
+        frames whose frame count has a graph (an eager step would cost more than it saves)."""
+        out = {queue[0].codes.shape[0]: 1}
+        total = queue[0].codes.shape[0]
+        for k, j in enumerate(queue[1:] if self.coalesce_frames else (), 2):
+            total += j.codes.shape[0]
+            if j.int16 != queue[0].int16 or total > self.coalesce_frames:
+                break
+            if self.session.graph_mode is None or total in self.session.graph_frames:
+                out[total] = k
+        return out
+
+    def _step_value(self, frames: int, streams: int) -> float:
+        """Frames decoded per unit of estimated device time, for a step of `streams` streams x `frames`:
+        a fixed cost of COALESCE_OVERHEAD_FRAMES plus every row of the bucket, padding included."""
+        return frames * streams / (COALESCE_OVERHEAD_FRAMES + self.session.bucket_for(streams) * frames)
+
     def _group(self) -> list[_SessionJob]:
-        """(Under the lock.) The leading runnable step and the runnable steps with its frame count;
-        runnable = the stream holds a slot, or a free one is left for it. The lead is the oldest
-        first step of a new stream if one can run (its listener hears nothing until it is done:
-        time to first audio), else the oldest step (later chunks have audio buffered ahead)."""
+        """(Under the lock.) The next step's jobs, one per stream, all of one frame count; runnable = the
+        stream holds a slot, or a free one is left for it. The lead is the oldest first step of a new
+        stream if one can run (its listener hears nothing until it is done: time to first audio), else
+        the oldest step (later chunks have audio buffered ahead); every other stream whose next step has
+        the lead's frame count joins it.
+
+        With coalescing (coalesce_frames > 0), a stream that fell behind has several steps queued, and
+        its oldest ones are joined into one longer step: per frame a long step costs far less than a
+        short one (5 frames of 40 streams took ~13 ms on the H200, 25 frames of 64 about 61). The frame
+        count is the one of the lead's possible runs that decodes the most frames per estimated device
+        time. New streams' first steps then go with only the streams that are not behind, so a backlog
+        does not slow time to first audio, and they lead at most every other step while other streams
+        wait, so the backlog is not starved either."""
         self._pending = [j for j in self._pending if not j.abandoned()]
         free = self.session.free_slots
-        starters = [j for j in self._pending if j.stream.slot is None] if free else []
-        slotted = (j for j in self._pending if j.stream.slot is not None)
-        lead = starters[0] if starters else next(slotted, None)
-        key = lead.codes.shape if lead is not None else None
-        group: list[_SessionJob] = []
-        seen: set[int] = set()  # only a stream's oldest step is eligible: the next needs its state
+        queues: dict[int, list[_SessionJob]] = {}  # each stream's jobs, oldest first; streams by oldest job
         for j in self._pending:
-            first, sid = id(j.stream) not in seen, id(j.stream)
-            seen.add(sid)
-            if not first or j.codes.shape != key or (j.stream.slot is None and free == 0):
-                continue
-            if j.stream.slot is None:
-                free -= 1
-            group.append(j)
-        if group:
-            taken = {id(j) for j in group}
+            queues.setdefault(id(j.stream), []).append(j)
+        starters = [q for q in queues.values() if q[0].stream.slot is None] if free else []
+        slotted = [q for q in queues.values() if q[0].stream.slot is not None]
+        starter_led = bool(starters) and not (self.coalesce_frames and self._starter_led and slotted)
+        lead = starters[0] if starter_led else slotted[0] if slotted else None
+        group: list[_SessionJob] = []
+        if lead is not None:
+            runs = {sid: self._prefixes(q) for sid, q in queues.items()}
+            if starter_led and self.coalesce_frames:  # a stream that is behind waits for a longer step
+                runs = {sid: r if queues[sid][0].stream.slot is None else {max(r): r[max(r)]}
+                        for sid, r in runs.items()}
+
+            def members(frames: int) -> list[int]:
+                left, out = free, []
+                for sid, q in queues.items():
+                    new = q[0].stream.slot is None
+                    if frames in runs[sid] and not (new and left == 0):
+                        left -= new
+                        out.append(sid)
+                return out
+
+            options = runs[id(lead[0].stream)]
+            frames = next(iter(options)) if len(options) == 1 else max(
+                options, key=lambda f: (self._step_value(f, len(members(f))), -f))
+            taken: set[int] = set()
+            for sid in members(frames):
+                jobs = queues[sid][:runs[sid][frames]]
+                group.append(jobs[0] if len(jobs) == 1 else _coalesced(jobs))
+                taken.update(id(j) for j in jobs)
             self._pending = [j for j in self._pending if id(j) not in taken]
             for j in group:
                 if j.stream.slot is None:
                     j.stream.slot = self.session.acquire()
+            self._starter_led = starter_led
         slotless = sum(j.stream.slot is None for j in self._pending)
         waiting = max(0, slotless - self.session.free_slots)
         if waiting != self._waiting:  # a stream started or stopped waiting for a slot
@@ -389,24 +468,31 @@ class SessionWorker:
         slots = [j.stream.slot for j in runnable]  # a release may clear stream.slot before the finish
         try:
             codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
-            t = runnable[0].codes.shape[0]
+            # Only a step that carries a stream's first chunk goes on the priority stream: with
+            # --step-frames equal to the first chunk's size every step has that size.
+            priority = s.uses_priority_stream(runnable[0].codes.shape[0]) and any(
+                not j.stream.started for j in runnable)
             if (self._last is not None and len(runnable) < self.launch_ahead_streams
-                    and not s.uses_priority_stream(t)):  # a priority step must not wait: that is its point
+                    and not priority):  # a priority step must not wait: that is its point
                 self._last.wait_device()
+            for j in runnable:
+                j.stream.started = True
             t0 = time.perf_counter()
-            pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])
+            waited = (time.monotonic() - min(j.submitted for j in runnable)) * 1e3
+            pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16],
+                                   priority=priority)
         except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
             for j in runnable:
                 j.finish(None, e)
             return
         self._last = pending
-        self._launched.put((runnable, slots, pending, t0, s.last_step_graphed))
+        self._launched.put((runnable, slots, pending, t0, s.last_step_graphed, waited))
 
     def _finish_steps(self) -> None:
         """The finisher thread: each launched step's PCM, in launch order, to its jobs. It must outlive
         any one failure: a step it stops reading keeps a staging buffer, and launches then block."""
         while (item := self._launched.get()) is not None:
-            runnable, slots, pending, t0, graphed = item
+            runnable, slots, pending, t0, graphed, waited = item
             try:
                 out = pending.result()
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
@@ -414,7 +500,8 @@ class SessionWorker:
             else:
                 results = [(out[slot], None) for slot in slots]
                 self._report_quietly(SessionReport(self.session.free_slots, self._waiting,
-                                                   (time.perf_counter() - t0) * 1000.0, len(runnable), graphed))
+                                                   (time.perf_counter() - t0) * 1000.0, len(runnable), graphed,
+                                                   runnable[0].codes.shape[0], waited))
             for j, (res, err) in zip(runnable, results):
                 try:
                     j.finish(res, err)

@@ -39,6 +39,13 @@ class Metrics:
             "chorus_vocoder_session_kernels", "Implementation the session runs, per part (1 = in use): "
             "attention and glue are 'triton' or 'torch' (a glue self-test failure shows as torch)",
             ["part", "impl"], registry=r)
+        self.decode_step_frames = Histogram(
+            "chorus_vocoder_decode_step_frames", "Frames per stream in one session step",
+            buckets=(1, 5, 10, 15, 20, 25, 50), registry=r)
+        self.queue_wait_ms = Histogram(
+            "chorus_vocoder_queue_wait_ms", "How long a session step's oldest chunk waited from its arrival to "
+            "the step's launch: above a step's time, the decoder is behind its streams",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
                                      ["path"], registry=r)
 
@@ -50,4 +57,6 @@ class Metrics:
         if report.step_ms is not None:
             self.decode_step_ms.observe(report.step_ms)
             self.decode_batch_streams.observe(report.step_streams)
+            self.decode_step_frames.observe(report.step_frames)
+            self.queue_wait_ms.observe(report.queue_wait_ms)
             self.session_steps.labels("graph" if report.graphed else "eager").inc()

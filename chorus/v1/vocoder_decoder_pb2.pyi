@@ -73,20 +73,24 @@ class DecoderJobDone(_message.Message):
     def __init__(self, job: _Optional[int] = ..., error: _Optional[_Union[DecoderJobDone.Error, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DecoderReport(_message.Message):
-    __slots__ = ("free_slots", "waiting_streams", "stepped", "step_ms", "step_streams", "graphed")
+    __slots__ = ("free_slots", "waiting_streams", "stepped", "step_ms", "step_streams", "graphed", "step_frames", "queue_wait_ms")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STEPPED_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_STREAMS_FIELD_NUMBER: _ClassVar[int]
     GRAPHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
     waiting_streams: int
     stepped: bool
     step_ms: float
     step_streams: int
     graphed: bool
-    def __init__(self, free_slots: _Optional[int] = ..., waiting_streams: _Optional[int] = ..., stepped: _Optional[bool] = ..., step_ms: _Optional[float] = ..., step_streams: _Optional[int] = ..., graphed: _Optional[bool] = ...) -> None: ...
+    step_frames: int
+    queue_wait_ms: float
+    def __init__(self, free_slots: _Optional[int] = ..., waiting_streams: _Optional[int] = ..., stepped: _Optional[bool] = ..., step_ms: _Optional[float] = ..., step_streams: _Optional[int] = ..., graphed: _Optional[bool] = ..., step_frames: _Optional[int] = ..., queue_wait_ms: _Optional[float] = ...) -> None: ...
 
 class DecoderOutput(_message.Message):
     __slots__ = ("ready", "done", "report")
