@@ -13,9 +13,11 @@
 # replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
 # stream's last vocoder step is short, chunk5 = c256 with every chunk 5 frames like the first, so first
 # chunks and steady chunks share the vocoder's steps, step5 = c256 with 25-frame chunks decoded in 5-frame
-# steps (the same sharing without 5x the relay messages), step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# steps (the same sharing without 5x the relay messages), chunk5_coalesce / step5_coalesce = those two with
+# --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step), step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
-# --step-frames=5 instead, priority1gpu = the one-GPU run below with the vocoder's
+# --step-frames=5 instead, colocated_step5_priority1gpu / colocated_step5_coalesce1gpu = that with
+# --priority-first-chunks / --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
@@ -58,6 +60,10 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 ;;
     step5) run e2e_w1_c256_step5 --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 ;;
+    chunk5_coalesce) run e2e_w1_c256_chunk5_coalesce --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 ;;
+    step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 \
+               --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
                   --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
@@ -72,6 +78,14 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
+    colocated_step5_priority1gpu) run e2e_w1_1gpu_colocated_step5_priority --workload W1 --concurrency 1,16 \
+                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                     --colocate-vocoder --vocoder-arg=--step-frames=5 --vocoder-arg=--priority-first-chunks \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, first chunks on a high-priority stream, bf16, dummy weights" ;;
+    colocated_step5_coalesce1gpu) run e2e_w1_1gpu_colocated_step5_coalesce --workload W1 --concurrency 1,16 \
+                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                     --colocate-vocoder --vocoder-arg=--step-frames=5 --vocoder-arg=--coalesce-frames=25 \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, backlogs coalesced up to 25 frames, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks \
