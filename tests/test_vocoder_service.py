@@ -1073,6 +1073,46 @@ def test_session_worker_coalesces_a_backlog():
     assert out[5:] == [pcm(5, range(0, 5)), pcm(5, range(5, 10)), pcm(4, range(5))]
 
 
+def test_session_worker_coalesces_step_frame_pieces_after_a_first_chunk():
+    """--step-frames 5 with --coalesce-frames 25: the five pieces of one 25-frame chunk are not a
+    backlog, so the first piece shares a new stream's first step; the other four then go as one
+    20-frame step, and the caller gets the chunk's PCM whole."""
+    events: list[str] = []
+
+    class Session(FakeSession):
+        graph_mode = None
+
+        def bucket_for(self, n: int) -> int:
+            return n
+
+        def launch_pcm(self, codes, int16=(), priority=True):
+            events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
+            pcm = {s: b"%d" % len(events) * c.shape[1] for s, c in codes.items()}
+            return type("Pending", (), {"wait_device": lambda self: None, "result": lambda self: pcm})()
+
+    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=1, step_frames=5,
+                           coalesce_frames=25)
+
+    async def run() -> bytes:
+        a, b = worker.open(), worker.open()
+        await worker.submit(a, random_codes(5, 1))
+        events.clear()
+        with worker._cond:
+            steady, first = worker.submit(a, random_codes(25, 2)), worker.submit(b, random_codes(5, 3))
+        out = await steady
+        await first
+        for h in (a, b):
+            worker.release(h)
+        return out
+
+    try:
+        steady = asyncio.run(run())
+    finally:
+        worker.close()
+    assert events == ["launch [0, 1] x [5, 5]", "launch [0] x [20]"]
+    assert steady == b"1" * 5 + b"2" * 20
+
+
 def test_session_engine_coalesced_steps_match_offline(tiny_codec):
     """On a real session, a backlog decoded in coalesced steps (graphs for 5, 10 and 15 frames) gives
     each chunk the offline decode's audio."""

@@ -141,6 +141,13 @@ class _SessionJob:
     finish: Finish     # called once, on the session thread (or the releasing thread for dropped jobs)
     abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
     submitted: float = field(default_factory=time.monotonic)
+    chunk: object = None  # the chunk a --step-frames piece belongs to (None: the job is a whole chunk)
+
+
+def _behind(queue: list[_SessionJob]) -> bool:
+    """Does a stream's queue hold more than one chunk (--step-frames pieces of one chunk do not count)?"""
+    return queue[0].stream.slot is not None and any(
+        (j.chunk is None or j.chunk is not queue[0].chunk) for j in queue[1:])
 
 
 def _coalesced(jobs: list[_SessionJob]) -> _SessionJob:
@@ -309,7 +316,8 @@ class SessionWorker:
             if step and n > step:
                 whole = _Pieces(-(-n // step), finish, abandoned)
                 self._pending.extend(_SessionJob(stream, codes[a:a + step], int16, whole.finish_piece(i),
-                                                 whole.abandoned) for i, a in enumerate(range(0, n, step)))
+                                                 whole.abandoned, chunk=whole)
+                                     for i, a in enumerate(range(0, n, step)))
             else:
                 self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
             self._cond.notify()
@@ -366,8 +374,8 @@ class SessionWorker:
         short one (5 frames of 40 streams took ~13 ms on the H200, 25 frames of 64 about 61). The frame
         count is the one of the lead's possible runs that decodes the most frames per estimated device
         time. New streams' first steps then go with only the streams that are not behind, so a backlog
-        does not slow time to first audio, and they lead at most every other step while other streams
-        wait, so the backlog is not starved either."""
+        does not slow time to first audio, and they lead at most every other step while a stream is
+        behind, so the backlog is not starved either."""
         self._pending = [j for j in self._pending if not j.abandoned()]
         free = self.session.free_slots
         queues: dict[int, list[_SessionJob]] = {}  # each stream's jobs, oldest first; streams by oldest job
@@ -375,14 +383,14 @@ class SessionWorker:
             queues.setdefault(id(j.stream), []).append(j)
         starters = [q for q in queues.values() if q[0].stream.slot is None] if free else []
         slotted = [q for q in queues.values() if q[0].stream.slot is not None]
-        starter_led = bool(starters) and not (self.coalesce_frames and self._starter_led and slotted)
+        starter_led = bool(starters) and not (self.coalesce_frames and self._starter_led
+                                              and any(_behind(q) for q in slotted))
         lead = starters[0] if starter_led else slotted[0] if slotted else None
         group: list[_SessionJob] = []
         if lead is not None:
             runs = {sid: self._prefixes(q) for sid, q in queues.items()}
             if starter_led and self.coalesce_frames:  # a stream that is behind waits for a longer step
-                runs = {sid: r if queues[sid][0].stream.slot is None else {max(r): r[max(r)]}
-                        for sid, r in runs.items()}
+                runs = {sid: {max(r): r[max(r)]} if _behind(queues[sid]) else r for sid, r in runs.items()}
 
             def members(frames: int) -> list[int]:
                 left, out = free, []

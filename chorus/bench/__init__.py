@@ -212,7 +212,9 @@ def _scheduler_counters(port: int | None) -> dict[str, float] | None:
 
 _VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_vocoder_decode_step_ms_sum": "step_ms",
                      "chorus_vocoder_decode_batch_streams_sum": "streams",
-                     "chorus_vocoder_audio_seconds_total": "audio_s"}
+                     "chorus_vocoder_audio_seconds_total": "audio_s",
+                     "chorus_vocoder_decode_step_frames_sum": "frames",
+                     "chorus_vocoder_queue_wait_ms_sum": "queue_wait_ms"}
 
 
 def _vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
@@ -239,7 +241,11 @@ def _vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | No
     d = {k: after[k] - before[k] for k in _VOCODER_COUNTERS.values()}
     steps = d["steps"]
     return {"steps_per_s": steps / wall, "streams_per_step": d["streams"] / steps if steps else None,
-            "step_ms": d["step_ms"] / steps if steps else None, "audio_s_per_s": d["audio_s"] / wall}
+            "step_ms": d["step_ms"] / steps if steps else None, "audio_s_per_s": d["audio_s"] / wall,
+            # frames per stream in a step, and how long a step's oldest chunk waited for it (0 from
+            # vocoders that predate these metrics)
+            "frames_per_step": d["frames"] / steps if steps else None,
+            "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None}
 
 
 def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
@@ -337,7 +343,9 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                 vs = lv["vocoder_steps"]
                 if vs and vs["step_ms"] is not None:
                     print(f"           vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "
-                          f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s",
+                          f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s"
+                          + (f"; {vs['frames_per_step']:.1f} frames a stream, oldest chunk waited "
+                             f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else ""),
                           flush=True)
     finally:
         await runner.close()
