@@ -17,10 +17,10 @@
 # --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step),
 # chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
-# --step-frames=5 instead, colocated_step5_priority1gpu / colocated_step5_coalesce1gpu = that with
-# --priority-first-chunks / --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
+# --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
-# vocoder on the worker's GPU (the TTFA setting); PROFILE=1 adds vocoder profiles.
+# vocoder on the worker's GPU as a process of its own (--colocate-vocoder=off; chorus's one-GPU default is
+# colocated with 5-frame steps, the colocated_step5_1gpu run); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
@@ -70,35 +70,32 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
-                  --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
+                  --colocate-vocoder=off --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
     colocated1gpu) run e2e_w1_1gpu_colocated --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                      --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --colocate-vocoder --server-logs \
+                     --vocoder-arg=--step-frames=0 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, bf16, dummy weights" ;;
     colocated_priority1gpu) run e2e_w1_1gpu_colocated_priority --workload W1 --concurrency 1,16 \
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
-                     --colocate-vocoder --vocoder-arg=--priority-first-chunks \
+                     --colocate-vocoder --vocoder-arg=--priority-first-chunks --vocoder-arg=--step-frames=0 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, first chunks on a high-priority stream, bf16, dummy weights" ;;
     colocated_step5_1gpu) run e2e_w1_1gpu_colocated_step5 --workload W1 --concurrency 1,16 \
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
-    colocated_step5_priority1gpu) run e2e_w1_1gpu_colocated_step5_priority --workload W1 --concurrency 1,16 \
-                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
-                     --colocate-vocoder --vocoder-arg=--step-frames=5 --vocoder-arg=--priority-first-chunks \
-                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, first chunks on a high-priority stream, bf16, dummy weights" ;;
     colocated_step5_coalesce1gpu) run e2e_w1_1gpu_colocated_step5_coalesce --workload W1 --concurrency 1,16 \
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 --vocoder-arg=--coalesce-frames=25 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, backlogs coalesced up to 25 frames, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
-                    --vocoder-arg=--priority-first-chunks \
+                    --vocoder-arg=--priority-first-chunks --colocate-vocoder=off \
                     --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
   esac
 done
 if [ "${ONE_GPU:-0}" = 1 ]; then
   run e2e_w1_1gpu --workload W1 --concurrency 1,16 --vocoder-device cuda:0 --worker-arg=--max-batch=64 \
-      --vocoders 1 --vocoder-arg=--slots=64 --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights"
+      --vocoders 1 --vocoder-arg=--slots=64 --colocate-vocoder=off --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"

@@ -860,6 +860,21 @@ def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_
                 p.wait()
 
 
+def test_colocation_defaults_to_one_gpu_layouts():
+    """--colocate-vocoder auto: on when the worker and the one vocoder share a CUDA device, and then the
+    vocoder decodes in first-chunk-sized steps unless its flags say otherwise."""
+    from chorus.launcher import colocation
+
+    assert colocation("auto", "cuda", None, 1, []) == (True, ["--step-frames", "5"])
+    assert colocation("auto", "cuda", "cuda:0", 1, ["--first-chunk-frames=4"]) == (
+        True, ["--first-chunk-frames=4", "--step-frames", "4"])
+    assert colocation("auto", "cuda:0", None, 1, ["--step-frames=0"]) == (True, ["--step-frames=0"])
+    for device, vocoder_device, replicas in (("cpu", None, 1), ("cuda:0", "cuda:1", 1), ("cuda", None, 2)):
+        assert colocation("auto", device, vocoder_device, replicas, ["--slots", "8"]) == (False, ["--slots", "8"])
+    assert colocation("off", "cuda", None, 1, []) == (False, [])
+    assert colocation("on", "cpu", None, 1, []) == (True, ["--step-frames", "5"])
+
+
 def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):
     """chorus up --colocate-vocoder's layout, started for real: the worker hosts the vocoder's decoder and
     a request's audio is the offline decode of the codes it returns."""
@@ -925,14 +940,14 @@ def test_session_worker_launches_ahead_only_under_load():
         def uses_priority_stream(self, t: int) -> bool:
             return t == 7
 
-        def launch_pcm(self, codes, int16=(), priority=True):
-            events.append(f"launch {len(codes)}" + (" (priority)" if priority else ""))
+        def launch_pcm(self, codes, int16=()):
+            events.append(f"launch {len(codes)}")
             return Pending(len(codes), list(codes))
 
     worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=2)
 
     async def run() -> None:
-        a, b, c, d = worker.open(), worker.open(), worker.open(), worker.open()
+        a, b, c = worker.open(), worker.open(), worker.open()
         with worker._cond:  # both queued before the worker looks: one 2-stream step
             first = [worker.submit(a, random_codes(5, 1)), worker.submit(b, random_codes(5, 2))]
         await asyncio.gather(*first)
@@ -940,17 +955,15 @@ def test_session_worker_launches_ahead_only_under_load():
         with worker._cond:
             second = [worker.submit(a, random_codes(25, 1)), worker.submit(b, random_codes(25, 2))]
         await asyncio.gather(*second)  # 2 streams: launched ahead
-        await worker.submit(d, random_codes(7, 4))  # a first chunk on the priority stream: never waits
-        await worker.submit(c, random_codes(7, 5))  # no first chunk: not on the priority stream
-        for h in (a, b, c, d):
+        await worker.submit(c, random_codes(7, 3))  # 1 stream, but on the priority stream: never waits
+        for h in (a, b, c):
             worker.release(h)
 
     try:
         asyncio.run(run())
     finally:
         worker.close()
-    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1 (priority)",
-                      "wait for the 1-stream step", "launch 1"]
+    assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
 
 
 def test_session_worker_decodes_chunks_in_step_frame_pieces():
@@ -973,7 +986,7 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
     class Session(FakeSession):
         fail_at = -1
 
-        def launch_pcm(self, codes, int16=(), priority=True):
+        def launch_pcm(self, codes, int16=()):
             events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
             if len(events) == self.fail_at:
                 raise RuntimeError("device fault")
@@ -1034,7 +1047,7 @@ def test_session_worker_coalesces_a_backlog():
         def bucket_for(self, n: int) -> int:
             return n
 
-        def launch_pcm(self, codes, int16=(), priority=True):
+        def launch_pcm(self, codes, int16=()):
             events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
             return Pending(codes)
 
@@ -1073,10 +1086,11 @@ def test_session_worker_coalesces_a_backlog():
     assert out[5:] == [pcm(5, range(0, 5)), pcm(5, range(5, 10)), pcm(4, range(5))]
 
 
-def test_session_worker_coalesces_step_frame_pieces_after_a_first_chunk():
+def test_session_worker_coalesces_step_frame_pieces_only_of_a_backlog():
     """--step-frames 5 with --coalesce-frames 25: the five pieces of one 25-frame chunk are not a
-    backlog, so the first piece shares a new stream's first step; the other four then go as one
-    20-frame step, and the caller gets the chunk's PCM whole."""
+    backlog: they go 5 frames a step, the first beside a new stream's first chunk, as with
+    --step-frames alone. Two chunks queued are one: the first goes as one 25-frame step, then the
+    stream is back to one chunk. Each caller gets its chunk's PCM whole."""
     events: list[str] = []
 
     class Session(FakeSession):
@@ -1085,7 +1099,7 @@ def test_session_worker_coalesces_step_frame_pieces_after_a_first_chunk():
         def bucket_for(self, n: int) -> int:
             return n
 
-        def launch_pcm(self, codes, int16=(), priority=True):
+        def launch_pcm(self, codes, int16=()):
             events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
             pcm = {s: b"%d" % len(events) * c.shape[1] for s, c in codes.items()}
             return type("Pending", (), {"wait_device": lambda self: None, "result": lambda self: pcm})()
@@ -1093,24 +1107,28 @@ def test_session_worker_coalesces_step_frame_pieces_after_a_first_chunk():
     worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=1, step_frames=5,
                            coalesce_frames=25)
 
-    async def run() -> bytes:
+    async def run() -> list[bytes]:
         a, b = worker.open(), worker.open()
         await worker.submit(a, random_codes(5, 1))
         events.clear()
         with worker._cond:
             steady, first = worker.submit(a, random_codes(25, 2)), worker.submit(b, random_codes(5, 3))
-        out = await steady
-        await first
+        out = [await steady, await first]
+        with worker._cond:
+            two = [worker.submit(a, random_codes(25, 4)), worker.submit(a, random_codes(25, 5))]
+        out += await asyncio.gather(*two)
         for h in (a, b):
             worker.release(h)
         return out
 
     try:
-        steady = asyncio.run(run())
+        out = asyncio.run(run())
     finally:
         worker.close()
-    assert events == ["launch [0, 1] x [5, 5]", "launch [0] x [20]"]
-    assert steady == b"1" * 5 + b"2" * 20
+    assert events == ["launch [0, 1] x [5, 5]"] + ["launch [0] x [5]"] * 4 + ["launch [0] x [25]"] + \
+        ["launch [0] x [5]"] * 5
+    assert out == [b"".join(b"%d" % i * 5 for i in range(1, 6)), b"1" * 5, b"6" * 25,
+                   b"".join(b"%d" % i * 5 for i in range(7, 12))]
 
 
 def test_session_engine_coalesced_steps_match_offline(tiny_codec):

@@ -120,12 +120,11 @@ class DecodeWorker:
 class SessionStream:
     """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
 
-    __slots__ = ("slot", "released", "started")
+    __slots__ = ("slot", "released")
 
     def __init__(self) -> None:
         self.slot: int | None = None
         self.released = False
-        self.started = False  # its first step was launched
 
 
 # A job's completion: (wire PCM bytes, None), or (None, the error); asyncio.CancelledError when the
@@ -345,11 +344,13 @@ class SessionWorker:
     # ---- the thread -------------------------------------------------------------------------------
     def _prefixes(self, queue: list[_SessionJob]) -> dict[int, int]:
         """frames -> jobs, for each run of a stream's oldest queued jobs that one step can decode: the
-        oldest job, and with coalescing every longer run (one PCM encoding) of up to coalesce_frames
-        frames whose frame count has a graph (an eager step would cost more than it saves)."""
+        oldest job, and with coalescing, for a stream that is behind (_behind), every longer run (one
+        PCM encoding) of up to coalesce_frames frames whose frame count has a graph (an eager step would
+        cost more than it saves). The pieces of one chunk alone are not coalesced: under --step-frames
+        they are meant to share steps with new streams' first chunks."""
         out = {queue[0].codes.shape[0]: 1}
         total = queue[0].codes.shape[0]
-        for k, j in enumerate(queue[1:] if self.coalesce_frames else (), 2):
+        for k, j in enumerate(queue[1:] if self.coalesce_frames and _behind(queue) else (), 2):
             total += j.codes.shape[0]
             if j.int16 != queue[0].int16 or total > self.coalesce_frames:
                 break
@@ -476,19 +477,13 @@ class SessionWorker:
         slots = [j.stream.slot for j in runnable]  # a release may clear stream.slot before the finish
         try:
             codes = torch.from_numpy(np.stack([j.codes.T for j in runnable]).astype(np.int64))  # [B, n_q, T]
-            # Only a step that carries a stream's first chunk goes on the priority stream: with
-            # --step-frames equal to the first chunk's size every step has that size.
-            priority = s.uses_priority_stream(runnable[0].codes.shape[0]) and any(
-                not j.stream.started for j in runnable)
+            t = runnable[0].codes.shape[0]
             if (self._last is not None and len(runnable) < self.launch_ahead_streams
-                    and not priority):  # a priority step must not wait: that is its point
+                    and not s.uses_priority_stream(t)):  # a priority step must not wait: that is its point
                 self._last.wait_device()
-            for j in runnable:
-                j.stream.started = True
             t0 = time.perf_counter()
             waited = (time.monotonic() - min(j.submitted for j in runnable)) * 1e3
-            pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16],
-                                   priority=priority)
+            pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])
         except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
             for j in runnable:
                 j.finish(None, e)

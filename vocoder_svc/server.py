@@ -475,11 +475,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one queued "
                              "step at a time (default: %(default)s)")
     parser.add_argument("--priority-first-chunks", action="store_true",
-                        help="session engine on CUDA: steps that carry a new stream's first chunk replay their "
-                             "graphs (--first-chunk-frames) on a high-priority CUDA stream from their own memory "
-                             "pool, without waiting for the step already on the GPU (time to first audio under "
-                             "load; worth 2-4 ms of W1 c16 TTFA on one H200). Other steps of that size, e.g. "
-                             "--step-frames pieces, stay on the normal stream (default: off)")
+                        help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
+                             "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
+                             "does not wait for a steady step already on the GPU (time to first audio under load; "
+                             "worth 2-3 ms of W1 c16 TTFA on one H200). Steps are told apart by their frame count: "
+                             "with --step-frames equal to it, every step runs there (default: off)")
     parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
                         help="session engine: codebooks per frame the session decodes; streams with another "
                              "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")

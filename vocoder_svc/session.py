@@ -604,14 +604,12 @@ class CodecSession:
         return self.launch_pcm(codes, int16, eager, bucket).result()
 
     def launch_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
-                   bucket: int | None = None, priority: bool = True) -> PendingPcm:
+                   bucket: int | None = None) -> PendingPcm:
         """step_pcm without waiting for the device: the step, the PCM conversion and the copy to a
         pinned host buffer are queued, and `result()` of the returned handle waits and gives the
         bytes. The next step can be launched first, so the device never idles while the host turns
         one step's PCM into bytes (a 64-stream, 25-frame step's PCM16 is ~25 MB). At most
         STAGING_BUFFERS steps are unread: a further launch waits for the oldest result().
-        priority=False keeps a step of a priority_frames size on the current stream (the caller
-        knows it carries no stream's first chunk).
 
         The conversion runs on the device and the copy goes through a pinned host buffer: a
         64-stream step's float32 audio is ~50 MB, which a pageable copy moved at a few GB/s."""
@@ -619,7 +617,7 @@ class CodecSession:
         with self._lock, torch.inference_mode():
             if not codes:
                 return PendingPcm(self, [], [], None, None)
-            slots, out, stream = self._decode(codes, eager, bucket, allow_priority=priority)
+            slots, out, stream = self._decode(codes, eager, bucket, allow_priority=True)
             groups = [(torch.int16, [i for i, s in enumerate(slots) if s in want16]),
                       (torch.float32, [i for i, s in enumerate(slots) if s not in want16])]
             with self._on(stream):  # the conversion reads the pcm on the step's stream
