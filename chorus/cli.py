@@ -45,14 +45,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cluster(args: argparse.Namespace):
-    from chorus.launcher import Cluster, service_args
+    from chorus.launcher import Cluster, colocation, service_args
 
     worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
     scheduler += ["--metrics-port", str(args.metrics_port), "--frontends", str(getattr(args, "frontends", 1))]
-    worker, vocoder, scheduler = worker + args.worker_arg, vocoder + args.vocoder_arg, scheduler + args.scheduler_arg
-    return Cluster(worker_args=worker, vocoder_args=vocoder, scheduler_args=scheduler, host=args.host,
-                   scheduler_port=args.port, vocoder_ports=[0] * max(1, getattr(args, "vocoders", 1)),
-                   echo=not args.quiet, colocate_vocoder=args.colocate_vocoder)
+    replicas = max(1, getattr(args, "vocoders", 1))
+    colocate, vocoder = colocation(args.colocate_vocoder, args.device, args.vocoder_device, replicas,
+                                   vocoder + args.vocoder_arg)
+    return Cluster(worker_args=worker + args.worker_arg, vocoder_args=vocoder,
+                   scheduler_args=scheduler + args.scheduler_arg, host=args.host, scheduler_port=args.port,
+                   vocoder_ports=[0] * replicas, echo=not args.quiet, colocate_vocoder=colocate)
 
 
 def cmd_up(args: argparse.Namespace) -> None:

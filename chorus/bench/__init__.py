@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
-from chorus.launcher import Cluster, add_service_flags, free_port, read_metrics, service_args
+from chorus.launcher import Cluster, add_service_flags, colocation, free_port, read_metrics, service_args
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row, ttfa_breakdown
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
@@ -382,10 +382,12 @@ def _launch_cluster(args: argparse.Namespace):
         metrics_port = free_port()
         extra += ["--metrics-port", str(metrics_port)]
     replicas = max(1, args.vocoders)
-    cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder + list(args.vocoder_arg),
+    colocate, vocoder = colocation(args.colocate_vocoder, args.device, args.vocoder_device, replicas,
+                                   vocoder + list(args.vocoder_arg))
+    cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder,
                       scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
                       vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs,
-                      colocate_vocoder=args.colocate_vocoder)
+                      colocate_vocoder=colocate)
     return cluster, metrics_port
 
 
