@@ -168,6 +168,9 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise ValueError("a session runs in this process or in a decode process, not both")
         self.session = session
         self.step_frames = step_frames
+        # Steps a call may have queued before its reader stops reading (backpressure). Coalescing needs
+        # a backlog to be visible to the decoder: enough small chunks to fill its longest step.
+        self.queued_steps = 2 + coalesce_frames // max(1, first_chunk_frames)
         # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
         self.session_worker: SessionWorker | DecodeProcess | None = (
             SessionWorker(session, self.metrics.record_session, launch_ahead_streams, step_frames,
@@ -310,7 +313,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
 
     async def Decode(self, request_iterator, context):
         opened: asyncio.Future = asyncio.get_running_loop().create_future()
-        steps: asyncio.Queue = asyncio.Queue(maxsize=2)
+        steps: asyncio.Queue = asyncio.Queue(maxsize=self.queued_steps)
         reader = asyncio.ensure_future(self._read_steps(request_iterator, opened, steps))
         stream: _Stream | None = None
         try:
