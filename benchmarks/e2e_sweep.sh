@@ -15,7 +15,8 @@
 # chunks and steady chunks share the vocoder's steps, step5 = c256 with 25-frame chunks decoded in 5-frame
 # steps (the same sharing without 5x the relay messages), chunk5_coalesce / step5_coalesce = those two with
 # --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step),
-# chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, chunk5_v4 = chunk5 with
+# four replicas of 64 (four gRPC processes for the 5x chunk messages), step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
 # --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
@@ -63,6 +64,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     step5) run e2e_w1_c256_step5 --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 ;;
     chunk5_coalesce) run e2e_w1_c256_chunk5_coalesce --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 ;;
+    chunk5_v4) run e2e_w1_c256_chunk5_v4 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --vocoders 4 --vocoder-arg=--slots=64 ;;
     chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency 256 \
                --scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
