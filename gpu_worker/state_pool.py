@@ -78,6 +78,7 @@ class DecodeStatePool:
         self.generation_step = torch.zeros(rows, **i64)
         self.min_frames = torch.zeros(rows, **i64)
         self.presence = torch.zeros(rows, n_vq, audio_vocab, dtype=torch.bool, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # index_put_'s value, already on the device
         self.penalised = [False] * rows
         self._free = list(range(capacity - 1, -1, -1))
         self.requests: dict[int, RequestState] = {}
@@ -92,20 +93,21 @@ class DecodeStatePool:
         if not self._free:
             raise PoolExhausted(f"decode state pool full ({self.capacity} requests)")
         r = self._free.pop()
-        self.text_temperature[r] = sampling.text_temperature
-        self.text_top_p[r] = sampling.text_top_p
-        self.text_top_k[r] = sampling.text_top_k
-        self.audio_temperature[r] = sampling.audio_temperature
-        self.audio_top_p[r] = sampling.audio_top_p
-        self.audio_top_k[r] = sampling.audio_top_k
         penalty = sampling.audio_repetition_penalty or 1.0
-        self.audio_penalty[r] = penalty
         self.penalised[r] = penalty != 1.0  # host mirror: deciding the penalty path needs no device sync
-        self.seed[r] = sampling.seed
-        self.min_frames[r] = sampling.min_frames
-        self.generation_step[r] = generation_step
-        self.presence[r] = False
-        self.feedback[r] = 0
+        # fill_ on a row view: `t[r] = python_number` on CUDA copies a CPU scalar tensor to the device
+        # with a blocking copy, which waits for every kernel queued before it; on the H200 at c256
+        # that stalled the worker's launch of each step with prefill until the step before it was
+        # done (30% of its main thread). fill_ passes the number with the kernel: nothing waits.
+        for column, value in ((self.text_temperature, sampling.text_temperature),
+                              (self.text_top_p, sampling.text_top_p), (self.text_top_k, sampling.text_top_k),
+                              (self.audio_temperature, sampling.audio_temperature),
+                              (self.audio_top_p, sampling.audio_top_p), (self.audio_top_k, sampling.audio_top_k),
+                              (self.audio_penalty, penalty), (self.seed, sampling.seed),
+                              (self.min_frames, sampling.min_frames), (self.generation_step, generation_step)):
+            column[r].fill_(value)
+        self.presence[r].fill_(False)
+        self.feedback[r].zero_()
         state = RequestState(row=r, prompt_length=prompt_length)
         self.requests[request_id] = state
         return state
@@ -139,7 +141,7 @@ class DecodeStatePool:
         """Mark generated codes [n, n_vq] in the repetition-penalty history."""
         if codes.numel():
             k = torch.arange(codes.shape[1], device=codes.device).expand_as(codes)
-            self.presence[row, k.reshape(-1), codes.reshape(-1)] = True
+            self.presence[row].index_put_((k.reshape(-1), codes.reshape(-1)), self._true)
 
     def commit(self, rows: Tensor, codes: Tensor, stop: Tensor, feedback: Tensor) -> None:
         """After a frame: advance n, store the feedback embedding, extend the history.

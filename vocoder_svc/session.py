@@ -760,9 +760,13 @@ class CodecSession:
                 self._wait_for_slots(slots, stream)
             if gr is not None:
                 try:
-                    gr.codes.copy_(batch)
-                    gr.rows.copy_(rows)
-                    gr.valid.copy_(valid)
+                    # Non-blocking from the host: a blocking copy waits for every kernel already queued
+                    # on the stream, i.e. for the step launched ahead, so this launch then waited for
+                    # the previous step to finish (58% of the H200 session thread at c256) and the GPU
+                    # idled while the host launched the next. The host tensors are this step's own.
+                    gr.codes.copy_(batch, non_blocking=True)
+                    gr.rows.copy_(rows, non_blocking=True)
+                    gr.valid.copy_(valid, non_blocking=True)
                     gr.replay()
                     out = gr.out
                 except Exception as e:  # noqa: BLE001
