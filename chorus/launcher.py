@@ -130,7 +130,7 @@ def add_service_flags(p) -> None:
                         "--host-vocoder-decoder, vocoder --attach-decoder): on one GPU the two then share one "
                         "CUDA context instead of taking turns in time slices, and the vocoder decodes in "
                         "--first-chunk-frames steps unless --vocoder-arg sets --step-frames (one H200, W1 c16: "
-                        "time to first audio p50 106 ms as two processes, 78-80 colocated). One vocoder "
+                        "time to first audio p50 106 ms as two processes, 76-80 colocated). One vocoder "
                         "replica, on the worker's device. auto (the default) = on when the worker and one "
                         "vocoder replica share a CUDA device")
 

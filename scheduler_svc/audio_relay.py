@@ -85,6 +85,7 @@ class _Session:
         self.attempt: _Attempt | None = None
         self.failovers = 0
         self.closed = False
+        self.max_lag = 0.0  # seconds: the longest wait of a chunk for its audio (see _record_lag)
 
     # ---- scheduler events (one task for the whole request) ------------------------------------
     async def pump(self) -> None:
@@ -271,8 +272,8 @@ class _Session:
         while att.writes and att.writes[0][0] < att.returned:
             att.writes.popleft()
         if att.writes:
-            lag = time.monotonic() - att.writes[0][1]
-            self.req.max_audio_lag = max(self.req.max_audio_lag, lag)
+            self.max_lag = max(self.max_lag, time.monotonic() - att.writes[0][1])
+            self.req.max_audio_lag = self.max_lag
 
     def _deliver(self, att: _Attempt, resp: vocoder_pb2.DecodeResponse) -> None:
         """Hand the part of resp the client does not have yet to the output converter (no awaits here:

@@ -46,6 +46,9 @@ def test_three_concurrent_requests_complete(stub):
         starts = [c.first_sample for c in r.chunks]
         assert starts[0] == 0 and starts == sorted(starts)
         assert r.summary.first_audio_ms > 0 and r.summary.total_ms >= r.summary.first_audio_ms
+        # the end: the last frame after the first, before the summary; every chunk waited for its audio
+        assert r.summary.first_frame_ms <= r.summary.last_frame_ms <= r.summary.total_ms
+        assert 0 < r.summary.max_audio_lag_ms <= r.summary.total_ms
         assert np.abs(pcm).max() > 0
 
 

@@ -473,10 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coalesce-frames", type=int, default=0, metavar="N",
                         help="session engine: a stream that fell behind (several steps queued) has up to N of its "
                              "queued frames decoded in one step, the frame count chosen to decode the most frames "
-                             "per estimated device time; a long step costs far less per frame than a short one, "
-                             "so under load the decoder catches up instead of falling further behind. Its "
-                             "multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one queued "
-                             "step at a time (default: %(default)s)")
+                             "per estimated device time (a long step costs far less per frame than a short one). "
+                             "Its multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one "
+                             "queued step at a time (default: %(default)s)")
     parser.add_argument("--priority-first-chunks", action="store_true",
                         help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
                              "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
