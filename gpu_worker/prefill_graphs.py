@@ -32,8 +32,10 @@ from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 log = logging.getLogger("chorus.worker")
 
 # 640 holds the scheduler's default --prefill-chunk (512) plus padding; the larger ones a
-# --prefill-chunk of up to 2048 (with padding sequences), for bursts of admissions.
-ROW_BUCKETS = (64, 128, 256, 512, 640, 1024, 1536, 2112)
+# --prefill-chunk of up to 2048 (with padding sequences), for bursts of admissions. 384 and 448:
+# at W1 c256 on the H200 a step's prefill was ~390-420 rows in ~10 sequences, which 512 padded by
+# a fifth (prefill rows cost ~15-20 us each; not measured with these buckets yet).
+ROW_BUCKETS = (64, 128, 256, 384, 448, 512, 640, 1024, 1536, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 

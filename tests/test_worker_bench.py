@@ -1,6 +1,9 @@
 """`chorus bench worker` runs end to end on the CPU (the H200 numbers come from the same code)."""
 
 import json
+import runpy
+import sys
+from pathlib import Path
 
 from chorus import cli
 
@@ -14,3 +17,15 @@ def test_worker_bench_smoke(tmp_path):
     assert all(p["step_ms"] > 0 and p["frames_per_s"] > 0 and p["floor_ms"] > 0 for p in report["points"])
     assert report["prefill"][0]["rows_per_s"] > 0 and len(report["frame_decode"]) == 2
     assert report["attention"] == "TorchPagedAttention" and report["cuda_graphs"] is False
+
+
+def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
+    """benchmarks/sync_audit.py (run on the H200) drives the worker's and the vocoder session's steps;
+    on the CPU it finds nothing (torch's sync debug mode is CUDA-only) but every step must run."""
+    out = tmp_path / "sync.json"
+    argv, sys.argv = sys.argv, ["sync_audit.py", "--device", "cpu", "--out", str(out)]
+    try:
+        runpy.run_path(str(Path(__file__).parent.parent / "benchmarks" / "sync_audit.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert json.loads(out.read_text()) == {"device": "cpu", "syncs": []}
