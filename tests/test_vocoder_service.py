@@ -1023,38 +1023,44 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
     assert events == ["launch [0] x [5]", "launch [0] x [5]"]  # the failed chunk's third piece never ran
 
 
+class StepRecorder(FakeSession):
+    """A FakeSession that records each step ("launch [slots] x [frames]") and answers at once with 4
+    bytes a frame, (step, frame), step counted from the first launch since `events` was cleared."""
+
+    graph_mode = None
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def bucket_for(self, n: int) -> int:
+        return n
+
+    def launch_pcm(self, codes, int16=()):
+        self.events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
+        pcm = {s: step_pcm(len(self.events) - 1, range(c.shape[1])) for s, c in codes.items()}
+        return type("Pending", (), {"wait_device": lambda self: None, "result": lambda self: pcm})()
+
+
+def step_pcm(step: int, frames: range) -> bytes:
+    return b"".join(b"%02d%02d" % (step, f) for f in frames)
+
+
+def drive(worker: SessionWorker, calls):
+    """Run the coroutine function `calls` against the worker, then close it."""
+    try:
+        return asyncio.run(calls())
+    finally:
+        worker.close()
+
+
 def test_session_worker_coalesces_a_backlog():
     """--coalesce-frames 15: a stream with three 5-frame chunks queued waits out a new stream's first
     step (which takes only the streams that are not behind) and then has its 15 frames decoded in one
     step, each chunk's caller getting its own frames' PCM; later its two queued chunks go as one
     10-frame step, again after the next new stream's first step."""
-    events: list[str] = []
-
-    class Pending:
-        def __init__(self, codes):  # 4 bytes a frame: (step, frame), step counted from the first launch
-            n = len(events) - 1
-            self.pcm = {s: b"".join(b"%02d%02d" % (n, f) for f in range(c.shape[1])) for s, c in codes.items()}
-
-        def wait_device(self) -> None:
-            pass
-
-        def result(self) -> dict[int, bytes]:
-            return self.pcm
-
-    class Session(FakeSession):
-        graph_mode = None
-
-        def bucket_for(self, n: int) -> int:
-            return n
-
-        def launch_pcm(self, codes, int16=()):
-            events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
-            return Pending(codes)
-
-    def pcm(step: int, frames: range) -> bytes:
-        return b"".join(b"%02d%02d" % (step, f) for f in frames)
-
-    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=1, coalesce_frames=15)
+    session = StepRecorder()
+    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, coalesce_frames=15)
 
     async def run() -> list[bytes]:
         a, b, c, d = (worker.open() for _ in range(4))
@@ -1074,16 +1080,13 @@ def test_session_worker_coalesces_a_backlog():
             worker.release(h)
         return out
 
-    try:
-        out = asyncio.run(run())
-    finally:
-        worker.close()
-    assert events == ["launch [0, 1] x [5, 5]", "launch [0, 1] x [5, 5]",
-                      "launch [1, 2] x [5, 5]", "launch [0] x [15]",  # c (new) with b, then a's backlog
-                      "launch [3] x [5]", "launch [0] x [10]"]         # d first, then a's two chunks
-    assert out[:3] == [pcm(3, range(0, 5)), pcm(3, range(5, 10)), pcm(3, range(10, 15))]
-    assert out[3:5] == [pcm(2, range(5))] * 2
-    assert out[5:] == [pcm(5, range(0, 5)), pcm(5, range(5, 10)), pcm(4, range(5))]
+    out = drive(worker, run)
+    assert session.events == ["launch [0, 1] x [5, 5]", "launch [0, 1] x [5, 5]",
+                              "launch [1, 2] x [5, 5]", "launch [0] x [15]",  # c (new) with b, then a's backlog
+                              "launch [3] x [5]", "launch [0] x [10]"]         # d first, then a's two chunks
+    assert out[:3] == [step_pcm(3, range(0, 5)), step_pcm(3, range(5, 10)), step_pcm(3, range(10, 15))]
+    assert out[3:5] == [step_pcm(2, range(5))] * 2
+    assert out[5:] == [step_pcm(5, range(0, 5)), step_pcm(5, range(5, 10)), step_pcm(4, range(5))]
 
 
 def test_session_worker_coalesces_step_frame_pieces_only_of_a_backlog():
@@ -1091,26 +1094,14 @@ def test_session_worker_coalesces_step_frame_pieces_only_of_a_backlog():
     backlog: they go 5 frames a step, the first beside a new stream's first chunk, as with
     --step-frames alone. Two chunks queued are one: the first goes as one 25-frame step, then the
     stream is back to one chunk. Each caller gets its chunk's PCM whole."""
-    events: list[str] = []
-
-    class Session(FakeSession):
-        graph_mode = None
-
-        def bucket_for(self, n: int) -> int:
-            return n
-
-        def launch_pcm(self, codes, int16=()):
-            events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
-            pcm = {s: b"%d" % len(events) * c.shape[1] for s, c in codes.items()}
-            return type("Pending", (), {"wait_device": lambda self: None, "result": lambda self: pcm})()
-
-    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=1, step_frames=5,
+    session = StepRecorder()
+    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, step_frames=5,
                            coalesce_frames=25)
 
     async def run() -> list[bytes]:
         a, b = worker.open(), worker.open()
         await worker.submit(a, random_codes(5, 1))
-        events.clear()
+        session.events.clear()
         with worker._cond:
             steady, first = worker.submit(a, random_codes(25, 2)), worker.submit(b, random_codes(5, 3))
         out = [await steady, await first]
@@ -1121,14 +1112,11 @@ def test_session_worker_coalesces_step_frame_pieces_only_of_a_backlog():
             worker.release(h)
         return out
 
-    try:
-        out = asyncio.run(run())
-    finally:
-        worker.close()
-    assert events == ["launch [0, 1] x [5, 5]"] + ["launch [0] x [5]"] * 4 + ["launch [0] x [25]"] + \
+    out = drive(worker, run)
+    assert session.events == ["launch [0, 1] x [5, 5]"] + ["launch [0] x [5]"] * 4 + ["launch [0] x [25]"] + \
         ["launch [0] x [5]"] * 5
-    assert out == [b"".join(b"%d" % i * 5 for i in range(1, 6)), b"1" * 5, b"6" * 25,
-                   b"".join(b"%d" % i * 5 for i in range(7, 12))]
+    assert out == [b"".join(step_pcm(i, range(5)) for i in range(5)), step_pcm(0, range(5)),
+                   step_pcm(5, range(25)), b"".join(step_pcm(i, range(5)) for i in range(6, 11))]
 
 
 def test_session_engine_coalesced_steps_match_offline(tiny_codec):
