@@ -431,7 +431,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             cluster.start()
             address = cluster.address
             results["server"]["launch_args"] = {"worker": cluster.worker_args, "vocoder": cluster.vocoder_args,
-                                                "scheduler": cluster.scheduler_args}
+                                                "scheduler": cluster.scheduler_args,
+                                                "colocated_vocoder": cluster.colocate_vocoder}
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
