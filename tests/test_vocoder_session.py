@@ -246,9 +246,9 @@ def test_emulated_graphs_bitwise_equal_eager(v1_64):
 
 
 def test_api_errors_and_facts(v2_64):
-    assert default_buckets(1) == (1,) and default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
-    assert default_buckets(100) == (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100)
-    assert default_buckets(12) == (1, 2, 4, 8, 12)
+    assert default_buckets(1) == (1,) and default_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert default_buckets(60) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60)
+    assert default_buckets(6) == (1, 2, 4, 6)
     s = CodecSession(v2_64, slots=2, n_q=12)
     assert s.bucket_for(1) == 1 and s.bucket_for(2) == 2 and s.scratch == 2 and s.rows == 4
     a, b = s.acquire(), s.acquire()

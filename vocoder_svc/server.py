@@ -426,7 +426,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--buckets", default=None, metavar="B,B,...",
                         help="session engine: batch sizes a step is padded to (the largest >= --slots; default "
-                             "1,2,4,8,16 then every 16 up to --slots). A stream's PCM depends on the bucket its steps ran in (in "
+                             "1,2,4,8 then every 8 up to --slots). A stream's PCM depends on the bucket its steps ran in (in "
                              "bf16 by up to ~0.1 between buckets 1 and 4 on an H200), so a failover replay on "
                              "another replica is byte-identical only in the same buckets. One bucket (--buckets "
                              "equal to --slots) makes every step the same shape: byte-identical across replicas "

@@ -132,8 +132,9 @@ STAGING_BUFFERS = 2
 
 # Above this many streams the buckets grow by BUCKET_STEP instead of doubling: a step costs
 # its bucket, and under load (c256 end to end) the ready streams rarely fill a power of two,
-# so doubling paid for up to twice the streams a step had.
-BUCKET_STEP = 16
+# so doubling paid for up to twice the streams a step had (16-stream steps: +7% at c256 in
+# session 6). 8: at c256 with 5-frame chunks (session 8) steps held ~49 streams, padded to 64.
+BUCKET_STEP = 8
 
 
 def default_buckets(slots: int) -> tuple[int, ...]:
