@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from chorus.watchdog import StallWatchdog
 from vocoder_svc.codec import MossAudioTokenizer, StreamState
 from vocoder_svc.metrics import Metrics
 from vocoder_svc.session import CodecSession, PendingPcm
@@ -237,7 +238,7 @@ class SessionWorker:
 
     def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
                  launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None,
-                 coalesce_frames: int = 0):
+                 coalesce_frames: int = 0, stall_exit_s: float = 0.0):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
         service; the decode process forwards them to its parent).
 
@@ -257,6 +258,9 @@ class SessionWorker:
         coalesce_frames: decode up to this many queued frames of a stream that fell behind in one step
         (see _group); 0: one queued step at a time.
 
+        stall_exit_s: end the process when a launched step's PCM has not come back after this many
+        seconds (chorus.watchdog: a hung device); 0: never.
+
         cuda_stream: the CUDA stream steps run on (default: the thread's current one, i.e. the
         device's default stream). A decoder hosted in the worker's process passes a low-priority
         one, so the worker's kernels go first wherever both wait for the GPU."""
@@ -264,6 +268,7 @@ class SessionWorker:
             raise ValueError(f"step_frames and coalesce_frames must be >= 0, got {step_frames}, {coalesce_frames}")
         self.session, self.report, self.step_frames = session, report, step_frames
         self.coalesce_frames = coalesce_frames
+        self._watchdog = StallWatchdog(stall_exit_s, "a vocoder session step")
         self._starter_led = False  # the last step was led by a new stream's first step
         self.cuda_stream = cuda_stream
         self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
@@ -489,6 +494,7 @@ class SessionWorker:
                 j.finish(None, e)
             return
         self._last = pending
+        self._watchdog.begin()
         self._launched.put((runnable, slots, pending, t0, s.last_step_graphed, waited))
 
     def _finish_steps(self) -> None:
@@ -499,8 +505,10 @@ class SessionWorker:
             try:
                 out = pending.result()
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
+                self._watchdog.end()
                 results = [(None, e)] * len(runnable)
             else:
+                self._watchdog.end()
                 results = [(out[slot], None) for slot in slots]
                 self._report_quietly(SessionReport(self.session.free_slots, self._waiting,
                                                    (time.perf_counter() - t0) * 1000.0, len(runnable), graphed,

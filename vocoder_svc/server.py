@@ -152,7 +152,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
                  metrics: Metrics | None = None, session: CodecSession | None = None,
                  decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None,
-                 step_frames: int = 0, coalesce_frames: int = 0):
+                 step_frames: int = 0, coalesce_frames: int = 0, stall_exit_s: float = 0.0):
         """session: decode streams of session.n_q codebooks on this CodecSession (the session
         engine); decoder: the same, with the session in a decode process (already started); other
         streams, and every stream without either, use the stream engine."""
@@ -174,7 +174,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
         self.session_worker: SessionWorker | DecodeProcess | None = (
             SessionWorker(session, self.metrics.record_session, launch_ahead_streams, step_frames,
-                          coalesce_frames=coalesce_frames)
+                          coalesce_frames=coalesce_frames, stall_exit_s=stall_exit_s)
             if session is not None else decoder)
         # With a session, the stream engine only serves the odd codebook count: one stream per step.
         self.worker = DecodeWorker(codec, self.metrics, 1 if self.session_worker is not None else max_batch_streams,
@@ -476,6 +476,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per estimated device time (a long step costs far less per frame than a short one). "
                              "Its multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one "
                              "queued step at a time (default: %(default)s)")
+    parser.add_argument("--stall-exit-s", type=float, default=None, metavar="S",
+                        help="session engine: end the process that runs the codec session (exit code 72) when a "
+                             "launched step has not finished after S seconds: a hung GPU otherwise leaves the "
+                             "service up, serving nothing (default: 120 on CUDA, off on CPU; 0 = off)")
     parser.add_argument("--priority-first-chunks", action="store_true",
                         help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
                              "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
@@ -546,6 +550,13 @@ def _int_list(text: str, flag: str) -> list[int]:
 def first_chunk(args: argparse.Namespace) -> int:
     """The first chunk's frames as the service uses them: never above the steady chunk size."""
     return max(1, min(args.first_chunk_frames, args.chunk_frames))
+
+
+def stall_exit_seconds(args: argparse.Namespace) -> float:
+    """--stall-exit-s, or its default for the device: 120 s on CUDA, off elsewhere."""
+    if args.stall_exit_s is not None:
+        return args.stall_exit_s
+    return 120.0 if torch.device(args.device).type == "cuda" else 0.0
 
 
 def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
@@ -662,7 +673,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
                                session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
-                               step_frames=args.step_frames, coalesce_frames=args.coalesce_frames)
+                               step_frames=args.step_frames, coalesce_frames=args.coalesce_frames,
+                               stall_exit_s=stall_exit_seconds(args))
     if session is None and decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
