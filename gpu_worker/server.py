@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> None:
     hello = worker_pb2.Hello(
         model_name=model.cfg.name, architecture="moss_tts_local", model_config_json=model.cfg.to_json(),
         kv_slots=engine.kv_capacity, max_batch=args.max_batch, max_context=args.max_context,
-        device=str(engine.device), dtype=args.dtype, pid=os.getpid(), page_size=engine.page_size)
+        device=str(engine.device), dtype=args.dtype, pid=os.getpid(), page_size=engine.page_size,
+        incarnation=secrets.randbits(63) | 1)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -137,6 +139,7 @@ def run(args: argparse.Namespace) -> None:
     watchdog = StallWatchdog(stall_s, "a worker step")
 
     def send_journal(ident: bytes, journal: worker_pb2.Journal) -> None:
+        journal.incarnation = hello.incarnation
         reply = worker_pb2.WorkerEvent()
         reply.journal.CopyFrom(journal)
         sock.send_multipart([ident, reply.SerializeToString()])

@@ -21,7 +21,10 @@ KV_FREE = Gauge("chorus_kv_slots_free", "KV slots free", registry=REGISTRY)
 RADIX_HIT_ROWS = Counter("chorus_radix_hit_rows", "Prompt rows served from the radix cache", registry=REGISTRY)
 RADIX_HIT_RATE = Gauge("chorus_radix_hit_rate", "Radix cache hit rate (rows hit / rows queried)",
                        registry=REGISTRY)
-RETRACTIONS = Counter("chorus_retractions", "Requests retracted under KV pressure", registry=REGISTRY)
+RETRACTIONS = Counter("chorus_retractions", "Requests retracted to re-prefill later (KV pressure, worker restart)",
+                      registry=REGISTRY)
+WORKER_RESTARTS = Counter("chorus_worker_restarts", "Journals from a new worker process: its KV was lost and the "
+                          "running requests re-prefilled", registry=REGISTRY)
 # The worker's own time per step (Journal.step_ms: launch to journal ready), apart for steps that
 # carry prefill rows (run eagerly beside the decode graph) and decode-only steps.
 _STEP_MS_BUCKETS = (2, 4, 6, 8, 10, 12, 15, 20, 30, 50, 80, 120, 200, 500)

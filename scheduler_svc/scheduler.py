@@ -278,6 +278,10 @@ class Scheduler:
             self.sink.flush()
             return
         self._journal_at = time.monotonic()
+        if journal.incarnation != self.hello.incarnation and journal.incarnation and self.hello.incarnation:
+            self._worker_restarted(journal.incarnation)  # this journal was computed without the old KV
+            self.sink.flush()
+            return
         metrics.STEP_SECONDS.observe(self._journal_at - t0)
         (metrics.WORKER_MIXED_STEP_MS if step.plan.prefill else metrics.WORKER_DECODE_STEP_MS).observe(journal.step_ms)
         if journal.error:
@@ -449,15 +453,39 @@ class Scheduler:
             req.finish_reason = reason
             self.sink.emit(req, FinishEvent(reason))
 
-    def _retract(self, req: Request) -> None:
+    def _retract(self, req: Request, why: str = "KV full") -> None:
         """Free a running request's KV and queue it first to re-prefill prompt + output."""
-        log.info("retracting request %d at frame %d (KV full)", req.id, len(req.frames))
+        log.info("retracting request %d at frame %d (%s)", req.id, len(req.frames), why)
         metrics.RETRACTIONS.inc()
         req.retractions += 1
         self._drop_from_worker(req)
         req.phase = Phase.WAITING
         req.frames_planned = len(req.frames)
         self.waiting.appendleft(req)
+
+    def _worker_restarted(self, incarnation: int) -> None:
+        """A journal from another worker process than the one that said hello: the worker restarted,
+        and its KV and decode state are gone. The steps in flight are dropped, every running request
+        is queued again to re-prefill its prompt and the frames it has (the determinism contract
+        makes its audio go on exactly), and the KV bookkeeping and the radix cache start empty: a
+        cached prefix would point at rows the new worker never wrote."""
+        running = sorted(self.running.values(), key=lambda r: r.id, reverse=True)  # appendleft: keep order
+        log.error("the worker restarted (incarnation %x, was %x): its KV and decode state are gone; re-prefilling "
+                  "%d running requests and emptying the radix cache", incarnation, self.hello.incarnation,
+                  len(running))
+        for step in self.inflight:
+            step.future.cancel()
+        self.inflight.clear()
+        for req in running:
+            self._retract(req, "the worker restarted")
+        self.cache.reset()
+        self.kv.reset()
+        # Plans lost on the way may have left decode state for these in the new worker: release it
+        # (the next plan's releases run before its prefills; an unknown id is a no-op).
+        self.pending_release = [req.id for req in running]
+        self.hello.incarnation = incarnation
+        metrics.WORKER_RESTARTS.inc()
+        self._update_gauges()
 
     def _fail_step(self, step: _InFlight, message: str) -> None:
         ids = [i.request_id for i in step.plan.prefill] + [i.request_id for i in step.plan.decode]

@@ -1,7 +1,9 @@
 """The scheduler's end of the ZeroMQ link to one gpu_worker (DEALER → ROUTER).
 
 Plans are sent in order and journals come back in the same order; a reader
-task matches each event to the oldest waiting future of its kind, so the
+task matches each journal to its plan's future by step id (a journal lost with
+a worker that died must not shift every later one onto the wrong step), and
+hello and stats replies to the oldest waiting future of their kind, so the
 scheduler may have several plans in flight (lookahead)."""
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class WorkerClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
-        self._waiting: dict[str, deque[asyncio.Future]] = {"hello": deque(), "journal": deque(),
-                                                            "stats": deque()}
+        self._waiting: dict[str, deque[asyncio.Future]] = {"hello": deque(), "stats": deque()}
+        self._journals: dict[int, asyncio.Future] = {}  # step id -> the future of its journal
         self._reader: asyncio.Task | None = None
 
     def _start_reader(self) -> None:
@@ -40,10 +42,16 @@ class WorkerClient:
             event = worker_pb2.WorkerEvent.FromString(payload)
             kind = event.WhichOneof("kind")
             if kind == "error":  # a command we sent was rejected: fail the oldest waiter of any kind
-                for q in self._waiting.values():
-                    if q:
-                        q.popleft().set_exception(WorkerUnavailable(event.error))
-                        break
+                oldest = [q.popleft() for q in self._waiting.values() if q][:1] or (
+                    [self._journals.pop(min(self._journals))] if self._journals else [])
+                for fut in oldest:
+                    if not fut.done():
+                        fut.set_exception(WorkerUnavailable(event.error))
+                continue
+            if kind == "journal":
+                fut = self._journals.pop(event.journal.step_id, None)
+                if fut is not None and not fut.done():  # None: a step given up on (timed out)
+                    fut.set_result(event.journal)
                 continue
             queue = self._waiting.get(kind)
             if queue:
@@ -54,11 +62,20 @@ class WorkerClient:
     async def _request(self, cmd: worker_pb2.WorkerCommand, kind: str, timeout: float | None):
         self._start_reader()
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[kind].append(fut)
+        if kind == "journal":
+            self._journals[cmd.step.step_id] = fut
+        else:
+            self._waiting[kind].append(fut)
         await self._sock.send(cmd.SerializeToString())
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError as e:
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            if kind == "journal":
+                self._journals.pop(cmd.step.step_id, None)
+            elif fut in self._waiting[kind]:
+                self._waiting[kind].remove(fut)
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise WorkerUnavailable(f"worker at {self.endpoint} did not answer {kind} within {timeout}s") from e
 
     async def hello(self, timeout: float = 60.0) -> worker_pb2.Hello:

@@ -2,6 +2,7 @@
 seeded request yields the same frames alone or batched, with lookahead on or
 off, with any prefill chunking, cold or radix-warm, retracted or not."""
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -86,6 +87,30 @@ def test_radix_warm_equals_cold_and_prefills_only_the_rest(baseline):
         shared = synthesize(stub, other, timeout=120)
         assert shared.summary.cached_prompt_rows > VOICE.shape[0]
         assert metric(c, "chorus_radix_hit_rows_total") > 0
+
+
+def test_a_restarted_worker_never_serves_a_stale_prefix(baseline):
+    """A worker that restarts has lost its KV, but the scheduler's radix cache still points at it. The
+    new process's first journal says so (another incarnation): the scheduler drops that step, which
+    attended to rows the new worker never wrote, empties its cache and re-prefills. The request's
+    frames equal the baseline's."""
+    from chorus.launcher import Service, free_port
+
+    with make_cluster(WORKER, worker_port=free_port()) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        clone = workload()[2]
+        assert np.array_equal(synthesize(stub, clone, timeout=120).code_frames(), baseline[2])
+        old = c.service("worker")
+        old.proc.kill()
+        old.proc.wait()
+        new = Service("worker", old.argv)
+        c.services[c.services.index(old)] = new  # the cluster stops the new one at the end
+        new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
+        new.wait_ready(120)
+        again = synthesize(stub, clone, timeout=120)  # its prefix is in the (stale) radix cache
+        assert np.array_equal(again.code_frames(), baseline[2])
+        assert metric(c, "chorus_worker_restarts_total") == 1
+        assert wait_until_idle(c) == (0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("page_size,kv_slots", [(1, 260), (4, 260)], ids=["rows", "pages4"])

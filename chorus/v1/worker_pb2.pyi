@@ -72,7 +72,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
 
 class Journal(_message.Message):
-    __slots__ = ("step_id", "request_ids", "rows", "stopped", "generation_steps", "skipped", "step_ms", "error")
+    __slots__ = ("step_id", "request_ids", "rows", "stopped", "generation_steps", "skipped", "step_ms", "error", "incarnation")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Journal(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[int]
     rows: _common_pb2.IntMatrix
@@ -89,14 +90,15 @@ class Journal(_message.Message):
     skipped: _containers.RepeatedScalarFieldContainer[int]
     step_ms: float
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., stopped: _Optional[_Iterable[bool]] = ..., generation_steps: _Optional[_Iterable[int]] = ..., skipped: _Optional[_Iterable[int]] = ..., step_ms: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., stopped: _Optional[_Iterable[bool]] = ..., generation_steps: _Optional[_Iterable[int]] = ..., skipped: _Optional[_Iterable[int]] = ..., step_ms: _Optional[float] = ..., error: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size")
+    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size", "incarnation")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class Hello(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     model_config_json: str
@@ -117,7 +120,8 @@ class Hello(_message.Message):
     dtype: str
     pid: int
     page_size: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ..., page_size: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("active_requests", "steps", "prefill_rows", "decode_rows")
