@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from chorus.v1 import worker_pb2
-from chorus.watchdog import StallWatchdog
+from chorus.watchdog import StallWatchdog, add_stall_flag, stall_limit
 from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import DTYPES, build_model
 
@@ -66,10 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocoder on one GPU they then share one CUDA context: the GPU interleaves their "
                         "kernels, the worker's on a high-priority stream, where two processes' contexts take "
                         "turns in time slices")
-    p.add_argument("--stall-exit-s", type=float, default=None, metavar="S",
-                   help="end the process (exit code 72) when a launched step has not finished after S seconds: "
-                        "a hung GPU otherwise leaves the worker bound to its port, serving nothing (default: "
-                        "120 on CUDA, off on CPU; 0 = off)")
+    add_stall_flag(p, "a launched step")
     p.add_argument("--vocoder-decoder-args", default="", metavar="FLAGS",
                    help="the hosted decoder's vocoder flags, one string (e.g. \"--preset full --slots 64 "
                         "--priority-first-chunks\"); --device is this worker's")
@@ -135,8 +132,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}",
           flush=True)
     pending: tuple[bytes, PendingStep] | None = None  # a launched step whose journal is not sent yet
-    stall_s = args.stall_exit_s if args.stall_exit_s is not None else (120.0 if engine.device.type == "cuda" else 0)
-    watchdog = StallWatchdog(stall_s, "a worker step")
+    watchdog = StallWatchdog(stall_limit(args.stall_exit_s, engine.device.type), "a worker step")
 
     def send_journal(ident: bytes, journal: worker_pb2.Journal) -> None:
         journal.incarnation = hello.incarnation

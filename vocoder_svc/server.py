@@ -97,6 +97,7 @@ from prometheus_client import start_http_server
 
 from chorus.audio import decode_audio, encode_pcm16, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
+from chorus.watchdog import add_stall_flag, stall_limit
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
 from vocoder_svc.decode_process import HOST_SILENCE_S, DecodeProcess, DecoderGone
 from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
@@ -476,10 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per estimated device time (a long step costs far less per frame than a short one). "
                              "Its multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one "
                              "queued step at a time (default: %(default)s)")
-    parser.add_argument("--stall-exit-s", type=float, default=None, metavar="S",
-                        help="session engine: end the process that runs the codec session (exit code 72) when a "
-                             "launched step has not finished after S seconds: a hung GPU otherwise leaves the "
-                             "service up, serving nothing (default: 120 on CUDA, off on CPU; 0 = off)")
+    add_stall_flag(parser, "a launched codec-session step (session engine)")
     parser.add_argument("--priority-first-chunks", action="store_true",
                         help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
                              "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
@@ -553,10 +551,7 @@ def first_chunk(args: argparse.Namespace) -> int:
 
 
 def stall_exit_seconds(args: argparse.Namespace) -> float:
-    """--stall-exit-s, or its default for the device: 120 s on CUDA, off elsewhere."""
-    if args.stall_exit_s is not None:
-        return args.stall_exit_s
-    return 120.0 if torch.device(args.device).type == "cuda" else 0.0
+    return stall_limit(args.stall_exit_s, torch.device(args.device).type)
 
 
 def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
