@@ -146,6 +146,8 @@ class SchedulerConfig:
     lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
     prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
+    step_timeout: float = 300.0    # seconds without a journal before a step is given up
+    restart_wait: float = 120.0    # after that, how long a restarted worker may take to answer hello
 
 
 @dataclass
@@ -261,7 +263,7 @@ class Scheduler:
         plan, writes = built
         if self.inflight:
             metrics.LOOKAHEAD_STEPS.inc()
-        fut = asyncio.ensure_future(self.worker.step(plan))
+        fut = asyncio.ensure_future(self.worker.step(plan, timeout=self.config.step_timeout))
         self.inflight.append(_InFlight(plan, fut, writes))
         if self._journal_at is not None:
             metrics.TURNAROUND_MS.observe((time.monotonic() - self._journal_at) * 1e3)
@@ -274,7 +276,8 @@ class Scheduler:
             journal = await step.future
         except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
             log.error("worker step failed: %s", e)
-            self._fail_step(step, f"worker unavailable: {e}")
+            if not await self._worker_came_back():
+                self._fail_step(step, f"worker unavailable: {e}")
             self.sink.flush()
             return
         self._journal_at = time.monotonic()
@@ -462,6 +465,21 @@ class Scheduler:
         req.phase = Phase.WAITING
         req.frames_planned = len(req.frames)
         self.waiting.appendleft(req)
+
+    async def _worker_came_back(self) -> bool:
+        """After a step got no journal: is a new worker process answering (the old one died and was
+        restarted, e.g. by its stall watchdog)? Then the step is not failed: every running request
+        re-prefills on the new one (_worker_restarted). A worker that is alive but stuck does not
+        answer hello either, and its steps fail as before."""
+        try:
+            hello = await self.worker.hello(timeout=self.config.restart_wait)
+        except Exception as e:  # noqa: BLE001
+            log.error("the worker does not answer hello either: %s", e)
+            return False
+        if not hello.incarnation or hello.incarnation == self.hello.incarnation:
+            return False
+        self._worker_restarted(hello.incarnation)
+        return True
 
     def _worker_restarted(self, incarnation: int) -> None:
         """A journal from another worker process than the one that said hello: the worker restarted,

@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead-depth", type=int, default=2,
                    help="steps in flight with lookahead (default 2: the worker launches step N+1 while N runs; "
                         "3 was no faster at c256 on the H200 and raised p99 TTFA)")
+    p.add_argument("--step-timeout-s", type=float, default=300.0, metavar="S",
+                   help="give a step up after S seconds without its journal. Then, if a new worker process "
+                        "answers (the old one died and was restarted), every running request re-prefills on it "
+                        "and loses no audio; otherwise the step's requests fail (default: %(default)s; the "
+                        "worker ends itself after its own --stall-exit-s, 120 on CUDA)")
     p.add_argument("--lookahead-max-batch", type=int, default=256,
                    help="decode batches larger than this wait for their journal instead of overlapping")
     p.add_argument("--max-text-chars", type=int, default=5000, help="longest accepted text")
@@ -164,7 +169,7 @@ async def serve(args: argparse.Namespace) -> None:
             prefill_chunk=args.prefill_chunk, page_size=args.page_size, radix_cache=args.radix_cache,
             lookahead=args.lookahead, lookahead_depth=args.lookahead_depth,
             lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key,
-            prefill_interval=args.prefill_interval), sink=link)
+            prefill_interval=args.prefill_interval, step_timeout=args.step_timeout_s), sink=link)
         scheduler.start()
         link.start(scheduler)
         metrics.KV_TOTAL.set(hello.kv_slots)

@@ -113,6 +113,35 @@ def test_a_restarted_worker_never_serves_a_stale_prefix(baseline):
         assert wait_until_idle(c) == (0, 0, 0, 0)
 
 
+def test_a_worker_restart_mid_request_loses_no_audio():
+    """The worker dies mid-request and comes back (as its stall watchdog or a crash plus its
+    supervisor would do). The step in flight gets no journal; after --step-timeout-s the scheduler
+    finds a new worker process answering hello, re-prefills the request's prompt and frames on it,
+    and the request goes on: its frames equal those of the same request run without a restart."""
+    from chorus.launcher import Service, free_port
+
+    req = workload()[0]
+    req.min_frames = req.max_frames = 300
+    with make_cluster(WORKER, ["--step-timeout-s", "2"], worker_port=free_port()) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        want = synthesize(stub, req, timeout=120).code_frames()
+        codes = []
+        for resp in stub.Synthesize(req, timeout=120):
+            if resp.HasField("codes"):
+                codes.append(np.frombuffer(resp.codes.codes.data, "<i4").reshape(-1, 12))
+                if len(codes) == 20:  # mid-request: kill the worker and start another on its port
+                    old = c.service("worker")
+                    old.proc.kill()
+                    old.proc.wait()
+                    new = Service("worker", old.argv)
+                    c.services[c.services.index(old)] = new
+                    new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
+        got = np.concatenate(codes)
+        assert got.shape == want.shape and np.array_equal(got, want)
+        assert metric(c, "chorus_worker_restarts_total") == 1
+        assert wait_until_idle(c) == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("page_size,kv_slots", [(1, 260), (4, 260)], ids=["rows", "pages4"])
 def test_forced_retraction_equals_unretracted(baseline, page_size, kv_slots):
     # Room for the three prompts but not for their 30 frames each: decode must retract. Pages of 4
