@@ -407,11 +407,11 @@ class SessionWorker:
                         out.append(sid)
                 return out
 
-            options = runs[id(lead[0].stream)]
-            frames = next(iter(options)) if len(options) == 1 else max(
-                options, key=lambda f: (self._step_value(f, len(members(f))), -f))
+            candidates = {f: members(f) for f in runs[id(lead[0].stream)]}
+            frames = next(iter(candidates)) if len(candidates) == 1 else max(
+                candidates, key=lambda f: (self._step_value(f, len(candidates[f])), -f))
             taken: set[int] = set()
-            for sid in members(frames):
+            for sid in candidates[frames]:
                 jobs = queues[sid][:runs[sid][frames]]
                 group.append(jobs[0] if len(jobs) == 1 else _coalesced(jobs))
                 taken.update(id(j) for j in jobs)
