@@ -32,11 +32,41 @@ COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --work
         --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
         --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
+gpu_busy() {  # nvidia-smi csv ("timestamp, index, util"), bench JSON -> mean util per GPU in each measured level
+  python - "$1" "$2" <<'PY'
+import sys, datetime, collections, json
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        t, i, u = [x.strip() for x in line.split(",")]
+        rows.append((datetime.datetime.strptime(t, "%Y/%m/%d %H:%M:%S.%f").timestamp(), i, float(u)))
+    except ValueError:
+        pass
+try:
+    levels = json.load(open(sys.argv[2]))["levels"]
+except (OSError, ValueError, KeyError):
+    levels = []
+for lv in levels:
+    t0, t1 = lv["window_unix"]
+    busy = collections.defaultdict(list)
+    for t, i, u in rows:
+        if t0 <= t <= t1:
+            busy[i].append(u)
+    print("  c=%s GPU busy: " % lv["concurrency"] + ", ".join("cuda:%s %.0f%%" % (i, sum(v) / len(v)) for i, v in sorted(busy.items())))
+PY
+}
 run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
+  # How busy each GPU was (nvidia-smi: the share of time any kernel ran), sampled every 200 ms;
+  # gpu_busy prints the mean over each level's measured window.
+  nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 \
+    > "$OUT/$name.gpu.csv" 2>/dev/null &
+  local smi=$!
   timeout ${RUN_TIMEOUT:-420} python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+  local rc=$?; kill $smi 2>/dev/null
+  echo "rc=$rc"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
+  gpu_busy "$OUT/$name.gpu.csv" "$OUT/$name.json"
   # A run cut off by the timeout leaves its services (own sessions) running: stop them before the next one.
   pkill -9 -f "gpu_worker.server|vocoder_svc.server|vocoder_svc.decode_process|scheduler_svc.server" 2>/dev/null; sleep 1
   tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished

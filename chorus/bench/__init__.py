@@ -312,6 +312,8 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                       "rate": value if mode == "open" else None,
                       "frames_per_request": args.frames or wl.frames,
                       **level_metrics(level.records, window),
+                      # the measured window on the wall clock, to line up samples taken outside (nvidia-smi)
+                      "window_unix": [time.time() - runner.now() + t for t in window],
                       "wall_s": wall, "client_cpu": (time.process_time() - cpu0) / wall if wall > 0 else None,
                       # cores each launched service kept busy over the level (warm-up and drain included)
                       "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
