@@ -6,7 +6,7 @@
 # (in the .gpu bundle). VOCODERS / VOCODER_SLOTS: vocoder replicas on cuda:1 and streams each
 # (default 2 x 128, as e2e_sweep.sh); EXTRA: more chorus bench flags (e.g. 5-frame chunks:
 # EXTRA="--scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5"). Results in
-# $OUT/e2e_profile.tgz.
+# $OUT/e2e_profile.tgz (with gpu.csv: nvidia-smi's GPU busy every 200 ms).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -20,6 +20,8 @@ python -m chorus.cli bench --launch --device cuda:0 --vocoder-device cuda:1 --dt
   --duration ${DUR:-40} --warmup 5 --no-progress $EXTRA \
   --out "$OUT/e2e_profile_bench.json" > "$OUT/bench.log" 2>&1 &
 bench=$!
+nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 > "$OUT/gpu.csv" 2>/dev/null &
+smi=$!
 until grep -q "latencies in ms" "$OUT/bench.log" 2>/dev/null || ! kill -0 $bench 2>/dev/null; do sleep 2; done  # table header
 sleep ${SETTLE:-15}
 worker=$(pgrep -f "gpu_worker.server" | head -1)
@@ -38,5 +40,6 @@ done
 wait "${spies[@]}"
 for p in $pids; do threads $p > "$OUT/threads_${p}_1.txt"; done
 wait $bench
+kill $smi 2>/dev/null
 tail -8 "$OUT/bench.log"
 tar -czf "$FINAL/e2e_profile.tgz" -C "$OUT" .

@@ -16,7 +16,8 @@
 # steps (the same sharing without 5x the relay messages), chunk5_coalesce / step5_coalesce = those two with
 # --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step),
 # chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, chunk5_v4 = chunk5 with
-# four replicas of 64 (four gRPC processes for the 5x chunk messages), step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# four replicas of 64 (four gRPC processes for the 5x chunk messages), chunk5_depth3 / chunk5_interval3 /
+# chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
 # --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
@@ -32,41 +33,18 @@ COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --work
         --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
         --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
-gpu_busy() {  # nvidia-smi csv ("timestamp, index, util"), bench JSON -> mean util per GPU in each measured level
-  python - "$1" "$2" <<'PY'
-import sys, datetime, collections, json
-rows = []
-for line in open(sys.argv[1]):
-    try:
-        t, i, u = [x.strip() for x in line.split(",")]
-        rows.append((datetime.datetime.strptime(t, "%Y/%m/%d %H:%M:%S.%f").timestamp(), i, float(u)))
-    except ValueError:
-        pass
-try:
-    levels = json.load(open(sys.argv[2]))["levels"]
-except (OSError, ValueError, KeyError):
-    levels = []
-for lv in levels:
-    t0, t1 = lv["window_unix"]
-    busy = collections.defaultdict(list)
-    for t, i, u in rows:
-        if t0 <= t <= t1:
-            busy[i].append(u)
-    print("  c=%s GPU busy: " % lv["concurrency"] + ", ".join("cuda:%s %.0f%%" % (i, sum(v) / len(v)) for i, v in sorted(busy.items())))
-PY
-}
 run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
   # How busy each GPU was (nvidia-smi: the share of time any kernel ran), sampled every 200 ms;
-  # gpu_busy prints the mean over each level's measured window.
+  # benchmarks/gpu_busy.py prints the mean over each level's measured window.
   nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 \
     > "$OUT/$name.gpu.csv" 2>/dev/null &
   local smi=$!
   timeout ${RUN_TIMEOUT:-420} python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?; kill $smi 2>/dev/null
   echo "rc=$rc"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
-  gpu_busy "$OUT/$name.gpu.csv" "$OUT/$name.json"
+  [ -f "$OUT/$name.json" ] && python benchmarks/gpu_busy.py "$OUT/$name.gpu.csv" "$OUT/$name.json"
   # A run cut off by the timeout leaves its services (own sessions) running: stop them before the next one.
   pkill -9 -f "gpu_worker.server|vocoder_svc.server|vocoder_svc.decode_process|scheduler_svc.server" 2>/dev/null; sleep 1
   tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished
@@ -99,6 +77,12 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency 256 \
                --scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk5_depth3) run e2e_w1_c256_chunk5_depth3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --scheduler-arg=--lookahead-depth=3 ;;
+    chunk5_interval3) run e2e_w1_c256_chunk5_interval3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval=3 ;;
+    chunk5_buckets16) run e2e_w1_c256_chunk5_buckets16 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
     step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 \
                --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
