@@ -452,10 +452,10 @@ class CodecSession:
             pos_q = offset.unsqueeze(1) + torch.arange(tk, device=codes.device)  # [B, Tk] absolute positions
             # Ring slots of the chunk's last min(Tk, W) tokens, and (torch path only) the chronological
             # gather index and the additive window mask: once per stage, shared by its layers.
-            write = wa.ring_write_index(rows, offset, nh, w, tk)
             if wa.kernel_selected(cd, codes.device, hd, self.attention_impl):
-                gather = mask = None
+                write = gather = mask = None  # the kernels compute ring slots from offset themselves
             else:
+                write = wa.ring_write_index(rows, offset, nh, w, tk)
                 gather = wa.ring_gather_index(rows, offset, nh, w)
                 mask = wa.additive_window_mask(offset, w, tk, cd)  # [B, 1, Tk, W+Tk]
             angle = pos_q.to(torch.float32).unsqueeze(-1) * st.freq  # §3.3 fp32 recipe

@@ -108,12 +108,13 @@ def ring_write(cache: Tensor, new: Tensor, index: Tensor) -> None:
 
 
 def ring_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: Tensor, offset: Tensor,
-                  index: Tensor, *, impl: str = "auto") -> None:
+                  index: Tensor | None = None, *, impl: str = "auto") -> None:
     """Both rings <- the last n = min(Tk, W) tokens of k, v [B, H, Tk, D] (after the step's attention).
 
     Kernel: one launch for k and v that reads them through their strides (rope_qk's v is a view of
     the QKV projection) and computes each ring slot from offset. Torch path: ring_write twice with
-    `index` (ring_write_index), which copies a strided source before its index_copy."""
+    `index` (ring_write_index, built here when not given: a stage's layers share one), which copies
+    a strided source before its index_copy."""
     bsz, heads, tk, d = k.shape
     window = k_cache.shape[2]
     supported = (k.dtype in _KERNEL_DTYPES and all(t.dtype == k.dtype for t in (v, k_cache, v_cache))
@@ -122,6 +123,8 @@ def ring_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rows: 
                  and all(t.stride(-1) == 1 for t in (k, v)) and bsz > 0 and tk > 0
                  and rows.shape == offset.shape == (bsz,) and rows.dtype == offset.dtype == torch.long)
     if not use_triton(impl, supported, k, v, k_cache, v_cache, rows, offset):
+        if index is None:
+            index = ring_write_index(rows, offset, heads, window, tk)
         ring_write(k_cache, k, index)
         ring_write(v_cache, v, index)
         return
