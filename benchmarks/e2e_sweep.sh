@@ -17,7 +17,9 @@
 # --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step),
 # chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, chunk5_v4 = chunk5 with
 # four replicas of 64 (four gRPC processes for the 5x chunk messages), chunk5_depth3 / chunk5_interval3 /
-# chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets,
+# chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
+# with --coalesce-frames 30, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
 # --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
@@ -83,6 +85,11 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval=3 ;;
     chunk5_buckets16) run e2e_w1_c256_chunk5_buckets16 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
+    chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
+               --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
+    chunk10u_coalesce) run e2e_w1_c256_chunk10u_coalesce --workload W1 --concurrency 256 \
+               --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
+               --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --vocoder-arg=--coalesce-frames=30 ;;
     step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 \
                --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \

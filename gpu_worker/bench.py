@@ -11,6 +11,7 @@ and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
 
     chorus bench worker --device cuda --preset full --batches 1,32,64,256 --contexts 300,1000
     chorus bench worker --preset tiny --device cpu --batches 1,4 --contexts 64 --steps 5   # smoke run
+    chorus bench worker --batches 160 --contexts 300 --mixed-batch 160   # + prefill gathered every k-th step
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per point")
     p.add_argument("--prefill-requests", type=int, default=16, help="requests per prefill step")
+    p.add_argument("--mixed-batch", type=int, default=0, metavar="B",
+                   help="also time decode steps of B requests (first context) that carry new requests' prefill "
+                        "every k-th step (k in --mixed-intervals), --mixed-rows prompt rows a step on average, "
+                        "in requests of --mixed-request-rows: what gathering prefill into fewer steps buys "
+                        "(0 = off)")
+    p.add_argument("--mixed-intervals", default="1,2,4", help="prefill every k-th step, comma-separated")
+    p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average (W1 at c256: ~100)")
+    p.add_argument("--mixed-request-rows", type=int, default=40, help="rows of each prefilled request (W1: ~40 "
+                   "uncached)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
     p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
     p.add_argument("--out", metavar="JSON", help="write the results here")
@@ -80,7 +90,20 @@ class Bench:
         growth = (2 * args.steps + args.warmup + 1) * len(self.batches)
         P = args.page_size
         slots = max_b * (-(-(max(self.contexts) + growth + 1) // P) + 1) * P + 2 * P
-        self.engine = Engine(self.model, num_kv_slots=slots, max_batch=max_b, max_context=1 << 20,
+        pool = max_b
+        if args.mixed_batch:
+            intervals = [int(x) for x in args.mixed_intervals.split(",")]
+            if args.mixed_batch > max_b:
+                raise SystemExit(f"--mixed-batch {args.mixed_batch}: at most the largest of --batches ({max_b})")
+            newest = max(1, round(max(intervals) * args.mixed_rows / args.mixed_request_rows))
+            pool += newest
+            # the mixed points' decode rows, and every prefilled request's pages (kept until the end)
+            steps = (max(args.steps, 2 * max(intervals)) + 2 * max(intervals)) * len(intervals)
+            requests = sum(max(1, round(k * args.mixed_rows / args.mixed_request_rows)) * (steps // k + 1)
+                           for k in intervals)
+            slots += args.mixed_batch * (steps + args.steps + args.warmup + P) + requests * (
+                -(-args.mixed_request_rows // P) + 1) * P
+        self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
                              decode_split_kv=args.decode_split_kv)
         self.device = self.engine.device
@@ -133,22 +156,27 @@ class Bench:
         self.step_id += 1
         return worker_pb2.StepPlan(step_id=self.step_id)
 
+    SAMPLING = worker_pb2.SamplingConfig(text_temperature=1, text_top_p=1, text_top_k=50, audio_temperature=1.7,
+                                         audio_top_p=0.8, audio_top_k=25, audio_repetition_penalty=1.0, seed=7,
+                                         min_frames=1 << 30)
+
+    def _add_prefill(self, plan: worker_pb2.StepPlan, rid: int, ctx: int) -> None:
+        """A whole random ctx-row prompt of request rid into plan."""
+        rows = np.empty((ctx, self.cfg.row_width), dtype=np.int32)
+        rows[:, 0] = self.rng.integers(0, 151000, ctx)
+        rows[:, 1:] = self.rng.integers(0, self.cfg.audio_vocab_size, (ctx, self.cfg.n_vq))
+        item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=ctx)
+        item.rows.CopyFrom(rows_matrix(rows))
+        item.kv_slots.extend(self._slots(rid, ctx))
+        item.sampling.CopyFrom(self.SAMPLING)
+
     def prefill(self, ids: list[int], ctx: int) -> float:
         """Prefill `ids` with random ctx-row prompts; returns seconds per row."""
-        sampling = worker_pb2.SamplingConfig(text_temperature=1, text_top_p=1, text_top_k=50,
-                                             audio_temperature=1.7, audio_top_p=0.8, audio_top_k=25,
-                                             audio_repetition_penalty=1.0, seed=7, min_frames=1 << 30)
         t = 0.0
         for i in range(0, len(ids), self.args.prefill_requests):
             plan = self._plan()
             for rid in ids[i:i + self.args.prefill_requests]:
-                rows = np.empty((ctx, self.cfg.row_width), dtype=np.int32)
-                rows[:, 0] = self.rng.integers(0, 151000, ctx)
-                rows[:, 1:] = self.rng.integers(0, self.cfg.audio_vocab_size, (ctx, self.cfg.n_vq))
-                item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=ctx)
-                item.rows.CopyFrom(rows_matrix(rows))
-                item.kv_slots.extend(self._slots(rid, ctx))
-                item.sampling.CopyFrom(sampling)
+                self._add_prefill(plan, rid, ctx)
             _sync(self.device)
             t0 = time.perf_counter()
             self.engine.execute(plan)
@@ -193,6 +221,51 @@ class Bench:
         pipelined = (time.perf_counter() - t0) / len(plans)
         return pipelined, float(np.median(times))
 
+    def mixed(self, ids: list[int], interval: int, rows_per_step: int, request_rows: int) -> float:
+        """Mean pipelined step time of decode steps for `ids` where every `interval`-th step also
+        prefills new requests (interval * rows_per_step rows in request_rows-row prompts), as the
+        scheduler's --prefill-interval gathers them. Each prefilled request is released in the next
+        prefill step (its decode state and KV go back), so the decode batch stays len(ids)."""
+        per_step = max(1, round(interval * rows_per_step / request_rows))
+        next_id = max(self.rows) + 1
+        newest: list[int] = []
+
+        def plan_for(k: int) -> worker_pb2.StepPlan:
+            nonlocal next_id, newest
+            plan = self._decode_plan(ids)
+            if k % interval == 0:
+                plan.release.extend(newest)
+                for rid in newest:
+                    self.rows.pop(rid)  # its pages are not reused (the KV was sized for every request)
+                newest = list(range(next_id, next_id + per_step))
+                next_id += per_step
+                for rid in newest:
+                    self._add_prefill(plan, rid, request_rows)
+            return plan
+
+        steps = max(self.args.steps, 2 * interval) // interval * interval  # whole prefill periods
+        for k in range(interval):
+            self._check(self.engine.execute(plan_for(k)), len(ids) + (per_step if k % interval == 0 else 0))
+        plans = [plan_for(k) for k in range(steps + 1)]
+        _sync(self.device)
+        t0 = time.perf_counter()
+        prev = self.engine.launch(plans[0])
+        for plan in plans[1:]:
+            nxt = self.engine.launch(plan)
+            self.engine.finish(prev)
+            prev = nxt
+        self.engine.finish(prev)
+        elapsed = (time.perf_counter() - t0) / len(plans)
+        self.engine.execute(self._release_plan(newest))
+        for rid in newest:
+            self.rows.pop(rid)
+        return elapsed
+
+    def _release_plan(self, ids: list[int]) -> worker_pb2.StepPlan:
+        plan = self._plan()
+        plan.release.extend(ids)
+        return plan
+
     def frame_decode(self, bs: int) -> float:
         """Frame decode alone (12 local steps + 13 samples + commit), graphed on CUDA."""
         rows = torch.arange(bs, device=self.device)
@@ -214,13 +287,27 @@ class Bench:
         return (time.perf_counter() - t0) / self.args.steps
 
     def release(self, ids: list[int]) -> None:
-        plan = self._plan()
-        plan.release.extend(ids)
-        self.engine.execute(plan)
+        self.engine.execute(self._release_plan(ids))
         for rid in ids:
             self.rows.pop(rid, None)
         if not self.rows:
             self.next_page = 0
+
+    def mixed_points(self, ids: list[int], ctx: int, result: dict) -> None:
+        """Decode alone, then with prefill gathered into every k-th step (--mixed-intervals)."""
+        a = self.args
+        decode_only, _ = self.decode(ids)
+        result["mixed"] = {"batch": len(ids), "context": ctx, "rows_per_step": a.mixed_rows,
+                           "request_rows": a.mixed_request_rows, "decode_step_ms": decode_only * 1e3, "points": []}
+        print(f"mixed: bs {len(ids)} ctx {ctx}, {a.mixed_rows} prefill rows a step on average in "
+              f"{a.mixed_request_rows}-row requests; decode alone {decode_only * 1e3:.2f} ms a step", flush=True)
+        for k in (int(x) for x in a.mixed_intervals.split(",")):
+            step = self.mixed(ids, k, a.mixed_rows, a.mixed_request_rows)
+            per_row = (step - decode_only) / a.mixed_rows
+            result["mixed"]["points"].append({"interval": k, "step_ms": step * 1e3,
+                                              "prefill_us_per_row": per_row * 1e6})
+            print(f"  prefill every {k} steps ({k * a.mixed_rows} rows): {step * 1e3:.2f} ms a step, prefill "
+                  f"{per_row * 1e6:.1f} us a row beyond decode", flush=True)
 
     def run(self) -> dict:
         max_b = max(self.batches)
@@ -250,6 +337,8 @@ class Bench:
                 result["points"].append(point)
                 print(f"{bs:>5} {ctx:>5} {step * 1e3:>8.2f} {bs / step:>10,.0f} {floor * 1e3:>9.2f} "
                       f"{step / floor:>6.2f} {sync * 1e3:>8.2f}", flush=True)
+            if ctx == self.contexts[0] and self.args.mixed_batch:
+                self.mixed_points(ids[:self.args.mixed_batch], ctx, result)
             self.release(ids)
         for bs in self.batches:
             t = self.frame_decode(bs)

@@ -11,12 +11,16 @@ from chorus import cli
 def test_worker_bench_smoke(tmp_path):
     out = tmp_path / "worker.json"
     cli.main(["bench", "worker", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
-              "--batches", "1,2", "--contexts", "16", "--steps", "2", "--warmup", "1", "--out", str(out)])
+              "--batches", "1,2", "--contexts", "16", "--steps", "2", "--warmup", "1", "--mixed-batch", "2",
+              "--mixed-intervals", "1,2", "--mixed-rows", "6", "--mixed-request-rows", "4", "--out", str(out)])
     report = json.loads(out.read_text())
     assert [p["batch"] for p in report["points"]] == [1, 2]
     assert all(p["step_ms"] > 0 and p["frames_per_s"] > 0 and p["floor_ms"] > 0 for p in report["points"])
     assert report["prefill"][0]["rows_per_s"] > 0 and len(report["frame_decode"]) == 2
     assert report["attention"] == "TorchPagedAttention" and report["cuda_graphs"] is False
+    mixed = report["mixed"]  # decode steps carrying new requests' prefill every k-th step
+    assert mixed["batch"] == 2 and [p["interval"] for p in mixed["points"]] == [1, 2]
+    assert all(p["step_ms"] > 0 for p in mixed["points"]) and mixed["decode_step_ms"] > 0
 
 
 def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
