@@ -63,7 +63,8 @@ def assert_same(frames, baseline):
     ["--prefill-chunk", "7"],
     ["--prefill-chunk", "64"],
     ["--prefill-chunk", "7", "--prefill-interval", "3"],  # prefill only every 3rd step while decoding
-], ids=["batched", "lookahead", "lookahead3", "chunk1", "chunk7", "chunk64", "interval3"])
+    ["--prefill-chunk", "7", "--loaded-batch", "1", "--prefill-interval-loaded", "2"],  # gathered under load
+], ids=["batched", "lookahead", "lookahead3", "chunk1", "chunk7", "chunk64", "interval3", "loaded2"])
 def test_batched_variants_equal_alone(baseline, scheduler_args):
     with make_cluster(WORKER, scheduler_args) as c:
         assert_same(run(c, concurrent=True), baseline)

@@ -1,0 +1,30 @@
+"""The scheduler's step-composition rules, without a worker (the frames they lead to are covered by
+tests/test_determinism.py: no rule may change a frame)."""
+
+from chorus.v1 import worker_pb2
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+
+def due_pattern(config: SchedulerConfig, decoding: int, steps: int = 7) -> list[bool]:
+    """Which of `steps` consecutive steps with `decoding` requests decoding would prefill."""
+    s = Scheduler(None, worker_pb2.Hello(kv_slots=1024, max_batch=256, page_size=16), config)
+    out = []
+    for _ in range(steps):
+        due = s._prefill_due(decoding)
+        out.append(due)
+        s._steps_since_prefill = 0 if due else s._steps_since_prefill + 1  # as _build_plan does with prefill work
+    return out
+
+
+def test_prefill_is_gathered_only_under_load():
+    config = SchedulerConfig()  # loaded_batch 64, loaded_prefill_interval 3, prefill_interval 1
+    assert due_pattern(config, 0) == [True] * 7       # nothing decodes: nothing to gather beside
+    assert due_pattern(config, 16) == [True] * 7      # light load (one-GPU c16): every step, for TTFA
+    assert due_pattern(config, 160) == [False, False, True, False, False, True, False]
+
+
+def test_the_larger_interval_wins_and_one_turns_gathering_off():
+    assert due_pattern(SchedulerConfig(prefill_interval=4), 160)[:4] == [False, False, False, True]
+    assert due_pattern(SchedulerConfig(prefill_interval=2), 16)[:4] == [False, True, False, True]
+    assert due_pattern(SchedulerConfig(loaded_prefill_interval=1), 160) == [True] * 7
+    assert due_pattern(SchedulerConfig(loaded_batch=0), 160) == [True] * 7
