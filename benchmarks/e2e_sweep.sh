@@ -18,6 +18,7 @@
 # chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, chunk5_v4 = chunk5 with
 # four replicas of 64 (four gRPC processes for the 5x chunk messages), chunk5_depth3 / chunk5_interval3 /
 # chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets,
+# chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
 # with --coalesce-frames 30, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
@@ -79,6 +80,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency 256 \
                --scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk5_gather_off) run e2e_w1_c256_chunk5_gather_off --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+               --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval-loaded=1 ;;
     chunk5_depth3) run e2e_w1_c256_chunk5_depth3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--lookahead-depth=3 ;;
     chunk5_interval3) run e2e_w1_c256_chunk5_interval3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
