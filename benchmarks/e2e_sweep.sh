@@ -20,7 +20,9 @@
 # chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets,
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
-# with --coalesce-frames 30, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# with --coalesce-frames 30, chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
+# replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
+# 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
 # --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
@@ -90,6 +92,16 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
     chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
+    chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
+               --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 \
+               --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk10u_interval4) run e2e_w1_c256_chunk10u_interval4 --workload W1 --concurrency 256 \
+               --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
+               --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 ;;
+    chunk10u_v1_interval4) run e2e_w1_c256_chunk10u_v1_interval4 --workload W1 --concurrency 256 \
+               --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
+               --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 \
+               --vocoders 1 --vocoder-arg=--slots=256 ;;
     chunk10u_coalesce) run e2e_w1_c256_chunk10u_coalesce --workload W1 --concurrency 256 \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --vocoder-arg=--coalesce-frames=30 ;;
