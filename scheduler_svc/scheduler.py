@@ -147,9 +147,10 @@ class SchedulerConfig:
     prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
     # While at least loaded_batch requests decode, prefill only every loaded_prefill_interval-th step: a
     # step's prefill costs its own graph pass over the weights (~2.8 ms on the H200 beyond ~24 us a row),
-    # so at 160 decoding and 100 new rows a step, prefilling every 3rd step made steps 14% shorter on
-    # average (13.6 -> 11.7 ms, `chorus bench worker --mixed-batch 160`), at up to 2 steps more TTFA.
-    loaded_prefill_interval: int = 3
+    # so at 160 decoding and 100 new rows a step, prefilling every 4th step made steps 15% shorter on
+    # average (13.6 -> 11.6 ms, `chorus bench worker --mixed-batch 160`), at up to 3 steps more TTFA;
+    # end to end at c256 it took 5-frame chunks from 1,370 to 1,472 s/s (every 3rd step).
+    loaded_prefill_interval: int = 4
     loaded_batch: int = 64
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
     step_timeout: float = 300.0    # seconds without a journal before a step is given up

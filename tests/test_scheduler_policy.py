@@ -17,14 +17,14 @@ def due_pattern(config: SchedulerConfig, decoding: int, steps: int = 7) -> list[
 
 
 def test_prefill_is_gathered_only_under_load():
-    config = SchedulerConfig()  # loaded_batch 64, loaded_prefill_interval 3, prefill_interval 1
+    config = SchedulerConfig()  # loaded_batch 64, loaded_prefill_interval 4, prefill_interval 1
     assert due_pattern(config, 0) == [True] * 7       # nothing decodes: nothing to gather beside
     assert due_pattern(config, 16) == [True] * 7      # light load (one-GPU c16): every step, for TTFA
-    assert due_pattern(config, 160) == [False, False, True, False, False, True, False]
+    assert due_pattern(config, 160) == [False, False, False, True, False, False, False]
 
 
 def test_the_larger_interval_wins_and_one_turns_gathering_off():
-    assert due_pattern(SchedulerConfig(prefill_interval=4), 160)[:4] == [False, False, False, True]
+    assert due_pattern(SchedulerConfig(prefill_interval=5), 160)[:5] == [False, False, False, False, True]
     assert due_pattern(SchedulerConfig(prefill_interval=2), 16)[:4] == [False, True, False, True]
     assert due_pattern(SchedulerConfig(loaded_prefill_interval=1), 160) == [True] * 7
     assert due_pattern(SchedulerConfig(loaded_batch=0), 160) == [True] * 7
