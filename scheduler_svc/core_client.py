@@ -31,6 +31,7 @@ class Ticket:
     ticket: int
     prompt_len: int
     id: int = 0                      # the scheduler's request id
+    loaded: bool = False             # the scheduler was under load when it took the request
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_accepted: float = field(default_factory=time.monotonic)
     finished: frontend_pb2.Finished | None = None  # set with the FinishEvent / ErrorEvent
@@ -126,7 +127,7 @@ class CoreClient:
         if answer.queue_full:
             self._open.pop(t.ticket, None)
             raise QueueFull(answer.queue_full)
-        t.id = answer.request_id
+        t.id, t.loaded = answer.request_id, answer.loaded
         return t
 
     def abort(self, t: Ticket) -> None:

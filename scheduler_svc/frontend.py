@@ -160,7 +160,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 request_id=request_id, model=self.cfg.name, sample_rate=output.out_rate,
                 channels=self.codec.channels, format=resolved.output_format,
                 samples_per_frame=self.codec.samples_per_frame * output.out_rate // self.codec.sample_rate))
-            async for item in self.relay.stream(req, output, resolved.first_chunk_frames, resolved.chunk_frames,
+            first_chunk = resolved.first_chunk_frames
+            if req.loaded and self.limits.first_chunk_frames_loaded and not request.streaming.first_chunk_frames:
+                first_chunk = self.limits.first_chunk_frames_loaded  # the client left it to the server
+            async for item in self.relay.stream(req, output, first_chunk, resolved.chunk_frames,
                                                 request.return_codes):
                 if first_audio is None and item.HasField("audio"):
                     first_audio = time.monotonic()
@@ -229,7 +232,7 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,
                     default_max_frames=args.max_frames, first_chunk_frames=args.first_chunk_frames,
-                    chunk_frames=args.chunk_frames)
+                    chunk_frames=args.chunk_frames, first_chunk_frames_loaded=args.first_chunk_frames_loaded)
 
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1)])

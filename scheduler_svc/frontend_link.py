@@ -157,7 +157,8 @@ class FrontendLink(EventSink):
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
         self._origin[req.id] = (frontend, sub.ticket)
         self._requests[(frontend, sub.ticket)] = req
-        return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=req.id))
+        return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=req.id,
+                                                                         loaded=self.scheduler.loaded))
 
     def _report(self, frontend: bytes, r: frontend_pb2.CallReport) -> None:
         if r.event == "ready":

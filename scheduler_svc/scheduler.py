@@ -369,6 +369,12 @@ class Scheduler:
             self._retract(victim)
             self.cache.ensure_free(need)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the scheduler runs under load (loaded_batch or more requests admitted): the frontends
+        then start new streams with their loaded first-chunk size (--first-chunk-frames-loaded)."""
+        return 0 < self.config.loaded_batch <= len(self.running)
+
     def _prefill_due(self, decoding: int) -> bool:
         """Whether this step admits and prefills. While requests decode, prefill work is gathered into
         every n-th step (the worker runs a step's prefill as a pass of its own beside the graphed

@@ -27,6 +27,7 @@ class Limits:
     default_max_frames: int = 4096
     first_chunk_frames: int = 5
     chunk_frames: int = 25
+    first_chunk_frames_loaded: int = 0  # 0: first_chunk_frames at any load
 
 
 @dataclass

@@ -174,3 +174,26 @@ def test_duration_hints_reach_the_prompt(stub):
     with pytest.raises(grpc.RpcError) as e:
         synthesize(stub, request(frames=3, duration_frames=10, duration_seconds=1.0), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most one" in e.value.details()
+
+
+def test_under_load_new_streams_start_with_the_loaded_first_chunk():
+    """--first-chunk-frames-loaded: a request taken while --loaded-batch requests run gets that first
+    chunk (unless its client asked for a size); one taken with nothing running keeps the default."""
+    from helpers import make_cluster
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8"],
+                      scheduler_args=["--loaded-batch", "1", "--first-chunk-frames-loaded", "3",
+                                      "--chunk-frames", "6"]) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        first_chunk = lambda r: r.chunks[1].first_sample // SAMPLES_PER_FRAME  # noqa: E731
+        alone = synthesize(stub, request(seed=1, frames=12), timeout=120)
+        assert first_chunk(alone) == 5  # nothing was running: the default first chunk
+        long = stub.Synthesize(request(seed=2, frames=120), timeout=120)
+        assert next(long).HasField("header") and next(long).HasField("audio")  # it runs now
+        loaded = synthesize(stub, request(seed=3, frames=12), timeout=120)
+        asked = request(seed=4, frames=12)
+        asked.streaming.first_chunk_frames = 4
+        asked = synthesize(stub, asked, timeout=120)
+        assert first_chunk(loaded) == 3 and first_chunk(asked) == 4
+        assert loaded.pcm().shape == (12 * SAMPLES_PER_FRAME, 2)
+        assert [ch.first_sample // SAMPLES_PER_FRAME for ch in loaded.chunks] == [0, 3, 9]  # then 6-frame chunks
+        assert sum(1 for _ in long) > 0

@@ -35,14 +35,16 @@ class Submit(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., prompt_rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingConfig, _Mapping]] = ..., max_frames: _Optional[int] = ...) -> None: ...
 
 class Submitted(_message.Message):
-    __slots__ = ("ticket", "request_id", "queue_full")
+    __slots__ = ("ticket", "request_id", "queue_full", "loaded")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     request_id: int
     queue_full: str
-    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ...) -> None: ...
+    loaded: bool
+    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("ticket",)
