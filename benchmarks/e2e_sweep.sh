@@ -20,7 +20,8 @@
 # chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets,
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
-# with --coalesce-frames 30, chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
+# with --coalesce-frames 30, chunk10_loaded = first chunk 5 at light load and 10 under load (the README's
+# high-load config: --first-chunk-frames-loaded 10), chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
 # 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
@@ -92,6 +93,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
     chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
+    chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
+               --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
     chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
