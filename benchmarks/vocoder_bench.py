@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -58,6 +57,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from chorus import provenance  # noqa: E402
 from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
 from vocoder_svc import window_attention as wa  # noqa: E402
 from vocoder_svc.session import CodecSession  # noqa: E402
@@ -124,16 +124,10 @@ def timed(fn, iters: int, warmup: int, sync) -> dict:
 
 
 def git_revision(override: str | None = None) -> dict:
-    def git(*a: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
-            return r.stdout.strip() if r.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    rev = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
-    return {"commit": rev or override, "given": override, "dirty": None if status is None else bool(status)}
+    """chorus.provenance.git_revision, with --git-rev taking the place of CHORUS_GIT_REV."""
+    if override:
+        return {"revision": override, "dirty": None, "source": "flag"}
+    return provenance.git_revision()
 
 
 def device_name(device: torch.device) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from chorus.v1 import worker_pb2
+from chorus.provenance import git_revision
 from gpu_worker.engine import Engine, sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
 from scheduler_svc.scheduler import rows_matrix
@@ -60,13 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
     p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
     p.add_argument("--out", metavar="JSON", help="write the results here")
-
-
-def _git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def _sync(device: torch.device) -> None:
@@ -351,7 +344,7 @@ def run(args: argparse.Namespace) -> None:
     bench = Bench(args)
     results = bench.run()
     device = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else platform.processor()
-    report = {"benchmark": "worker", "command": " ".join(sys.argv), "git_revision": _git_revision(),
+    report = {"benchmark": "worker", "command": " ".join(sys.argv), "git_revision": git_revision()["revision"] or "unknown",
               "device": device, "torch": torch.__version__, "dtype": args.dtype,
               "attention": type(bench.engine.kv).__name__, "cuda_graphs": bench.engine.graphs is not None,
               "floor": {"bandwidth_bytes_per_s": args.bandwidth, "flops_per_s": args.flops,

@@ -115,3 +115,12 @@ def test_bench_is_a_cli_subcommand(capsys):
     for flag in ("--concurrency", "--rate", "--launch", "--worker-arg", "--frames", "--out", "--plot"):
         assert flag in text
     assert text.count("chorus bench --") >= 2  # the examples
+
+
+def test_a_given_revision_wins_over_git(monkeypatch):
+    """On the device machine the copy's .git is stale: CHORUS_GIT_REV names the tree that ran."""
+    from chorus import provenance
+    monkeypatch.setenv("CHORUS_GIT_REV", "abc1234")
+    assert provenance.git_revision() == {"revision": "abc1234", "dirty": None, "source": "env"}
+    monkeypatch.delenv("CHORUS_GIT_REV")
+    assert provenance.git_revision()["source"] in ("git", None)

@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
 from chorus.launcher import Cluster, add_service_flags, colocation, free_port, read_metrics, service_args
+from chorus.provenance import cpu_model, git_revision
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row, ttfa_breakdown
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
@@ -355,24 +355,10 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
 
 # ---- run, JSON, plot --------------------------------------------------------------------
 
-def git_revision() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        if rev.returncode != 0:
-            return {"revision": None, "dirty": None}
-        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True, timeout=10)
-        return {"revision": rev.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None}
-    except (OSError, subprocess.SubprocessError):
-        return {"revision": None, "dirty": None}
-
-
 def _host() -> dict[str, Any]:
     import grpc
     return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "grpc": grpc.__version__}
+            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "grpc": grpc.__version__}
 
 
 def _launch_cluster(args: argparse.Namespace):
@@ -415,7 +401,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "schema": SCHEMA,
         "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "finished_at": None,
-        "git": git_revision(),
+        "git": git_revision(),  # CHORUS_GIT_REV wins: see chorus/provenance.py
         "device_note": args.device_note,
         "host": _host(),
         "server": {"address": args.server or ("launched" if args.launch else "127.0.0.1:50051"),
