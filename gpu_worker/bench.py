@@ -344,7 +344,8 @@ def run(args: argparse.Namespace) -> None:
     bench = Bench(args)
     results = bench.run()
     device = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else platform.processor()
-    report = {"benchmark": "worker", "command": " ".join(sys.argv), "git_revision": git_revision()["revision"] or "unknown",
+    report = {"benchmark": "worker", "command": " ".join(sys.argv),
+              "git_revision": git_revision()["revision"] or "unknown",
               "device": device, "torch": torch.__version__, "dtype": args.dtype,
               "attention": type(bench.engine.kv).__name__, "cuda_graphs": bench.engine.graphs is not None,
               "floor": {"bandwidth_bytes_per_s": args.bandwidth, "flops_per_s": args.flops,
