@@ -117,8 +117,8 @@ def _frontend_argv(args: argparse.Namespace, endpoint: str, port: int, index: in
     argv = [sys.executable, "-m", "scheduler_svc.server", "--core", endpoint, "--frontend-index", str(index),
             "--host", args.host, "--port", str(port), "--max-text-chars", str(args.max_text_chars),
             "--max-frames", str(args.max_frames), "--first-chunk-frames", str(args.first_chunk_frames),
-            "--chunk-frames", str(args.chunk_frames),
-            "--first-chunk-frames-loaded", str(args.first_chunk_frames_loaded), "--drain-seconds", str(args.drain_seconds)]
+            "--chunk-frames", str(args.chunk_frames), "--first-chunk-frames-loaded",
+            str(args.first_chunk_frames_loaded), "--drain-seconds", str(args.drain_seconds)]
     for v in args.vocoder or []:
         argv += ["--vocoder", v]
     if args.tokenizer:
