@@ -154,6 +154,10 @@ class SchedulerConfig:
     loaded_batch: int = 64
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
     step_timeout: float = 300.0    # seconds without a journal before a step is given up
+    # A step without its journal after this long asks the worker hello: a new process answering means
+    # the old one died with the step (crash, OOM kill, stall watchdog) and was restarted, so the running
+    # requests re-prefill on it now instead of after step_timeout. 0 = never ask early.
+    worker_probe: float = 5.0
     restart_wait: float = 120.0    # after that, how long a restarted worker may take to answer hello
 
 
@@ -277,10 +281,37 @@ class Scheduler:
             self._journal_at = None
         return True
 
+    async def _await_journal(self, step: _InFlight) -> worker_pb2.Journal | None:
+        """The step's journal. Every worker_probe seconds without it the worker is asked hello; if a new
+        worker process answers, the old one died with this step: None, after _worker_restarted. An old
+        process that is alive answers only once its pending step is done, or not within the probe."""
+        probe = self.config.worker_probe
+        asked = False
+        while probe > 0:
+            done, _ = await asyncio.wait({step.future}, timeout=probe)
+            if done:
+                break
+            if not asked:
+                log.warning("step %d has no journal after %.0f s: asking the worker whether it restarted",
+                            step.plan.step_id, probe)
+                asked = True
+            try:
+                hello = await self.worker.hello(timeout=probe)
+            except Exception:  # noqa: BLE001 - no answer: busy or gone; the step's own timeout decides
+                continue
+            if hello.incarnation and self.hello.incarnation and hello.incarnation != self.hello.incarnation:
+                step.future.cancel()
+                self._worker_restarted(hello.incarnation)
+                return None
+        return await step.future
+
     async def _receive(self, step: _InFlight) -> None:
         t0 = time.monotonic()
         try:
-            journal = await step.future
+            journal = await self._await_journal(step)
+            if journal is None:  # the worker restarted: everything running re-prefills
+                self.sink.flush()
+                return
         except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
             log.error("worker step failed: %s", e)
             if not await self._worker_came_back():

@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "answers (the old one died and was restarted), every running request re-prefills on it "
                         "and loses no audio; otherwise the step's requests fail (default: %(default)s; the "
                         "worker ends itself after its own --stall-exit-s, 120 on CUDA)")
+    p.add_argument("--worker-probe-s", type=float, default=5.0, metavar="S",
+                   help="a step without its journal after S seconds asks the worker hello; a new worker process "
+                        "answering means the old one died with the step, and every running request re-prefills "
+                        "on the new one at once instead of after --step-timeout-s (default: %(default)s; 0 = off)")
     p.add_argument("--lookahead-max-batch", type=int, default=256,
                    help="decode batches larger than this wait for their journal instead of overlapping")
     p.add_argument("--max-text-chars", type=int, default=5000, help="longest accepted text")
@@ -194,7 +198,8 @@ async def serve(args: argparse.Namespace) -> None:
             lookahead=args.lookahead, lookahead_depth=args.lookahead_depth,
             lookahead_max_batch=args.lookahead_max_batch, cache_key=cache_key,
             prefill_interval=args.prefill_interval, loaded_prefill_interval=args.prefill_interval_loaded,
-            loaded_batch=args.loaded_batch, step_timeout=args.step_timeout_s), sink=link)
+            loaded_batch=args.loaded_batch, step_timeout=args.step_timeout_s,
+            worker_probe=args.worker_probe_s), sink=link)
         scheduler.start()
         link.start(scheduler)
         metrics.KV_TOTAL.set(hello.kv_slots)

@@ -114,16 +114,21 @@ def test_a_restarted_worker_never_serves_a_stale_prefix(baseline):
         assert wait_until_idle(c) == (0, 0, 0, 0)
 
 
-def test_a_worker_restart_mid_request_loses_no_audio():
+@pytest.mark.parametrize("scheduler_args", [["--worker-probe-s", "1"], ["--worker-probe-s", "0", "--step-timeout-s", "2"]],
+                         ids=["probe", "step_timeout"])
+def test_a_worker_restart_mid_request_loses_no_audio(scheduler_args):
     """The worker dies mid-request and comes back (as its stall watchdog or a crash plus its
-    supervisor would do). The step in flight gets no journal; after --step-timeout-s the scheduler
-    finds a new worker process answering hello, re-prefills the request's prompt and frames on it,
-    and the request goes on: its frames equal those of the same request run without a restart."""
+    supervisor would do). The step in flight gets no journal; the scheduler finds a new worker
+    process answering hello (asked after --worker-probe-s without the journal, or after the step's
+    --step-timeout-s when probing is off: with the default 300 s timeout the first path must be the
+    one that works, or the client's 120 s deadline runs out), re-prefills the request's prompt and
+    frames on it, and the request goes on: its frames equal those of the same request run without a
+    restart."""
     from chorus.launcher import Service, free_port
 
     req = workload()[0]
     req.min_frames = req.max_frames = 300
-    with make_cluster(WORKER, ["--step-timeout-s", "2"], worker_port=free_port()) as c:
+    with make_cluster(WORKER, scheduler_args, worker_port=free_port()) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
         want = synthesize(stub, req, timeout=120).code_frames()
         codes = []
