@@ -30,6 +30,8 @@
 # vocoder on the worker's GPU as a process of its own (--colocate-vocoder=off; chorus's one-GPU default is
 # colocated with 5-frame steps, the colocated_step5_1gpu run); PROFILE=1 adds vocoder profiles.
 # TWO_GPU=0 RATIOS=" " ONE_GPU=1: only the one-GPU run (for the single-GPU machine).
+# C256: the c256 ratio runs' levels (default 256); C256=256,256,256 measures each three times in one
+# launch, back to back, for a spread (runs of one configuration differ by a few percent).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)  # the device tool returns at most 8 files: everything is packed into one archive
 DUR=${DUR:-15}  # RUN_TIMEOUT: seconds per run (default 420)
@@ -65,50 +67,50 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     eager) run e2e_w1_c16_eager --workload W1 --concurrency 16 --worker-arg=--no-cuda-graphs ;;
     radix) run e2e_w2_c16_radix --workload W2 --concurrency 16 ;;
     no_radix) run e2e_w2_c16_no_radix --workload W2 --concurrency 16 --scheduler-arg=--no-radix-cache ;;
-    frontends1) run e2e_w1_c256_frontends1 --workload W1 --concurrency 256 --scheduler-arg=--frontends=1 ;;
-    depth2) run e2e_w1_c256_depth2 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=2 ;;
-    depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency 256 --scheduler-arg=--lookahead-depth=3 ;;
-    chunk2048) run e2e_w1_c256_chunk2048 --workload W1 --concurrency 256 --scheduler-arg=--prefill-chunk=2048 ;;
-    vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency 256 --vocoders 4 --vocoder-arg=--slots=64 ;;
-    vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency 256 --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
+    frontends1) run e2e_w1_c256_frontends1 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--frontends=1 ;;
+    depth2) run e2e_w1_c256_depth2 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--lookahead-depth=2 ;;
+    depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--lookahead-depth=3 ;;
+    chunk2048) run e2e_w1_c256_chunk2048 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--prefill-chunk=2048 ;;
+    vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency ${C256:-256} --vocoders 4 --vocoder-arg=--slots=64 ;;
+    vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency ${C256:-256} --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--chunk-frames=10 ;;
-    chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 ;;
-    step5) run e2e_w1_c256_step5 --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 ;;
-    chunk5_coalesce) run e2e_w1_c256_chunk5_coalesce --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    step5) run e2e_w1_c256_step5 --workload W1 --concurrency ${C256:-256} --vocoder-arg=--step-frames=5 ;;
+    chunk5_coalesce) run e2e_w1_c256_chunk5_coalesce --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 ;;
-    chunk5_v4) run e2e_w1_c256_chunk5_v4 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5_v4) run e2e_w1_c256_chunk5_v4 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoders 4 --vocoder-arg=--slots=64 ;;
-    chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency 256 \
+    chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk5_gather_off) run e2e_w1_c256_chunk5_gather_off --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5_gather_off) run e2e_w1_c256_chunk5_gather_off --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval-loaded=1 ;;
-    chunk5_depth3) run e2e_w1_c256_chunk5_depth3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5_depth3) run e2e_w1_c256_chunk5_depth3 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--lookahead-depth=3 ;;
-    chunk5_interval3) run e2e_w1_c256_chunk5_interval3 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5_interval3) run e2e_w1_c256_chunk5_interval3 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval=3 ;;
-    chunk5_buckets16) run e2e_w1_c256_chunk5_buckets16 --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=5 \
+    chunk5_buckets16) run e2e_w1_c256_chunk5_buckets16 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
-    chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
+    chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency ${C256:-256} --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
-    chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency 256 --scheduler-arg=--chunk-frames=10 \
+    chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
-    chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency 256 --scheduler-arg=--first-chunk-frames=10 \
+    chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10u_interval4) run e2e_w1_c256_chunk10u_interval4 --workload W1 --concurrency 256 \
+    chunk10u_interval4) run e2e_w1_c256_chunk10u_interval4 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 ;;
-    chunk10u_v1_interval4) run e2e_w1_c256_chunk10u_v1_interval4 --workload W1 --concurrency 256 \
+    chunk10u_v1_interval4) run e2e_w1_c256_chunk10u_v1_interval4 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10u_coalesce) run e2e_w1_c256_chunk10u_coalesce --workload W1 --concurrency 256 \
+    chunk10u_coalesce) run e2e_w1_c256_chunk10u_coalesce --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --vocoder-arg=--coalesce-frames=30 ;;
-    step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency 256 --vocoder-arg=--step-frames=5 \
+    step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency ${C256:-256} --vocoder-arg=--step-frames=5 \
                --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
