@@ -928,10 +928,14 @@ def test_session_worker_launches_ahead_only_under_load():
 
     class Pending:
         def __init__(self, n: int, slots: list[int]):
-            self.n, self.slots = n, slots
+            self.n, self.slots, self.done = n, slots, False
 
         def wait_device(self) -> None:
             events.append(f"wait for the {self.n}-stream step")
+            self.done = True
+
+        def running(self) -> bool:  # a fake device: a step runs until someone waits for it
+            return not self.done
 
         def result(self) -> dict[int, bytes]:
             return {s: b"pcm" for s in self.slots}
@@ -944,7 +948,8 @@ def test_session_worker_launches_ahead_only_under_load():
             events.append(f"launch {len(codes)}")
             return Pending(len(codes), list(codes))
 
-    worker = SessionWorker(Session(), lambda report: None, launch_ahead_streams=2)
+    reports = []
+    worker = SessionWorker(Session(), reports.append, launch_ahead_streams=2)
 
     async def run() -> None:
         a, b, c = worker.open(), worker.open(), worker.open()
@@ -964,6 +969,8 @@ def test_session_worker_launches_ahead_only_under_load():
     finally:
         worker.close()
     assert events == ["launch 2", "wait for the 2-stream step", "launch 1", "launch 2", "launch 1"]
+    # what the metrics hear (chorus_vocoder_steps_launched_ahead): the last two overlapped their predecessor
+    assert [r.launched_ahead for r in reports if r.step_ms is not None] == [False, False, True, True]
 
 
 def test_session_worker_decodes_chunks_in_step_frame_pieces():
@@ -979,6 +986,9 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
 
         def wait_device(self) -> None:
             pass
+
+        def running(self) -> bool:
+            return False
 
         def result(self) -> dict[int, bytes]:
             return self.pcm
@@ -1039,7 +1049,8 @@ class StepRecorder(FakeSession):
     def launch_pcm(self, codes, int16=()):
         self.events.append(f"launch {sorted(codes)} x {[c.shape[1] for c in codes.values()]}")
         pcm = {s: step_pcm(len(self.events) - 1, range(c.shape[1])) for s, c in codes.items()}
-        return type("Pending", (), {"wait_device": lambda self: None, "result": lambda self: pcm})()
+        return type("Pending", (), {"wait_device": lambda self: None, "running": lambda self: False,
+                                    "result": lambda self: pcm})()
 
 
 def step_pcm(step: int, frames: range) -> bytes:

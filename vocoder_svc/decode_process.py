@@ -221,7 +221,7 @@ class DecodeProcess:
             r = msg.report
             self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
                                                       r.step_ms if r.stepped else None, r.step_streams, r.graphed,
-                                                      r.step_frames, r.queue_wait_ms))
+                                                      r.step_frames, r.queue_wait_ms, r.launched_ahead))
 
     async def _watch(self) -> None:
         if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
@@ -291,7 +291,7 @@ class _Replies:
         self.send(dpb.DecoderOutput(report=dpb.DecoderReport(
             free_slots=r.free_slots, waiting_streams=r.waiting_streams, stepped=r.step_ms is not None,
             step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed, step_frames=r.step_frames,
-            queue_wait_ms=r.queue_wait_ms)))
+            queue_wait_ms=r.queue_wait_ms, launched_ahead=r.launched_ahead)))
 
     def finish(self, job: int) -> Callable[[object, BaseException | None], None]:
         def done(result: object, error: BaseException | None) -> None:

@@ -213,6 +213,7 @@ class SessionReport:
     graphed: bool = False
     step_frames: int = 0          # frames per stream in the step
     queue_wait_ms: float = 0.0    # from the step's oldest job's submit to the step's launch
+    launched_ahead: bool = False  # launched while the step before it still ran on the device
 
 
 def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Finish:
@@ -486,6 +487,7 @@ class SessionWorker:
             if (self._last is not None and len(runnable) < self.launch_ahead_streams
                     and not s.uses_priority_stream(t)):  # a priority step must not wait: that is its point
                 self._last.wait_device()
+            ahead = self._last is not None and self._last.running()
             t0 = time.perf_counter()
             waited = (time.monotonic() - min(j.submitted for j in runnable)) * 1e3
             pending = s.launch_pcm(dict(zip(slots, codes)), int16=[sl for sl, j in zip(slots, runnable) if j.int16])
@@ -495,13 +497,13 @@ class SessionWorker:
             return
         self._last = pending
         self._watchdog.begin()
-        self._launched.put((runnable, slots, pending, t0, s.last_step_graphed, waited))
+        self._launched.put((runnable, slots, pending, t0, s.last_step_graphed, waited, ahead))
 
     def _finish_steps(self) -> None:
         """The finisher thread: each launched step's PCM, in launch order, to its jobs. It must outlive
         any one failure: a step it stops reading keeps a staging buffer, and launches then block."""
         while (item := self._launched.get()) is not None:
-            runnable, slots, pending, t0, graphed, waited = item
+            runnable, slots, pending, t0, graphed, waited, ahead = item
             try:
                 out = pending.result()
             except BaseException as e:  # noqa: BLE001 - reported to every stream of the step
@@ -512,7 +514,7 @@ class SessionWorker:
                 results = [(out[slot], None) for slot in slots]
                 self._report_quietly(SessionReport(self.session.free_slots, self._waiting,
                                                    (time.perf_counter() - t0) * 1000.0, len(runnable), graphed,
-                                                   runnable[0].codes.shape[0], waited))
+                                                   runnable[0].codes.shape[0], waited, ahead))
             for j, (res, err) in zip(runnable, results):
                 try:
                     j.finish(res, err)

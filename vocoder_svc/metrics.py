@@ -48,6 +48,10 @@ class Metrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
                                      ["path"], registry=r)
+        self.launched_ahead = Counter(
+            "chorus_vocoder_steps_launched_ahead", "Session steps launched while the step before them still ran on "
+            "the device (--launch-ahead-streams): a share well under 1 under load means the device idles "
+            "between steps unless another replica fills it", registry=r)
 
 
     def record_session(self, report: SessionReport) -> None:
@@ -60,3 +64,5 @@ class Metrics:
             self.decode_step_frames.observe(report.step_frames)
             self.queue_wait_ms.observe(report.queue_wait_ms)
             self.session_steps.labels("graph" if report.graphed else "eager").inc()
+            if report.launched_ahead:
+                self.launched_ahead.inc()

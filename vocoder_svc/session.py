@@ -834,6 +834,10 @@ class PendingPcm:
         if self._done is not None:
             self._done.synchronize()
 
+    def running(self) -> bool:
+        """Is the step's device work (or its copy to the host) still going? (False off CUDA.)"""
+        return self._done is not None and not self._done.query()
+
     def result(self) -> dict[int, bytes]:
         if self._read:
             raise RuntimeError("PendingPcm.result() called twice")

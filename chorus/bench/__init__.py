@@ -214,7 +214,8 @@ _VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_voc
                      "chorus_vocoder_decode_batch_streams_sum": "streams",
                      "chorus_vocoder_audio_seconds_total": "audio_s",
                      "chorus_vocoder_decode_step_frames_sum": "frames",
-                     "chorus_vocoder_queue_wait_ms_sum": "queue_wait_ms"}
+                     "chorus_vocoder_queue_wait_ms_sum": "queue_wait_ms",
+                     "chorus_vocoder_steps_launched_ahead_total": "launched_ahead"}
 
 
 def _vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
@@ -245,7 +246,9 @@ def _vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | No
             # frames per stream in a step, and how long a step's oldest chunk waited for it (0 from
             # vocoders that predate these metrics)
             "frames_per_step": d["frames"] / steps if steps else None,
-            "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None}
+            "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None,
+            # the share of steps launched while the one before still ran (0 before this metric existed)
+            "launched_ahead_share": d["launched_ahead"] / steps if steps else None}
 
 
 def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
@@ -347,7 +350,9 @@ async def _run_levels(args: argparse.Namespace, address: str, seed: int, results
                     print(f"           vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "
                           f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s"
                           + (f"; {vs['frames_per_step']:.1f} frames a stream, oldest chunk waited "
-                             f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else ""),
+                             f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else "")
+                          + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
+                             if vs.get("launched_ahead_share") is not None else ""),
                           flush=True)
     finally:
         await runner.close()

@@ -73,7 +73,7 @@ class DecoderJobDone(_message.Message):
     def __init__(self, job: _Optional[int] = ..., error: _Optional[_Union[DecoderJobDone.Error, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DecoderReport(_message.Message):
-    __slots__ = ("free_slots", "waiting_streams", "stepped", "step_ms", "step_streams", "graphed", "step_frames", "queue_wait_ms")
+    __slots__ = ("free_slots", "waiting_streams", "stepped", "step_ms", "step_streams", "graphed", "step_frames", "queue_wait_ms", "launched_ahead")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STEPPED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class DecoderReport(_message.Message):
     GRAPHED_FIELD_NUMBER: _ClassVar[int]
     STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
     waiting_streams: int
     stepped: bool
@@ -90,7 +91,8 @@ class DecoderReport(_message.Message):
     graphed: bool
     step_frames: int
     queue_wait_ms: float
-    def __init__(self, free_slots: _Optional[int] = ..., waiting_streams: _Optional[int] = ..., stepped: _Optional[bool] = ..., step_ms: _Optional[float] = ..., step_streams: _Optional[int] = ..., graphed: _Optional[bool] = ..., step_frames: _Optional[int] = ..., queue_wait_ms: _Optional[float] = ...) -> None: ...
+    launched_ahead: bool
+    def __init__(self, free_slots: _Optional[int] = ..., waiting_streams: _Optional[int] = ..., stepped: _Optional[bool] = ..., step_ms: _Optional[float] = ..., step_streams: _Optional[int] = ..., graphed: _Optional[bool] = ..., step_frames: _Optional[int] = ..., queue_wait_ms: _Optional[float] = ..., launched_ahead: _Optional[bool] = ...) -> None: ...
 
 class DecoderOutput(_message.Message):
     __slots__ = ("ready", "done", "report")
