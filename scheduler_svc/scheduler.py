@@ -410,22 +410,13 @@ class Scheduler:
         """Whether this step admits and prefills. While requests decode, prefill work is gathered into
         every n-th step (the worker runs a step's prefill as a pass of its own beside the graphed
         decode, so each step that carries one pays that pass): n = prefill_interval, or under load
-        (loaded_batch or more decoding) at least loaded_prefill_interval. Under load a step prefills
-        sooner when a whole --prefill-chunk of rows already waits: gathering longer would not fill it
-        more, and a burst of arrivals would drain at a chunk per n steps."""
+        (loaded_batch or more decoding) at least loaded_prefill_interval."""
         if not decoding:
             return True
-        due = self._steps_since_prefill + 1 >= self.config.prefill_interval
+        interval = self.config.prefill_interval
         if self.config.loaded_batch and decoding >= self.config.loaded_batch:
-            loaded_due = self._steps_since_prefill + 1 >= self.config.loaded_prefill_interval
-            return due and (loaded_due or self._prefill_rows_waiting() >= (self.config.prefill_chunk or 512))
-        return due
-
-    def _prefill_rows_waiting(self) -> int:
-        """Rows a prefill could take now: what admitted requests have left, and every queued request's
-        prompt and frames (an upper bound: the radix cache may hold part of them)."""
-        rows = sum(r.prefill_len - r.rows_sent for r in self.running.values() if r.phase is Phase.PREFILL)
-        return rows + sum(r.prompt_len + len(r.frames) for r in self.waiting)
+            interval = max(interval, self.config.loaded_prefill_interval)
+        return self._steps_since_prefill + 1 >= interval
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

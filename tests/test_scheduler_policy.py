@@ -28,22 +28,3 @@ def test_the_larger_interval_wins_and_one_turns_gathering_off():
     assert due_pattern(SchedulerConfig(prefill_interval=2), 16)[:4] == [False, True, False, True]
     assert due_pattern(SchedulerConfig(loaded_prefill_interval=1), 160) == [True] * 7
     assert due_pattern(SchedulerConfig(loaded_batch=0), 160) == [True] * 7
-
-
-def test_under_load_a_full_chunk_of_waiting_rows_prefills_at_once():
-    """A burst of arrivals under load must not drain at one --prefill-chunk per 4 steps: once a whole
-    chunk waits, the next step prefills."""
-    import numpy as np
-    from scheduler_svc.scheduler import Request
-
-    s = Scheduler(None, worker_pb2.Hello(kv_slots=1 << 16, max_batch=256, page_size=16),
-                  SchedulerConfig(prefill_chunk=512))
-    s._steps_since_prefill = 0
-    assert not s._prefill_due(160)  # under load, nothing waiting: gather
-    for _ in range(5):  # 5 x 100 prompt rows: not a whole chunk yet
-        s.submit(Request(prompt_rows=np.zeros((100, 13), np.int32), sampling=worker_pb2.SamplingConfig(),
-                         max_frames=10))
-    assert not s._prefill_due(160)
-    s.submit(Request(prompt_rows=np.zeros((100, 13), np.int32), sampling=worker_pb2.SamplingConfig(), max_frames=10))
-    assert s._prefill_due(160)  # 600 rows wait: prefill now
-    assert s._prefill_due(16)  # light load prefills every step anyway
