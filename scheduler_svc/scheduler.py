@@ -348,10 +348,13 @@ class Scheduler:
             req.rows_sent += 1
             req.frames_planned += 1
             writes[req.id] = 1
-        prefill_now = self._prefill_due(len(plan.decode))
+        interval = self._prefill_interval(len(plan.decode))
+        prefill_now = self._steps_since_prefill + 1 >= interval
         if prefill_now:
             self._admit()
-        budget = (self.config.prefill_chunk or 1 << 30) if prefill_now else 0
+        # A step that prefills for `interval` steps takes their rows: gathering must not cut the rate
+        # at which requests get in (a burst of arrivals under load would drain at a chunk per interval).
+        budget = (self.config.prefill_chunk * interval or 1 << 30) if prefill_now else 0
         for req in self.running.values():
             if req.phase is not Phase.PREFILL or req.rows_sent >= req.prefill_len or budget <= 0:
                 continue
@@ -406,17 +409,17 @@ class Scheduler:
         then start new streams with their loaded first-chunk size (--first-chunk-frames-loaded)."""
         return 0 < self.config.loaded_batch <= len(self.running)
 
-    def _prefill_due(self, decoding: int) -> bool:
-        """Whether this step admits and prefills. While requests decode, prefill work is gathered into
-        every n-th step (the worker runs a step's prefill as a pass of its own beside the graphed
+    def _prefill_interval(self, decoding: int) -> int:
+        """Prefill work is admitted and prefilled every n-th step (n returned here). While requests
+        decode it is gathered (the worker runs a step's prefill as a pass of its own beside the graphed
         decode, so each step that carries one pays that pass): n = prefill_interval, or under load
-        (loaded_batch or more decoding) at least loaded_prefill_interval."""
+        (loaded_batch or more decoding) at least loaded_prefill_interval; with nothing decoding, 1."""
         if not decoding:
-            return True
-        interval = self.config.prefill_interval
+            return 1
+        interval = max(1, self.config.prefill_interval)
         if self.config.loaded_batch and decoding >= self.config.loaded_batch:
             interval = max(interval, self.config.loaded_prefill_interval)
-        return self._steps_since_prefill + 1 >= interval
+        return interval
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
