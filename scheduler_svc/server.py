@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                    help="wait for each step's journal before sending the next")
     p.add_argument("--prefill-interval", type=int, default=1,
-                   help="while requests decode, admit and prefill only every n-th step (default 1: a new "
-                        "request starts at the next step; larger batches prefills for throughput at a TTFA cost)")
+                   help="while requests decode, admit and prefill only every n-th step, up to n x --prefill-chunk "
+                        "rows (default 1: a new request starts at the next step; larger batches prefills for "
+                        "throughput at a TTFA cost)")
     p.add_argument("--prefill-interval-loaded", type=int, default=4, metavar="N",
                    help="while at least --loaded-batch requests decode, prefill only every N-th step (default 4: "
                         "each step that prefills pays a pass over the weights of its own; on the H200 at 160 "
