@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "decoding this made steps 15%% shorter, for up to 3 steps more time to first audio; "
                         "1 = off)")
     p.add_argument("--loaded-batch", type=int, default=64, metavar="B",
-                   help="decoding requests from which --prefill-interval-loaded applies (default 64: the "
-                        "one-GPU c16 layout never gathers)")
+                   help="requests from which the scheduler runs under load: --prefill-interval-loaded and "
+                        "--first-chunk-frames-loaded apply (default 64: the one-GPU c16 layout never does; 0 = never)")
     p.add_argument("--lookahead-depth", type=int, default=2,
                    help="steps in flight with lookahead (default 2: the worker launches step N+1 while N runs; "
                         "3 was no faster at c256 on the H200 and raised p99 TTFA)")
@@ -183,6 +183,8 @@ async def serve(args: argparse.Namespace) -> None:
     if not 0 <= args.first_chunk_frames_loaded <= MAX_CHUNK_FRAMES:
         raise SystemExit(f"--first-chunk-frames-loaded {args.first_chunk_frames_loaded}: must be in "
                          f"[0, {MAX_CHUNK_FRAMES}] (0 = --first-chunk-frames at any load)")
+    if args.loaded_batch < 0:
+        raise SystemExit(f"--loaded-batch {args.loaded_batch}: must be >= 0 (0 = never under load)")
     for flag in ("prefill_interval", "prefill_interval_loaded"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1 (1 = every step)")
