@@ -1,6 +1,10 @@
 """The scheduler's step-composition rules, without a worker (the frames they lead to are covered by
 tests/test_determinism.py: no rule may change a frame)."""
 
+import re
+
+import pytest
+
 from chorus.v1 import worker_pb2
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -54,3 +58,20 @@ def test_a_gathered_prefill_step_takes_the_rows_of_the_steps_it_gathered():
     plans = [s._build_plan()[0] for _ in range(6)]
     assert all(len(p.decode) >= 1 for p in plans)  # under load throughout
     assert [prefill_rows(p) for p in plans] == [0, 0, 300, 0, 0, 300]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--loaded-batch", "-1"], "--loaded-batch -1: must be >= 0"),
+    (["--prefill-interval-loaded", "0"], "--prefill-interval-loaded 0: must be >= 1"),
+    (["--first-chunk-frames-loaded", "999"], "--first-chunk-frames-loaded 999: must be in [0, 250]"),
+])
+def test_bad_scheduling_flags_stop_the_scheduler_with_what_to_fix(flags, needle):
+    import argparse
+    import asyncio
+
+    from scheduler_svc import server
+
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    with pytest.raises(SystemExit, match=re.escape(needle)):
+        asyncio.run(server.serve(p.parse_args(["--worker", "tcp://127.0.0.1:1", *flags])))
