@@ -295,13 +295,9 @@ class Scheduler:
                 log.warning("step %d has no journal after %.0f s: asking the worker whether it restarted",
                             step.plan.step_id, probe)
                 asked = True
-            try:
-                hello = await self.worker.hello(timeout=probe)
-            except Exception:  # noqa: BLE001 - no answer: busy or gone; the step's own timeout decides
-                continue
-            if hello.incarnation and self.hello.incarnation and hello.incarnation != self.hello.incarnation:
+            # no answer (busy or gone) or the same process: the step's own timeout decides
+            if await self._worker_came_back(probe):
                 step.future.cancel()
-                self._worker_restarted(hello.incarnation)
                 return None
         return await step.future
 
@@ -314,12 +310,13 @@ class Scheduler:
                 return
         except Exception as e:  # noqa: BLE001 - the worker is gone: fail what it held
             log.error("worker step failed: %s", e)
-            if not await self._worker_came_back():
+            if not await self._worker_came_back(self.config.restart_wait):
+                log.error("no new worker process answered hello (waited up to %.0f s)", self.config.restart_wait)
                 self._fail_step(step, f"worker unavailable: {e}")
             self.sink.flush()
             return
         self._journal_at = time.monotonic()
-        if journal.incarnation != self.hello.incarnation and journal.incarnation and self.hello.incarnation:
+        if self._is_new_worker(journal.incarnation):
             self._worker_restarted(journal.incarnation)  # this journal was computed without the old KV
             self.sink.flush()
             return
@@ -522,17 +519,21 @@ class Scheduler:
         req.frames_planned = len(req.frames)
         self.waiting.appendleft(req)
 
-    async def _worker_came_back(self) -> bool:
-        """After a step got no journal: is a new worker process answering (the old one died and was
-        restarted, e.g. by its stall watchdog)? Then the step is not failed: every running request
-        re-prefills on the new one (_worker_restarted). A worker that is alive but stuck does not
-        answer hello either, and its steps fail as before."""
+    def _is_new_worker(self, incarnation: int) -> bool:
+        """Does this incarnation (from a Hello or a Journal) belong to another worker process than the
+        one the scheduler knows? (0: a worker that does not say.)"""
+        return bool(incarnation and self.hello.incarnation and incarnation != self.hello.incarnation)
+
+    async def _worker_came_back(self, timeout: float) -> bool:
+        """Is a new worker process answering hello within `timeout` (the old one died and was restarted,
+        e.g. by its stall watchdog or its supervisor)? Then every running request re-prefills on it
+        (_worker_restarted) and True. No answer, or the same process answering (alive, busy or stuck):
+        False, and nothing changes."""
         try:
-            hello = await self.worker.hello(timeout=self.config.restart_wait)
-        except Exception as e:  # noqa: BLE001
-            log.error("the worker does not answer hello either: %s", e)
+            hello = await self.worker.hello(timeout=timeout)
+        except Exception:  # noqa: BLE001 - no answer
             return False
-        if not hello.incarnation or hello.incarnation == self.hello.incarnation:
+        if not self._is_new_worker(hello.incarnation):
             return False
         self._worker_restarted(hello.incarnation)
         return True
