@@ -202,17 +202,22 @@ class Bench:
             t0 = time.perf_counter()
             self._check(self.engine.execute(plan), len(ids))
             times.append(time.perf_counter() - t0)
-        plans = [self._decode_plan(ids) for _ in range(self.args.steps + 1)]
+        pipelined = self._pipelined([self._decode_plan(ids) for _ in range(self.args.steps + 1)], len(ids))
+        return pipelined, float(np.median(times))
+
+    def _pipelined(self, plans: list[worker_pb2.StepPlan], frames: int | None = None) -> float:
+        """Mean seconds a step, run as the worker serves under lookahead: step N+1 launched before step
+        N's journal is read. frames: the frames every journal must carry (None: not checked)."""
         _sync(self.device)
         t0 = time.perf_counter()
         prev = self.engine.launch(plans[0])
-        for plan in plans[1:]:
-            nxt = self.engine.launch(plan)
-            self._check(self.engine.finish(prev), len(ids))
+        for plan in plans[1:] + [None]:
+            nxt = self.engine.launch(plan) if plan is not None else None
+            journal = self.engine.finish(prev)
+            if frames is not None:
+                self._check(journal, frames)
             prev = nxt
-        self._check(self.engine.finish(prev), len(ids))
-        pipelined = (time.perf_counter() - t0) / len(plans)
-        return pipelined, float(np.median(times))
+        return (time.perf_counter() - t0) / len(plans)
 
     def mixed(self, ids: list[int], interval: int, rows_per_step: int, request_rows: int) -> float:
         """Mean pipelined step time of decode steps for `ids` where every `interval`-th step also
@@ -239,16 +244,7 @@ class Bench:
         steps = max(self.args.steps, 2 * interval) // interval * interval  # whole prefill periods
         for k in range(interval):
             self._check(self.engine.execute(plan_for(k)), len(ids) + (per_step if k % interval == 0 else 0))
-        plans = [plan_for(k) for k in range(steps + 1)]
-        _sync(self.device)
-        t0 = time.perf_counter()
-        prev = self.engine.launch(plans[0])
-        for plan in plans[1:]:
-            nxt = self.engine.launch(plan)
-            self.engine.finish(prev)
-            prev = nxt
-        self.engine.finish(prev)
-        elapsed = (time.perf_counter() - t0) / len(plans)
+        elapsed = self._pipelined([plan_for(k) for k in range(steps + 1)])
         self.engine.execute(self._release_plan(newest))
         for rid in newest:
             self.rows.pop(rid)
