@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=51, help="cached prefix rows before each request's new rows")
     ap.add_argument("--decode-batch", type=int, default=180, help="decode rows of the step (W1 c256: ~180)")
     ap.add_argument("--decode-context", type=int, default=150, help="context rows of each decoding request")
+    ap.add_argument("--exact-buckets", action="store_true",
+                    help="time each --rows point in a graph of exactly its rows plus one padding sequence (the cost "
+                         "curve without the serving buckets' padding) instead of its serving bucket")
     ap.add_argument("--fold-rows", type=int, default=448, help="prefill rows of the folded-step comparison")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--flops", type=float, default=790e12)
@@ -134,7 +137,7 @@ def main() -> None:
     with torch.inference_mode():
         for r in rows_list:
             spans = prefill_spans(r)
-            bucket = prefill.bucket(r, len(spans))
+            bucket = (r + 1, len(spans) + 1) if args.exact_buckets else prefill.bucket(r, len(spans))
             ms = replay_ms(planned_graph(spans, *bucket).graph)
             floor = r * gemm_flops_per_row / args.flops * 1e3
             report["prefill"].append({"rows": r, "sequences": len(spans), "bucket": list(bucket), "graph_ms": ms,
