@@ -31,11 +31,12 @@ from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 
 log = logging.getLogger("chorus.worker")
 
-# 640 holds the scheduler's default --prefill-chunk (512) plus padding; the larger ones a
-# --prefill-chunk of up to 2048 (with padding sequences), for bursts of admissions. 384 and 448:
-# at W1 c256 on the H200 a step's prefill was ~390-420 rows in ~10 sequences, which 512 padded by
-# a fifth (prefill rows cost ~15-20 us each; not measured with these buckets yet).
-ROW_BUCKETS = (64, 128, 256, 384, 448, 512, 640, 1024, 1536, 2112)
+# Every 64 rows up to 768, then coarser: a step runs in its bucket's graph, padding included, and a
+# prefill row costs ~14-16 us on the H200 (prefill_curve_s10_h200.json: 7.07 ms for 448 rows, 9.33
+# for 640). With the earlier (..., 512, 640, 1024) a 641-row step ran the 1,024-row graph (14 ms);
+# at W1 c256 gathered prefill steps carry ~450 rows on average, up to 4 x --prefill-chunk. The
+# largest holds a --prefill-chunk of 2048 plus padding sequences.
+ROW_BUCKETS = tuple(range(64, 769, 64)) + (896, 1024, 1280, 1536, 1792, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 

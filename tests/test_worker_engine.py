@@ -183,8 +183,9 @@ def test_prefill_graph_buckets_and_padding():
     assert g.bucket(45, 1) == (64, 2)
     assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
     assert g.bucket(400, 10) == (448, 16) and g.bucket(443, 10) == (512, 16)
-    assert g.bucket(483, 10) == (512, 16) and g.bucket(512, 11) == (640, 16)
-    assert g.bucket(600, 31) == (640, 32) and g.bucket(640, 31) == (1024, 32)
+    assert g.bucket(483, 10) == (512, 16) and g.bucket(512, 11) == (576, 16)
+    assert g.bucket(600, 31) == (640, 32) and g.bucket(640, 31) == (704, 32)
+    assert g.bucket(767, 31) == (768, 32) and g.bucket(768, 31) == (896, 32) and g.bucket(1000, 31) == (1024, 32)
     assert g.bucket(2048, 60) == (2112, 64) and g.bucket(2110, 60) is None  # too many rows: eager
     assert g.bucket(10, SEQUENCE_BUCKETS[-1]) is None  # too many sequences: eager
     assert g.bucket(ROW_BUCKETS[-1], 1) is None
