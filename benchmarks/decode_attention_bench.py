@@ -1,0 +1,80 @@
+"""flashinfer's paged decode attention at the worker's shapes (32 q heads, 8 KV heads, head dim 128,
+bf16): the tensor-core path the worker uses, the CUDA-core path, and page sizes, each against the
+KV-bytes floor. At W1 c256 a decode step at bs 180 and ~150-row contexts spends 2.15 of its 7.4 ms
+in the 36 attention calls (profile_step_bs180_ctx150_s10_h200.json), ~2.3x the bytes floor.
+
+    python benchmarks/decode_attention_bench.py --out benchmarks/results/decode_attention_s10_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from chorus.provenance import git_revision
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="64,180,256")
+    ap.add_argument("--contexts", default="150,300,1000")
+    ap.add_argument("--page-sizes", default="16,32,64")
+    ap.add_argument("--iters", type=int, default=20, help="graph replays (36 calls each) a point")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import flashinfer
+
+    qo_heads, kv_heads, dim, dev = 32, 8, 128, torch.device("cuda")
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    results = {"device": torch.cuda.get_device_name(), "revision": git_revision(), "points": []}
+    for page in (int(x) for x in args.page_sizes.split(",")):
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            for bs in (int(x) for x in args.batches.split(",")):
+                pages_per = -(-ctx // page)
+                cache = torch.randn(bs * pages_per, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+                indptr = torch.arange(bs + 1, dtype=torch.int32) * pages_per
+                # requests' pages scattered over the pool, as the allocator leaves them
+                indices = torch.randperm(bs * pages_per, dtype=torch.int32).to(dev)
+                last = torch.full((bs,), ctx - (pages_per - 1) * page, dtype=torch.int32)
+                q = torch.randn(bs, qo_heads, dim, dtype=torch.bfloat16, device=dev)
+                floor_us = bs * ctx * kv_heads * dim * 2 * 2 / args.bandwidth * 1e6
+                point = {"page_size": page, "context": ctx, "batch": bs, "bytes_floor_us": floor_us}
+                for name, tc in (("tensor_cores", True), ("cuda_cores", False)):
+                    # as the worker's decode graphs: a CUDA-graph wrapper, 36 calls (one per layer) a replay
+                    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                        paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                        paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device=dev),
+                        paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev))
+                    w.plan(indptr, indices, last, qo_heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
+                           kv_data_type=torch.bfloat16)
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        w.run(q, cache)
+                    torch.cuda.current_stream().wait_stream(s)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(36):
+                            w.run(q, cache)
+                    g.replay()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(args.iters):
+                        g.replay()
+                    end.record()
+                    torch.cuda.synchronize()
+                    point[name + "_us"] = start.elapsed_time(end) * 1e3 / args.iters / 36
+                results["points"].append(point)
+                print(f"page {page:3d} ctx {ctx:5d} bs {bs:4d}: tensor cores {point['tensor_cores_us']:7.1f} us, "
+                      f"CUDA cores {point['cuda_cores_us']:7.1f} us, bytes floor {floor_us:6.1f} us", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
