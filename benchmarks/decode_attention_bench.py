@@ -21,6 +21,9 @@ def main() -> None:
     ap.add_argument("--batches", default="64,180,256")
     ap.add_argument("--contexts", default="150,300,1000")
     ap.add_argument("--page-sizes", default="16,32,64")
+    ap.add_argument("--layout", default="random", choices=["random", "contiguous"],
+                    help="requests' pages scattered over the pool, or each request's pages in one run (as "
+                         "chorus bench worker lays them out)")
     ap.add_argument("--iters", type=int, default=20, help="graph replays (36 calls each) a point")
     ap.add_argument("--bandwidth", type=float, default=4.3e12)
     ap.add_argument("--out")
@@ -29,7 +32,8 @@ def main() -> None:
 
     qo_heads, kv_heads, dim, dev = 32, 8, 128, torch.device("cuda")
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
-    results = {"device": torch.cuda.get_device_name(), "revision": git_revision(), "points": []}
+    results = {"device": torch.cuda.get_device_name(), "revision": git_revision(), "layout": args.layout,
+               "points": []}
     for page in (int(x) for x in args.page_sizes.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
             for bs in (int(x) for x in args.batches.split(",")):
@@ -37,7 +41,8 @@ def main() -> None:
                 cache = torch.randn(bs * pages_per, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
                 indptr = torch.arange(bs + 1, dtype=torch.int32) * pages_per
                 # requests' pages scattered over the pool, as the allocator leaves them
-                indices = torch.randperm(bs * pages_per, dtype=torch.int32).to(dev)
+                indices = (torch.randperm(bs * pages_per, dtype=torch.int32) if args.layout == "random"
+                           else torch.arange(bs * pages_per, dtype=torch.int32)).to(dev)
                 last = torch.full((bs,), ctx - (pages_per - 1) * page, dtype=torch.int32)
                 q = torch.randn(bs, qo_heads, dim, dtype=torch.bfloat16, device=dev)
                 floor_us = bs * ctx * kv_heads * dim * 2 * 2 / args.bandwidth * 1e6

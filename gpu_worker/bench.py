@@ -205,18 +205,24 @@ class Bench:
         pipelined = self._pipelined([self._decode_plan(ids) for _ in range(self.args.steps + 1)], len(ids))
         return pipelined, float(np.median(times))
 
+    launch_s = 0.0  # mean host seconds in Engine.launch over the last _pipelined run
+
     def _pipelined(self, plans: list[worker_pb2.StepPlan], frames: int | None = None) -> float:
         """Mean seconds a step, run as the worker serves under lookahead: step N+1 launched before step
         N's journal is read. frames: the frames every journal must carry (None: not checked)."""
         _sync(self.device)
         t0 = time.perf_counter()
         prev = self.engine.launch(plans[0])
+        launching = time.perf_counter() - t0
         for plan in plans[1:] + [None]:
+            t1 = time.perf_counter()
             nxt = self.engine.launch(plan) if plan is not None else None
+            launching += time.perf_counter() - t1
             journal = self.engine.finish(prev)
             if frames is not None:
                 self._check(journal, frames)
             prev = nxt
+        self.launch_s = launching / len(plans)
         return (time.perf_counter() - t0) / len(plans)
 
     def mixed(self, ids: list[int], interval: int, rows_per_step: int, request_rows: int) -> float:
@@ -315,17 +321,18 @@ class Bench:
                                       "rows_per_s": 1 / per_row})
             print(f"prefill ctx {ctx}: {per_row * 1e6:.1f} us/row ({1 / per_row:,.0f} rows/s)", flush=True)
             print(f"{'bs':>5} {'ctx':>5} {'step ms':>8} {'frames/s':>10} {'floor ms':>9} {'ratio':>6} "
-                  f"{'sync ms':>8}", flush=True)
+                  f"{'sync ms':>8} {'launch ms':>9}", flush=True)
             for bs in self.batches:
                 step, sync = self.decode(ids[:bs])
                 mem, comp = self.step_floor(bs, ctx)
                 floor = max(mem, comp)
                 point = {"batch": bs, "context": ctx, "step_ms": step * 1e3, "frames_per_s": bs / step,
                          "sync_step_ms": sync * 1e3, "floor_ms": floor * 1e3, "floor_bytes_ms": mem * 1e3,
-                         "floor_flops_ms": comp * 1e3, "ratio_to_floor": step / floor}
+                         "floor_flops_ms": comp * 1e3, "ratio_to_floor": step / floor,
+                         "host_launch_ms": self.launch_s * 1e3}
                 result["points"].append(point)
                 print(f"{bs:>5} {ctx:>5} {step * 1e3:>8.2f} {bs / step:>10,.0f} {floor * 1e3:>9.2f} "
-                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f}", flush=True)
+                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f} {self.launch_s * 1e3:>9.2f}", flush=True)
             if ctx == self.contexts[0] and self.args.mixed_batch:
                 self.mixed_points(ids[:self.args.mixed_batch], ctx, result)
             self.release(ids)
