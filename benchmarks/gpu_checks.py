@@ -5,9 +5,6 @@ benchmarks/results/). Not a CI test: CI has no GPU.
    mixed prefill+decode batch agree to bf16 tolerance.
 2. Graphed vs eager decode (flashinfer both): the same seeded requests give
    identical frames at equal batch size.
-3. The same at bs 128 with short contexts, where decode attention runs on flashinfer's
-   CUDA cores (FlashInferPagedAttention.decode_on_cuda_cores) in both engines; and, for
-   information, how many frames the tensor-core path would give the same.
 
     python benchmarks/gpu_checks.py --out results/gpu_checks.json
 """
@@ -218,34 +215,6 @@ def quick_graph_parity(model) -> dict:
     return out
 
 
-def cuda_core_parity(model, batch: int = 128, steps: int = 8) -> dict:
-    """Graphed vs eager at a batch that decodes on CUDA cores (both engines pick the path by the
-    same rule): identical frames. Then the graphed engine with the rule off (tensor cores)."""
-    rng = np.random.default_rng(3)
-    prompts = [np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
-               for n in rng.integers(30, 60, batch)]
-    kw = dict(num_kv_slots=(batch + 1) * 1024, max_batch=batch, max_context=1024, page_size=16)
-    graphed = Engine(model, cuda_graphs=True, **kw)
-    assert graphed.kv.decode_on_cuda_cores(batch, batch * 60)
-    a = run_requests(graphed, prompts, steps, pipelined=True)
-    eager = Engine(model, cuda_graphs=False, **kw)
-    b = run_requests(eager, prompts, steps, pipelined=True)
-    del eager
-    cls = type(graphed.kv)
-    saved, cls.CUDA_CORE_DECODE_MIN_BATCH = cls.CUDA_CORE_DECODE_MIN_BATCH, 1 << 30
-    try:
-        c = run_requests(graphed, prompts, steps, pipelined=True)
-    finally:
-        cls.CUDA_CORE_DECODE_MIN_BATCH = saved
-    out = {}
-    for name, (x, y) in (("graphed_vs_eager", (a, b)), ("cuda_cores_vs_tensor_cores", (a, c))):
-        same = sum(p == q for fx, fy in zip(x, y) for p, q in zip(fx, fy))
-        total = sum(len(f) for f in x)
-        out[name] = {"identical_frames": same, "frames": total, "first_divergence": first_divergence(x, y)}
-        print(f"bs {batch} CUDA-core decode, {name}: {same}/{total} frames identical", flush=True)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="full")
@@ -263,7 +232,6 @@ def main() -> None:
         with torch.inference_mode():
             report["backend_parity"] = backend_parity(model, device)
         report["graph_parity"] = graph_parity(model)
-    report["cuda_core_decode"] = cuda_core_parity(model)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

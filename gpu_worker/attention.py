@@ -185,18 +185,6 @@ class TorchPagedAttention(_SlotCache):
 class FlashInferPagedAttention(_SlotCache):
     """CUDA backend over the same slot cache, viewed as pages of page_size rows (NHD)."""
 
-    # Decode attention runs on flashinfer's tensor-core path, except for big batches of short
-    # contexts, where its CUDA-core path is faster: a layer at 150-row contexts took 40.4 against
-    # 52.3 us at bs 160 and 58.2 against 76.9 at bs 256, while the tensor cores won below bs 128 and
-    # from ~200 rows up (1.5x at 1,000). decode_attention_grid_s10_h200.json, H200, page size 16.
-    CUDA_CORE_DECODE_MIN_BATCH = 128
-    CUDA_CORE_DECODE_MAX_MEAN_CONTEXT = 192
-
-    @classmethod
-    def decode_on_cuda_cores(cls, batch: int, kv_rows: int) -> bool:
-        """Whether a decode of `batch` requests over `kv_rows` KV rows in all runs on CUDA cores."""
-        return batch >= cls.CUDA_CORE_DECODE_MIN_BATCH and kv_rows <= cls.CUDA_CORE_DECODE_MAX_MEAN_CONTEXT * batch
-
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
                  dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 512 << 20,
                  decode_split_kv: bool = True):
@@ -214,8 +202,6 @@ class FlashInferPagedAttention(_SlotCache):
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True)
-        self.cuda_core_decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=False)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.active = self.decode_wrapper
         self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copy
@@ -274,9 +260,8 @@ class FlashInferPagedAttention(_SlotCache):
     def begin(self, batch: AttentionBatch) -> None:
         if batch.decode_only:
             pages = page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size)
-            cuda_cores = self.decode_on_cuda_cores(batch.num_sequences, int(batch.kv_indptr[-1]))
-            self.active = self.cuda_core_decode_wrapper if cuda_cores else self.decode_wrapper
-            self.plan_decode(self.active, pages)
+            self.plan_decode(self.decode_wrapper, pages)
+            self.active = self.decode_wrapper
         else:
             self.plan_prefill(self.prefill_wrapper, batch)
             self.active = self.prefill_wrapper

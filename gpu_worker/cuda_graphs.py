@@ -1,4 +1,4 @@
-"""One CUDA graph per batch-size bucket (and decode attention path) for a whole pure-decode step:
+"""One CUDA graph per batch-size bucket for a whole pure-decode step:
 gather feedback embeddings → backbone (flashinfer paged decode) → frame
 decode (12 local steps, 13 seeded samples) → pool commit → journal tensor.
 
@@ -7,9 +7,6 @@ graph is what makes small batches fast. Inputs are copied into static
 buffers; the flashinfer decode wrapper of the bucket is re-planned with the
 step's page table before each replay (plan is host work, outside the graph).
 Padding rows read and write only the pool's spare row and the scratch KV page.
-Buckets of at least FlashInferPagedAttention.CUDA_CORE_DECODE_MIN_BATCH have a second graph
-with flashinfer's CUDA-core decode attention, replayed when the step's contexts are short
-(`decode_on_cuda_cores`, the rule the eager path follows too, so both run the same kernels).
 
 A step's prefill chunks run eagerly (their row counts vary), but the frame
 decode of their last rows (the request's first frame) is the same work as a
@@ -87,10 +84,6 @@ class GraphedDecode:
         # reads the frame graph's output; a shared pool could hand that memory to the other graph.
         self.frame_mempool = torch.cuda.graph_pool_handle()
 
-    def variants(self, b: int) -> tuple[bool, ...]:
-        """The decode attention paths (cuda_cores flags) bucket b has a graph for."""
-        return (False, True) if b >= self.engine.kv.CUDA_CORE_DECODE_MIN_BATCH else (False,)
-
     def fits(self, n: int) -> bool:
         return n <= self.buckets[-1]
 
@@ -99,9 +92,8 @@ class GraphedDecode:
 
     def capture_all(self, sizes: Sequence[int] | None = None) -> None:
         """Capture ahead of serving, largest first so smaller graphs reuse its memory."""
-        for b in sorted({self.bucket(x) for x in sizes or self.buckets}, reverse=True):
-            for cuda_cores in self.variants(b):
-                self._get(b, cuda_cores)
+        for b in sorted(set(sizes or self.buckets), reverse=True):
+            self._get(self.bucket(b))
         try:
             for b in sorted(self.frame_buckets, reverse=True):
                 self._frame_graph(b)
@@ -109,19 +101,19 @@ class GraphedDecode:
             log.exception("frame-decode graph capture failed; first frames of prefills are sampled eagerly")
             self.frame_buckets, self.frame_graphs = [], {}
 
-    def _get(self, b: int, cuda_cores: bool = False) -> _Graph:
-        g = self.graphs.get((b, cuda_cores))
+    def _get(self, b: int) -> _Graph:
+        g = self.graphs.get(b)
         if g is None:
-            g = self.graphs[(b, cuda_cores)] = self._capture(b, cuda_cores)
+            g = self.graphs[b] = self._capture(b)
         return g
 
-    def _capture(self, b: int, cuda_cores: bool) -> _Graph:
+    def _capture(self, b: int) -> _Graph:
         import flashinfer
 
         e = self.engine
         dev = e.device
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            e.kv.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=not cuda_cores,
+            e.kv.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buffer=torch.zeros(e.kv.num_slots // e.page_size, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=dev))
@@ -143,7 +135,7 @@ class GraphedDecode:
 
         graph, out = capture_graph(body, self.mempool)
         e.kv.active = e.kv.decode_wrapper
-        log.info("captured decode graph for batch %d%s", b, " (CUDA-core attention)" if cuda_cores else "")
+        log.info("captured decode graph for batch %d", b)
         return _Graph(b, graph, wrapper, rows, positions, write_slots, out)
 
     def _frame_graph(self, b: int) -> _FrameGraph:
@@ -185,9 +177,9 @@ class GraphedDecode:
     def run(self, decode_rows: list[int], spans: Sequence[SequenceSpan]) -> torch.Tensor:
         e = self.engine
         n = len(spans)
-        kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=n)
-        g = self._get(self.bucket(n), e.kv.decode_on_cuda_cores(n, int(kv_lens.sum())))
+        g = self._get(self.bucket(n))
         pad = g.size - n
+        kv_lens = np.fromiter((len(sp.kv_slots) for sp in spans), dtype=np.int64, count=n)
         kv_indices = np.concatenate([np.asarray(sp.kv_slots, dtype=np.int64) for sp in spans])
         indptr = np.concatenate([[0], np.cumsum(kv_lens)])
         newest = kv_indices[indptr[1:] - 1]  # each request's new row is its last slot
