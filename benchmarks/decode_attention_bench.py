@@ -3,6 +3,11 @@ bf16): the tensor-core path the worker uses, the CUDA-core path, and page sizes,
 KV-bytes floor. At W1 c256 a decode step at bs 180 and ~150-row contexts spends 2.15 of its 7.4 ms
 in the 36 attention calls (profile_step_bs180_ctx150_s10_h200.json), ~2.3x the bytes floor.
 
+Each of a graph's 36 calls reads its own layer's KV, as in the model. The session-10 results
+(decode_attention_*_s10_h200.json) came from a first version whose 36 calls read one layer's KV,
+which the 50 MB L2 partly kept between calls: there the CUDA-core path looked up to 27% faster,
+and inside the worker it gained nothing (worker_{cuda,tensor}_core_s10_h200.json).
+
     python benchmarks/decode_attention_bench.py --out benchmarks/results/decode_attention_s10_h200.json
 """
 
@@ -38,7 +43,8 @@ def main() -> None:
         for ctx in (int(x) for x in args.contexts.split(",")):
             for bs in (int(x) for x in args.batches.split(",")):
                 pages_per = -(-ctx // page)
-                cache = torch.randn(bs * pages_per, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+                caches = [torch.randn(bs * pages_per, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+                          for _ in range(36)]  # one per layer: L2 must not carry a layer's KV to the next
                 indptr = torch.arange(bs + 1, dtype=torch.int32) * pages_per
                 # requests' pages scattered over the pool, as the allocator leaves them
                 indices = (torch.randperm(bs * pages_per, dtype=torch.int32) if args.layout == "random"
@@ -59,11 +65,11 @@ def main() -> None:
                     s = torch.cuda.Stream()
                     s.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(s):
-                        w.run(q, cache)
+                        w.run(q, caches[0])
                     torch.cuda.current_stream().wait_stream(s)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g):
-                        for _ in range(36):
+                        for cache in caches:
                             w.run(q, cache)
                     g.replay()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
