@@ -206,6 +206,7 @@ class Bench:
         return pipelined, float(np.median(times))
 
     launch_s = 0.0  # mean host seconds in Engine.launch over the last _pipelined run
+    launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
 
     def _pipelined(self, plans: list[worker_pb2.StepPlan], frames: int | None = None) -> float:
         """Mean seconds a step, run as the worker serves under lookahead: step N+1 launched before step
@@ -213,16 +214,17 @@ class Bench:
         _sync(self.device)
         t0 = time.perf_counter()
         prev = self.engine.launch(plans[0])
-        launching = time.perf_counter() - t0
+        self.launch_times = [time.perf_counter() - t0]
         for plan in plans[1:] + [None]:
             t1 = time.perf_counter()
             nxt = self.engine.launch(plan) if plan is not None else None
-            launching += time.perf_counter() - t1
+            if plan is not None:
+                self.launch_times.append(time.perf_counter() - t1)
             journal = self.engine.finish(prev)
             if frames is not None:
                 self._check(journal, frames)
             prev = nxt
-        self.launch_s = launching / len(plans)
+        self.launch_s = float(np.mean(self.launch_times))
         return (time.perf_counter() - t0) / len(plans)
 
     def mixed(self, ids: list[int], interval: int, rows_per_step: int, request_rows: int) -> float:
@@ -299,10 +301,17 @@ class Bench:
         for k in (int(x) for x in a.mixed_intervals.split(",")):
             step = self.mixed(ids, k, a.mixed_rows, a.mixed_request_rows)
             per_row = (step - decode_only) / a.mixed_rows
-            result["mixed"]["points"].append({"interval": k, "step_ms": step * 1e3,
-                                              "prefill_us_per_row": per_row * 1e6})
+            # host time in launch: steps that prefill (every k-th, from the first) and the others
+            launches = np.asarray(self.launch_times) * 1e3
+            with_prefill = launches[::k]
+            others = np.delete(launches, np.s_[::k]) if k > 1 else np.zeros(0)
+            result["mixed"]["points"].append({
+                "interval": k, "step_ms": step * 1e3, "prefill_us_per_row": per_row * 1e6,
+                "host_launch_ms_prefill_steps": float(with_prefill.mean()),
+                "host_launch_ms_other_steps": float(others.mean()) if others.size else None})
             print(f"  prefill every {k} steps ({k * a.mixed_rows} rows): {step * 1e3:.2f} ms a step, prefill "
-                  f"{per_row * 1e6:.1f} us a row beyond decode", flush=True)
+                  f"{per_row * 1e6:.1f} us a row beyond decode; host launch {with_prefill.mean():.2f} ms a "
+                  f"prefill step" + (f", {others.mean():.2f} others" if others.size else ""), flush=True)
 
     def run(self) -> dict:
         max_b = max(self.batches)
