@@ -21,9 +21,10 @@
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
 # with --coalesce-frames 30, chunk10_loaded = first chunk 5 at light load and 10 under load (the README's
-# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_la / chunk10_loaded_v1_la = that with every
-# vocoder step launched ahead (--launch-ahead-streams 1; the default, half the slots, never launches c256's
-# 30-55-stream steps ahead), with two replicas / one replica of 256 (one CUDA context, no time-slicing), chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
+# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_v1 = that with one vocoder replica of 256
+# (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
+# the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
+# reached), chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
 # 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
@@ -99,13 +100,12 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
     chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
-    chunk10_loaded_la) run e2e_w1_c256_chunk10_loaded_la --workload W1 --concurrency ${C256:-256} \
+    chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoder-arg=--launch-ahead-streams=1 ;;
-    chunk10_loaded_v1_la) run e2e_w1_c256_chunk10_loaded_v1_la --workload W1 --concurrency ${C256:-256} \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoder-arg=--launch-ahead-streams=1 \
-               --vocoders 1 --vocoder-arg=--slots=256 ;;
+               --vocoder-arg=--chunk-frames=10 --vocoder-arg=--launch-ahead-streams=64 ;;
     chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;

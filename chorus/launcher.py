@@ -140,23 +140,38 @@ def _same_device(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
+def _flag_value(args: list[str], name: str) -> str | None:
+    """The value of flag `name` in args (`--x=v` or `--x v`; the last one wins), or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+        elif a == name and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
 def colocation(choice: str, device: str, vocoder_device: str | None, replicas: int,
                vocoder_args: list[str]) -> tuple[bool, list[str]]:
-    """(colocate?, the vocoder's flags) for --colocate-vocoder auto|on|off. Colocated, the vocoder's
-    decoder runs in --first-chunk-frames steps (--step-frames) unless its flags say otherwise: new
-    streams' first chunks then share steps with the steady ones instead of waiting for them."""
+    """(colocate?, the vocoder's flags) for --colocate-vocoder auto|on|off.
+
+    On the worker's device (colocated or not) the vocoder launches a step ahead only when it carries
+    half its slots (--launch-ahead-streams), unless its flags say otherwise: its server's default, every
+    step, is for a GPU of its own, and beside the worker a queued step delays the worker's kernels and
+    new streams' first chunks (one H200, W1 c16: ~50 ms of time to first audio, session 5).
+    Colocated, the decoder runs in --first-chunk-frames steps (--step-frames) unless its flags say
+    otherwise: new streams' first chunks then share steps with the steady ones instead of waiting."""
     vdev = vocoder_device or device
-    on = choice == "on" or (choice == "auto" and device.startswith("cuda") and replicas == 1
-                            and _same_device(device, vdev))
-    if not on or any(a.split("=")[0] == "--step-frames" for a in vocoder_args):
-        return on, list(vocoder_args)
-    first = "5"  # vocoder_svc.server's --first-chunk-frames default
-    for i, a in enumerate(vocoder_args):
-        if a.startswith("--first-chunk-frames="):
-            first = a.split("=", 1)[1]
-        elif a == "--first-chunk-frames" and i + 1 < len(vocoder_args):
-            first = vocoder_args[i + 1]
-    return on, list(vocoder_args) + ["--step-frames", first]
+    shared = _same_device(device, vdev)
+    on = choice == "on" or (choice == "auto" and device.startswith("cuda") and replicas == 1 and shared)
+    flags = list(vocoder_args)
+    if (shared or on) and _flag_value(flags, "--launch-ahead-streams") is None:
+        slots = int(_flag_value(flags, "--slots") or 64)  # 64: vocoder_svc.server's --slots default
+        flags += ["--launch-ahead-streams", str(max(1, slots // 2))]
+    if on and _flag_value(flags, "--step-frames") is None:
+        first = _flag_value(flags, "--first-chunk-frames") or "5"  # vocoder_svc.server's default
+        flags += ["--step-frames", first]
+    return on, flags
 
 
 def service_args(model: str | None, codec: str | None, device: str, dtype: str | None,

@@ -862,17 +862,25 @@ def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_
 
 def test_colocation_defaults_to_one_gpu_layouts():
     """--colocate-vocoder auto: on when the worker and the one vocoder share a CUDA device, and then the
-    vocoder decodes in first-chunk-sized steps unless its flags say otherwise."""
+    vocoder decodes in first-chunk-sized steps unless its flags say otherwise. On the worker's device
+    (colocated or not) it launches ahead only steps of half its slots; on a device of its own it keeps
+    its server's default (every step)."""
     from chorus.launcher import colocation
 
-    assert colocation("auto", "cuda", None, 1, []) == (True, ["--step-frames", "5"])
+    half = ["--launch-ahead-streams", "32"]  # half of the server's 64 slots
+    assert colocation("auto", "cuda", None, 1, []) == (True, half + ["--step-frames", "5"])
     assert colocation("auto", "cuda", "cuda:0", 1, ["--first-chunk-frames=4"]) == (
-        True, ["--first-chunk-frames=4", "--step-frames", "4"])
-    assert colocation("auto", "cuda:0", None, 1, ["--step-frames=0"]) == (True, ["--step-frames=0"])
-    for device, vocoder_device, replicas in (("cpu", None, 1), ("cuda:0", "cuda:1", 1), ("cuda", None, 2)):
-        assert colocation("auto", device, vocoder_device, replicas, ["--slots", "8"]) == (False, ["--slots", "8"])
-    assert colocation("off", "cuda", None, 1, []) == (False, [])
-    assert colocation("on", "cpu", None, 1, []) == (True, ["--step-frames", "5"])
+        True, ["--first-chunk-frames=4", *half, "--step-frames", "4"])
+    assert colocation("auto", "cuda:0", None, 1, ["--step-frames=0", "--slots=8"]) == (
+        True, ["--step-frames=0", "--slots=8", "--launch-ahead-streams", "4"])
+    assert colocation("auto", "cuda:0", None, 1, ["--launch-ahead-streams=1"]) == (
+        True, ["--launch-ahead-streams=1", "--step-frames", "5"])
+    for device, vocoder_device, replicas in (("cpu", None, 1), ("cuda", None, 2)):  # shared, not colocated
+        assert colocation("auto", device, vocoder_device, replicas, ["--slots", "8"]) == (
+            False, ["--slots", "8", "--launch-ahead-streams", "4"])
+    assert colocation("auto", "cuda:0", "cuda:1", 1, ["--slots", "8"]) == (False, ["--slots", "8"])  # its own GPU
+    assert colocation("off", "cuda", None, 1, []) == (False, half)
+    assert colocation("on", "cpu", None, 1, []) == (True, half + ["--step-frames", "5"])
 
 
 def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):
