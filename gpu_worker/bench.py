@@ -57,9 +57,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average (W1 at c256: ~100)")
     p.add_argument("--mixed-request-rows", type=int, default=40, help="rows of each prefilled request (W1: ~40 "
                    "uncached)")
+    p.add_argument("--launch-phases", action="store_true",
+                   help="with --mixed-batch: time the host's parts of each launch (prefill, decode graph, "
+                        "attention plans, journal copy), for prefill steps and the others apart")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
     p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
     p.add_argument("--out", metavar="JSON", help="write the results here")
+
+
+class LaunchPhases:
+    """Host seconds in named parts of Engine.launch, step by step (--launch-phases). A launch that
+    waits on the GPU (a plan waiting for its previous copy, a staging copy) shows up in one part."""
+
+    PARTS = {"prefill": ("engine", "_prefill"),       # prefill graph: plan, staging, replay, first frames
+             "decode graph": ("graphs", "run"),         # decode graph: plan, staging, replay
+             "attention plans": ("kv", "_plan"),        # inside both: flashinfer plan + wait for the last copy
+             "journal copy": ("engine", "_to_host")}
+
+    def __init__(self, engine: Engine):
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        owners = {"engine": engine, "graphs": engine.graphs, "kv": engine.kv}
+        for name, (owner, attr) in self.PARTS.items():
+            obj = owners[owner]
+            if obj is not None and hasattr(obj, attr):  # the torch backend has no plans, CPU no graphs
+                setattr(obj, attr, self._timed(name, getattr(obj, attr)))  # shadows the method
+
+    def _timed(self, name: str, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = {}
+
+    def mean_ms(self, steps: list[dict[str, float]]) -> dict[str, float]:
+        return {name: 1e3 * float(np.mean([s.get(name, 0.0) for s in steps])) for name in self.PARTS} if steps else {}
 
 
 def _sync(device: torch.device) -> None:
@@ -206,6 +244,7 @@ class Bench:
         return pipelined, float(np.median(times))
 
     launch_s = 0.0  # mean host seconds in Engine.launch over the last _pipelined run
+    phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
     launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
 
     def _pipelined(self, plans: list[worker_pb2.StepPlan], frames: int | None = None) -> float:
@@ -213,13 +252,19 @@ class Bench:
         N's journal is read. frames: the frames every journal must carry (None: not checked)."""
         _sync(self.device)
         t0 = time.perf_counter()
+        if self.phases is not None:
+            self.phases.steps, self.phases.current = [], {}
         prev = self.engine.launch(plans[0])
         self.launch_times = [time.perf_counter() - t0]
+        if self.phases is not None:
+            self.phases.end_step()
         for plan in plans[1:] + [None]:
             t1 = time.perf_counter()
             nxt = self.engine.launch(plan) if plan is not None else None
             if plan is not None:
                 self.launch_times.append(time.perf_counter() - t1)
+                if self.phases is not None:
+                    self.phases.end_step()
             journal = self.engine.finish(prev)
             if frames is not None:
                 self._check(journal, frames)
@@ -294,6 +339,8 @@ class Bench:
         """Decode alone, then with prefill gathered into every k-th step (--mixed-intervals)."""
         a = self.args
         decode_only, _ = self.decode(ids)
+        if a.launch_phases:
+            self.phases = LaunchPhases(self.engine)
         result["mixed"] = {"batch": len(ids), "context": ctx, "rows_per_step": a.mixed_rows,
                            "request_rows": a.mixed_request_rows, "decode_step_ms": decode_only * 1e3, "points": []}
         print(f"mixed: bs {len(ids)} ctx {ctx}, {a.mixed_rows} prefill rows a step on average in "
@@ -312,6 +359,14 @@ class Bench:
             print(f"  prefill every {k} steps ({k * a.mixed_rows} rows): {step * 1e3:.2f} ms a step, prefill "
                   f"{per_row * 1e6:.1f} us a row beyond decode; host launch {with_prefill.mean():.2f} ms a "
                   f"prefill step" + (f", {others.mean():.2f} others" if others.size else ""), flush=True)
+            if self.phases is not None:
+                steps = self.phases.steps
+                parts = {"prefill_steps": self.phases.mean_ms(steps[::k]),
+                         "other_steps": self.phases.mean_ms([x for i, x in enumerate(steps) if i % k])}
+                result["mixed"]["points"][-1]["host_launch_parts_ms"] = parts
+                for which, ms in parts.items():
+                    if ms:
+                        print(f"    {which}: " + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items()), flush=True)
 
     def run(self) -> dict:
         max_b = max(self.batches)
