@@ -24,7 +24,10 @@
 # high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_v1 = that with one vocoder replica of 256
 # (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
 # the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
-# reached), chunk10u_v1 = chunk10u with one vocoder replica of 256 (one CUDA context: two
+# reached), chunk10_loaded_v1_fold = chunk10_loaded_v1 with the worker's --fold-decodes (a mixed step's prefill and
+# decodes in one graphed pass), chunk10_loaded_v1_fold_every = that prefilling every step under load too
+# (--prefill-interval-loaded 1: gathering was for the separate prefill pass's fixed cost), chunk10u_v1 = chunk10u
+# with one vocoder replica of 256 (one CUDA context: two
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
 # 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
@@ -103,6 +106,13 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
                --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 ;;
+    chunk10_loaded_v1_fold) run e2e_w1_c256_chunk10_loaded_v1_fold --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--fold-decodes ;;
+    chunk10_loaded_v1_fold_every) run e2e_w1_c256_chunk10_loaded_v1_fold_every --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--fold-decodes \
+               --scheduler-arg=--prefill-interval-loaded=1 ;;
     chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
                --vocoder-arg=--chunk-frames=10 --vocoder-arg=--launch-ahead-streams=64 ;;

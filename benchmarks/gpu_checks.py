@@ -183,7 +183,10 @@ def quick_graph_parity(model) -> dict:
     - together: graphed vs eager engine, 3 requests prefilled together (bucket padding 3 -> 4);
     - late: graphed vs eager with the late request. The eager engine runs that mixed step as one
       forward (decode rows through the prefill attention kernel), the graphed one as eager prefill
-      plus the decode graph, so divergence from the late step on is expected in bf16."""
+      plus the decode graph, so divergence from the late step on is expected in bf16;
+    - late_folded: the same with the graphed engine folding the mixed step (--fold-decodes: one
+      prefill-graph pass over prefill and decode rows, the eager layout), informational: only the
+      bucket's padding differs from the eager forward."""
     rng = np.random.default_rng(2)
     eager = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=False, page_size=16)
     graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16)
@@ -205,6 +208,10 @@ def quick_graph_parity(model) -> dict:
         "together": (run_requests(graphed, prompts[:3], 12, pipelined=True),
                      run_requests(eager, prompts[:3], 12, pipelined=True)),
         "late": (g_late, run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
+        "late_folded": (run_requests(Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True,
+                                            page_size=16, fold_decodes=True), prompts[:3], 12, late=prompts[3],
+                                     pipelined=True),
+                        run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
     }
     for name, (a, b) in runs.items():
         same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))

@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
+    p.add_argument("--fold-decodes", action="store_true", help="as gpu_worker --fold-decodes (the mixed points)")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")
@@ -136,7 +137,7 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv)
+                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes)
         self.device = self.engine.device
         self.next_page = 0
         self.rows: dict[int, list[int]] = {}  # request id -> its KV slots, page-aligned like the scheduler's

@@ -78,7 +78,11 @@ class GraphedDecode:
         self.buckets = [b for b in BUCKETS if b < cap] + [cap]
         self.graphs: dict[int, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
-        self.frame_buckets = [b for b in FRAME_BUCKETS if b < cap] + ([cap] if cap < FRAME_BUCKETS[-1] else [])
+        if engine.fold_decodes:  # a folded step samples its decodes and its new requests' first frames together
+            top = cap + FRAME_BUCKETS[-1]
+            self.frame_buckets = sorted({b for b in FRAME_BUCKETS + BUCKETS if b < top} | {top})
+        else:
+            self.frame_buckets = [b for b in FRAME_BUCKETS if b < cap] + ([cap] if cap < FRAME_BUCKETS[-1] else [])
         self.frame_graphs: dict[int, _FrameGraph] = {}
         # Its own pool: a mixed step replays a frame graph, then a decode graph, and only then
         # reads the frame graph's output; a shared pool could hand that memory to the other graph.

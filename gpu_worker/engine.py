@@ -83,7 +83,11 @@ class PendingStep:
 
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
-                 attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True):
+                 attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True,
+                 fold_decodes: bool = False):
+        """fold_decodes: a step that prefills beside decodes runs them in one graphed backbone pass and
+        samples all its frames in one frame-decode pass (prefill_graphs: folded decodes), instead of a
+        prefill graph, a first-frame graph and the decode graph."""
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
@@ -107,11 +111,12 @@ class Engine:
         self.max_context = max_context
         self.graphs = None
         self.prefill_graphs = None
+        self.fold_decodes = fold_decodes
         if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
             from gpu_worker.cuda_graphs import GraphedDecode
             from gpu_worker.prefill_graphs import GraphedPrefill
             self.graphs = GraphedDecode(self)
-            self.prefill_graphs = GraphedPrefill(self)
+            self.prefill_graphs = GraphedPrefill(self, fold_decodes)
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
@@ -241,7 +246,11 @@ class Engine:
         if spans:
             n_prefill = len(prompt_rows)  # spans[:n_prefill] are prefill chunks, the rest decodes
             rows_list = [s.row for _, s in samplers]
-            if self.graphs is not None and (not decode_rows or self.graphs.fits(len(decode_rows))):
+            folded = (self._folded(prompt_rows, spans, sample_at, rows_list, decode_rows)
+                      if self.fold_decodes and prompt_rows and decode_rows else None)
+            if folded is not None:
+                out = folded
+            elif self.graphs is not None and (not decode_rows or self.graphs.fits(len(decode_rows))):
                 # Prefill chunks replay their own graph (or run eagerly), decodes theirs: a mixed
                 # step run all eagerly costs ~4x a graphed one.
                 outs = []
@@ -279,6 +288,28 @@ class Engine:
             log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
             prefill.disabled = f"replay failed: {e!r}"
             return self._eager(prompt_rows, spans, sample_at, rows_list, [])
+        return self._first_frames(hidden, spans, sample_at, rows_list)
+
+    def _folded(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
+                rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
+        """A step's prefill chunks and decodes in one prefill-graph replay (decodes last, one row each),
+        then every sampled row's frame in one frame-decode pass: `_eager`'s layout, graphed. None when
+        no prefill graph bucket holds the step (the caller runs it apart, as without folding)."""
+        prefill = self.prefill_graphs
+        if prefill is None:
+            return None
+        bucket = prefill.bucket(sum(r.shape[0] for r in prompt_rows) + len(decode_rows), len(spans))
+        if bucket is None:
+            return None
+        try:
+            hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket, decode_rows)
+        except PrefillBucketUnusable as e:  # this bucket only: the step runs apart
+            log.warning("prefill graph (%d rows, %d sequences) left out: %s", *bucket, e)
+            return None
+        except Exception as e:  # noqa: BLE001 - a capture or replay failure: serve on, eagerly
+            log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
+            prefill.disabled = f"replay failed: {e!r}"
+            return None
         return self._first_frames(hidden, spans, sample_at, rows_list)
 
     def _eager(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],

@@ -15,6 +15,16 @@ with code 0 in every channel. The real rows come first in the packed order, so t
 states are the output's first r rows. As in the eager path, what else shares the step changes
 the GEMM shapes, and in bf16 a row's hidden state may move by rounding with them (the prefill
 is not batch-invariant on the GPU; the CPU float64 contract does not involve graphs).
+
+Folded decodes (gpu_worker --fold-decodes). A step that prefills beside decodes otherwise runs
+two passes over the backbone's weights, this graph and the decode graph. Folded, its decodes
+ride in this graph as one-row sequences that read their feedback embedding from the pool (as
+the decode graph does), and every row the step samples (decodes and new requests' first
+frames) goes through one frame-decode graph afterwards: the eager path's layout, graphed. On
+the H200 at W1 c256's shape (448 prefill rows beside 180 decodes) one backbone pass over both
+took 11.26 ms against 5.74 + 7.40 apart (prefill_profile_s10_h200.json), and the first frames'
+own frame-decode pass (~1.3 ms) goes too. The sequence buckets then reach past the decode
+batch.
 """
 
 from __future__ import annotations
@@ -40,6 +50,11 @@ ROW_BUCKETS = tuple(range(64, 769, 64)) + (896, 1024, 1280, 1536, 1792, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
+def fold_sequence_buckets(max_batch: int) -> tuple[int, ...]:
+    """SEQUENCE_BUCKETS, then every 64 up to past max_batch decodes plus 64 prefill sequences."""
+    return SEQUENCE_BUCKETS + tuple(range(128, max_batch + SEQUENCE_BUCKETS[-1] + 65, 64))
+
+
 class PrefillBucketUnusable(RuntimeError):
     """flashinfer refused to plan this bucket (e.g. its workspace is too small for the rows):
     prefills of that bucket run eagerly, the other buckets keep their graphs."""
@@ -55,11 +70,15 @@ class _PrefillGraph:
     positions: torch.Tensor  # [rows] int64
     write_slots: torch.Tensor  # [rows] int64
     out: torch.Tensor        # [rows, hidden]: final-norm hidden states
+    feedback_rows: torch.Tensor | None = None  # folded: [rows] int64 pool row of each decode row (spare elsewhere)
+    is_decode: torch.Tensor | None = None      # folded: [rows] bool, the rows that read feedback embeddings
 
 
 class GraphedPrefill:
-    def __init__(self, engine):
+    def __init__(self, engine, fold_decodes: bool = False):
         self.engine = engine
+        self.fold_decodes = fold_decodes
+        self.sequence_buckets = fold_sequence_buckets(engine.max_batch) if fold_decodes else SEQUENCE_BUCKETS
         self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle()  # its own: the output is read after other graphs run
         self.disabled: str | None = None
@@ -67,7 +86,7 @@ class GraphedPrefill:
 
     def bucket(self, rows: int, sequences: int) -> tuple[int, int] | None:
         """(R, S) for r rows in s sequences, or None: the step runs eagerly."""
-        s = next((b for b in SEQUENCE_BUCKETS if b > sequences), None)
+        s = next((b for b in self.sequence_buckets if b > sequences), None)
         if s is None or self.disabled:
             return None
         r = next((b for b in ROW_BUCKETS if b >= rows + s - sequences), None)
@@ -77,7 +96,7 @@ class GraphedPrefill:
         """Every bucket ahead of serving, largest first so smaller graphs reuse its memory. A bucket
         flashinfer cannot plan is left out (logged); any other failure leaves every prefill eager."""
         try:
-            for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in SEQUENCE_BUCKETS if s <= r),
+            for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in self.sequence_buckets if s <= r),
                                key=lambda rs: (-rs[0], -rs[1])):
                 try:
                     self._get(r, s)
@@ -105,17 +124,24 @@ class GraphedPrefill:
         tokens = torch.zeros(rows, e.cfg.row_width, dtype=torch.int64, device=dev)
         positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
+        feedback_rows = is_decode = None
+        if self.fold_decodes:
+            feedback_rows = torch.full((rows,), e.pool.spare_row, dtype=torch.int64, device=dev)
+            is_decode = torch.zeros(rows, dtype=torch.bool, device=dev)
         wrapper = e.kv.prefill_graph_wrapper(sequences, rows)
         batch = self._plan(wrapper, host_layout(self._padding([], rows, sequences)), positions, write_slots,
                            (rows, sequences))
 
         def body() -> torch.Tensor:
             e.kv.active = wrapper
-            return e.model.backbone(e.model.embed_rows(tokens), batch, e.kv)
+            x = e.model.embed_rows(tokens)
+            if is_decode is not None:  # decode rows read their feedback embedding, as in the decode graph
+                x = torch.where(is_decode[:, None], e.pool.feedback[feedback_rows], x)
+            return e.model.backbone(x, batch, e.kv)
 
         graph, out = cuda_graphs.capture_graph(body, self.mempool)
         g = self.graphs[(rows, sequences)] = _PrefillGraph(rows, sequences, graph, wrapper, tokens, positions,
-                                                          write_slots, out)
+                                                          write_slots, out, feedback_rows, is_decode)
         log.info("captured prefill graph for %d rows in %d sequences", rows, sequences)
         return g
 
@@ -135,23 +161,35 @@ class GraphedPrefill:
             raise PrefillBucketUnusable(repr(e)) from e
         return batch
 
-    def run(self, rows: np.ndarray, spans: Sequence[SequenceSpan], bucket: tuple[int, int]) -> torch.Tensor:
-        """Final-norm hidden states [len(rows), hidden] of the packed prefill rows [r, 1 + n_vq]
-        (sequences `spans`, in order), by replaying the bucket's graph. The result is a view of the
+    def run(self, rows: np.ndarray, spans: Sequence[SequenceSpan], bucket: tuple[int, int],
+            decode_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Final-norm hidden states [n, hidden] of the packed prefill rows [r, 1 + n_vq] (sequences
+        `spans`, in order) and, folded, of the decodes after them (the last len(decode_rows) spans, one
+        row each, pool rows decode_rows), by replaying the bucket's graph. The result is a view of the
         graph's output: read it before this graph (or another of this pool) replays again."""
         e = self.engine
         g = self._get(*bucket)
-        r = rows.shape[0]
+        r, d = rows.shape[0], len(decode_rows)
+        if d and g.is_decode is None:
+            raise ValueError("decodes in a prefill graph need GraphedPrefill(fold_decodes=True)")
         layout = host_layout(self._padding(spans, g.rows, g.sequences))
         self._plan(g.wrapper, layout, g.positions, g.write_slots, bucket)  # before any copy: may refuse
         positions, write_slots = layout[:2]
-        staged = np.zeros((g.rows, rows.shape[1] + 2), dtype=np.int64)
-        staged[:r, :-2] = rows
-        staged[:, -2] = positions
-        staged[:, -1] = write_slots
+        width = rows.shape[1]
+        staged = np.zeros((g.rows, width + (4 if g.is_decode is not None else 2)), dtype=np.int64)
+        staged[:r, :width] = rows
+        staged[:, width] = positions
+        staged[:, width + 1] = write_slots
+        if g.is_decode is not None:
+            staged[:, width + 2] = e.pool.spare_row
+            staged[r:r + d, width + 2] = decode_rows
+            staged[r:r + d, width + 3] = 1
         staged = torch.from_numpy(staged).to(e.device, non_blocking=True)
-        g.tokens.copy_(staged[:, :-2])
-        g.positions.copy_(staged[:, -2])
-        g.write_slots.copy_(staged[:, -1])
+        g.tokens.copy_(staged[:, :width])
+        g.positions.copy_(staged[:, width])
+        g.write_slots.copy_(staged[:, width + 1])
+        if g.is_decode is not None:
+            g.feedback_rows.copy_(staged[:, width + 2])
+            g.is_decode.copy_(staged[:, width + 3] != 0)
         g.graph.replay()
-        return g.out[:r]
+        return g.out[:r + d]

@@ -54,15 +54,21 @@ class Driver:
             it.sampling.CopyFrom(_sampling(seed))
         return plan
 
-    def run(self, prompts: dict[int, tuple[np.ndarray, int]], frames: int) -> dict[int, list]:
+    def run(self, prompts: dict[int, tuple[np.ndarray, int]], frames: int,
+            arrivals: dict[int, dict[int, tuple[np.ndarray, int]]] | None = None) -> dict[int, list]:
+        """arrivals: {step: prompts} prefilled in that step beside the decodes (a mixed step)."""
+        arrivals = arrivals or {}
         out = {rid: [] for rid in prompts}
+        for late in arrivals.values():
+            out.update({rid: [] for rid in late})
         plan = self.prefill_plan(prompts)
         live = set(prompts)
-        for _ in range(frames):
+        for step in range(1, frames + 1):
             record(self.engine.execute(plan), live, out)
-            plan = worker_pb2.StepPlan(step_id=0)
+            plan = self.prefill_plan(arrivals.get(step, {}))
             for rid in sorted(live):
                 plan.decode.add(request_id=rid, kv_slot=self.slots(1)[0])
+            live |= set(arrivals.get(step, {}))
             if not live:
                 break
         return out
@@ -179,7 +185,7 @@ def test_prefill_graph_buckets_and_padding():
         scratch_slot, page_size = 4080, 16
 
     g = GraphedPrefill.__new__(GraphedPrefill)
-    g.engine, g.disabled, g.unusable = FakeEngine(), None, {}
+    g.engine, g.disabled, g.unusable, g.sequence_buckets = FakeEngine(), None, {}, SEQUENCE_BUCKETS
     assert g.bucket(45, 1) == (64, 2)
     assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
     assert g.bucket(400, 10) == (448, 16) and g.bucket(443, 10) == (512, 16)
@@ -189,6 +195,13 @@ def test_prefill_graph_buckets_and_padding():
     assert g.bucket(2048, 60) == (2112, 64) and g.bucket(2110, 60) is None  # too many rows: eager
     assert g.bucket(10, SEQUENCE_BUCKETS[-1]) is None  # too many sequences: eager
     assert g.bucket(ROW_BUCKETS[-1], 1) is None
+    # Folded decodes: sequence buckets past the decode batch plus 64 prefill sequences.
+    from gpu_worker.prefill_graphs import fold_sequence_buckets
+    assert fold_sequence_buckets(256) == SEQUENCE_BUCKETS + (128, 192, 256, 320, 384)
+    g.sequence_buckets = fold_sequence_buckets(256)
+    assert g.bucket(450 + 180, 10 + 180) == (640, 192)  # W1 c256: ~450 prefill rows beside 180 decodes
+    assert g.bucket(2048 + 256, 46 + 256) is None  # more rows than the largest bucket: apart, as unfolded
+    g.sequence_buckets = SEQUENCE_BUCKETS
     real = [SequenceSpan(np.arange(100, 140), 30), SequenceSpan(np.arange(200, 215), 15)]
     padded = g._padding(real, 64, 4)
     assert [sp.num_new for sp in padded] == [30, 15, 1, 18]
@@ -220,6 +233,34 @@ def test_prefill_graph_plumbing_matches_eager(model, monkeypatch, graph_stand_in
     assert d.run(prompts, frames=10) == want
     rows = sum(len(r) for r, _ in prompts.values())
     assert list(d.engine.prefill_graphs.graphs) == [d.engine.prefill_graphs.bucket(rows, 3)]
+
+
+def test_folded_decodes_match_eager(model, monkeypatch, graph_stand_in):
+    """--fold-decodes with a CPU stand-in for CUDA graphs: a step that prefills a late request beside
+    decodes runs both in one prefill-graph replay (the decodes as one-row sequences that read their
+    feedback embeddings) and samples every frame in one frame-decode replay, with the eager frames."""
+    from gpu_worker import cuda_graphs
+    from gpu_worker.prefill_graphs import GraphedPrefill
+
+    tok = load_tokenizer(None)
+    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
+               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one, a little longer.", 4))}
+    late = {3: {5: (build_prompt_rows(model.cfg, tok, "Late.", language="English"), 9)}}
+    want = Driver(model).run(prompts, frames=10, arrivals=late)
+    d = Driver(model)
+    kv = d.engine.kv
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: None, raising=False)
+    monkeypatch.setattr(kv, "plan_prefill", lambda wrapper, batch: kv.begin(batch), raising=False)
+    d.engine.fold_decodes = True
+    graphs = cuda_graphs.GraphedDecode(d.engine)
+    graphs.fits = lambda n: False  # decode-only steps stay eager: only the folded step is under test
+    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine, fold_decodes=True)
+    folded = []
+    run_folded = d.engine._folded
+    monkeypatch.setattr(d.engine, "_folded", lambda *a: folded.append(run_folded(*a)) or folded[-1])
+    assert d.run(prompts, frames=10, arrivals=late) == want
+    assert len(folded) == 1 and folded[0] is not None  # the late step, folded
+    assert max(graphs.frame_buckets) == 8 + 64  # decodes and first frames sample together
 
 
 def test_prefill_graph_failure_falls_back_to_eager(model, monkeypatch):
