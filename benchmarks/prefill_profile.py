@@ -32,30 +32,7 @@ from chorus.provenance import git_revision
 from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-
-
-def replay_ms(graph, iters: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def fn_ms(fn, iters: int = 20) -> float:
-    """Milliseconds a call of fn, captured in a CUDA graph (no launch overhead)."""
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    return replay_ms(g, iters)
+from profile_step import graph_time, replay_ms  # benchmarks/: run as a script, its folder is on the path
 
 
 CATEGORIES = (("gemm", r"gemm|sm90|sm80|cutlass|nvjet|cublas|xmma"),
@@ -138,7 +115,7 @@ def main() -> None:
         for r in rows_list:
             spans = prefill_spans(r)
             bucket = (r + 1, len(spans) + 1) if args.exact_buckets else prefill.bucket(r, len(spans))
-            ms = replay_ms(planned_graph(spans, *bucket).graph)
+            ms = replay_ms(planned_graph(spans, *bucket).graph, 20)
             floor = r * gemm_flops_per_row / args.flops * 1e3
             report["prefill"].append({"rows": r, "sequences": len(spans), "bucket": list(bucket), "graph_ms": ms,
                                       "us_per_row": ms * 1e3 / r, "gemm_flop_floor_ms": floor})
@@ -192,7 +169,7 @@ def main() -> None:
             for name, (n, k) in shapes.items():
                 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ms = fn_ms(lambda: F.linear(x, w), iters=50)
+                ms = graph_time(lambda: F.linear(x, w))
                 point[name] = {"ms": ms, "tflops": 2 * m * n * k / ms / 1e9}
                 total += ms * bb.num_hidden_layers
             point["all_layers_ms"] = total
