@@ -19,6 +19,7 @@ import json
 import torch
 
 from chorus.provenance import git_revision
+from profile_step import replay_ms  # benchmarks/: run as a script, its folder is on the path
 
 
 def main() -> None:
@@ -71,14 +72,7 @@ def main() -> None:
                     with torch.cuda.graph(g):
                         for cache in caches:
                             w.run(q, cache)
-                    g.replay()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.iters):
-                        g.replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    point[name + "_us"] = start.elapsed_time(end) * 1e3 / args.iters / 36
+                    point[name + "_us"] = replay_ms(g, args.iters) * 1e3 / 36
                 results["points"].append(point)
                 print(f"page {page:3d} ctx {ctx:5d} bs {bs:4d}: tensor cores {point['tensor_cores_us']:7.1f} us, "
                       f"CUDA cores {point['cuda_cores_us']:7.1f} us, bytes floor {floor_us:6.1f} us", flush=True)
