@@ -12,7 +12,8 @@ def test_worker_bench_smoke(tmp_path):
     out = tmp_path / "worker.json"
     cli.main(["bench", "worker", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
               "--batches", "1,2", "--contexts", "16", "--steps", "2", "--warmup", "1", "--mixed-batch", "2",
-              "--mixed-intervals", "1,2", "--mixed-rows", "6", "--mixed-request-rows", "4", "--out", str(out)])
+              "--mixed-intervals", "1,2", "--mixed-rows", "6", "--mixed-request-rows", "4", "--launch-phases",
+              "--out", str(out)])
     report = json.loads(out.read_text())
     assert [p["batch"] for p in report["points"]] == [1, 2]
     assert all(p["step_ms"] > 0 and p["frames_per_s"] > 0 and p["floor_ms"] > 0 for p in report["points"])
@@ -21,6 +22,11 @@ def test_worker_bench_smoke(tmp_path):
     mixed = report["mixed"]  # decode steps carrying new requests' prefill every k-th step
     assert mixed["batch"] == 2 and [p["interval"] for p in mixed["points"]] == [1, 2]
     assert all(p["step_ms"] > 0 for p in mixed["points"]) and mixed["decode_step_ms"] > 0
+    assert all(p["host_launch_ms"] > 0 for p in report["points"])  # host time in Engine.launch
+    two = mixed["points"][1]  # every 2nd step prefills: its launches and the others' apart, in parts
+    assert two["host_launch_ms_prefill_steps"] > 0 and two["host_launch_ms_other_steps"] > 0
+    assert set(two["host_launch_parts_ms"]["other_steps"]) == {"prefill", "decode graph", "attention plans",
+                                                               "journal copy"}
 
 
 def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
