@@ -13,14 +13,12 @@
 # replica is a CUDA context of its own, and contexts time-slice the GPU), chunk10 = c256 with 10-frame audio chunks, so a
 # stream's last vocoder step is short, chunk5 = c256 with every chunk 5 frames like the first, so first
 # chunks and steady chunks share the vocoder's steps, step5 = c256 with 25-frame chunks decoded in 5-frame
-# steps (the same sharing without 5x the relay messages), chunk5_coalesce / step5_coalesce = those two with
-# --coalesce-frames 25 (a stream that fell behind has up to 25 queued frames decoded in one step),
-# chunk5_coalesce_v1 = chunk5_coalesce with one vocoder replica of 256 streams, chunk5_v4 = chunk5 with
+# steps (the same sharing without 5x the relay messages), chunk5_v4 = chunk5 with
 # four replicas of 64 (four gRPC processes for the 5x chunk messages), chunk5_depth3 / chunk5_interval3 /
 # chunk5_buckets16 = chunk5 with 3 steps in flight / prefill every 3rd step / session 7's 16-stream vocoder buckets,
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
-# chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10u_coalesce = that
-# with --coalesce-frames 30, chunk10_loaded = first chunk 5 at light load and 10 under load (the README's
+# chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10_loaded = first
+# chunk 5 at light load and 10 under load (the README's
 # high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_v1 = that with one vocoder replica of 256
 # (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
 # the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
@@ -31,7 +29,7 @@
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
 # 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
-# --step-frames=5 instead, colocated_step5_coalesce1gpu = that with --coalesce-frames 25 added, priority1gpu = the one-GPU run below with the vocoder's
+# --step-frames=5 instead, priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU as a process of its own (--colocate-vocoder=off; chorus's one-GPU default is
 # colocated with 5-frame steps, the colocated_step5_1gpu run); PROFILE=1 adds vocoder profiles.
@@ -84,13 +82,8 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 ;;
     step5) run e2e_w1_c256_step5 --workload W1 --concurrency ${C256:-256} --vocoder-arg=--step-frames=5 ;;
-    chunk5_coalesce) run e2e_w1_c256_chunk5_coalesce --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
-               --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 ;;
     chunk5_v4) run e2e_w1_c256_chunk5_v4 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --vocoders 4 --vocoder-arg=--slots=64 ;;
-    chunk5_coalesce_v1) run e2e_w1_c256_chunk5_coalesce_v1 --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5 --vocoder-arg=--coalesce-frames=25 \
-               --vocoders 1 --vocoder-arg=--slots=256 ;;
     chunk5_gather_off) run e2e_w1_c256_chunk5_gather_off --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
                --vocoder-arg=--chunk-frames=5 --scheduler-arg=--prefill-interval-loaded=1 ;;
     chunk5_depth3) run e2e_w1_c256_chunk5_depth3 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
@@ -126,11 +119,6 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10u_coalesce) run e2e_w1_c256_chunk10u_coalesce --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
-               --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --vocoder-arg=--coalesce-frames=30 ;;
-    step5_coalesce) run e2e_w1_c256_step5_coalesce --workload W1 --concurrency ${C256:-256} --vocoder-arg=--step-frames=5 \
-               --vocoder-arg=--coalesce-frames=25 ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
                   --colocate-vocoder=off --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
@@ -146,10 +134,6 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
-    colocated_step5_coalesce1gpu) run e2e_w1_1gpu_colocated_step5_coalesce --workload W1 --concurrency 1,16 \
-                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
-                     --colocate-vocoder --vocoder-arg=--step-frames=5 --vocoder-arg=--coalesce-frames=25 \
-                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, backlogs coalesced up to 25 frames, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks --colocate-vocoder=off \

@@ -1073,98 +1073,30 @@ def drive(worker: SessionWorker, calls):
         worker.close()
 
 
-def test_session_worker_coalesces_a_backlog():
-    """--coalesce-frames 15: a stream with three 5-frame chunks queued waits out a new stream's first
-    step (which takes only the streams that are not behind) and then has its 15 frames decoded in one
-    step, each chunk's caller getting its own frames' PCM; later its two queued chunks go as one
-    10-frame step, again after the next new stream's first step."""
+def test_session_worker_decodes_a_backlog_one_chunk_a_step():
+    """A stream that fell behind (three 5-frame chunks queued) has one chunk decoded a step: the first
+    beside a new stream's first chunk (which leads) and the other streams' chunks of that size."""
     session = StepRecorder()
-    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, coalesce_frames=15)
+    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1)
 
     async def run() -> list[bytes]:
-        a, b, c, d = (worker.open() for _ in range(4))
-        for i in (1, 3):  # queued together: one step of both
-            with worker._cond:
-                pair = [worker.submit(a, random_codes(5, i)), worker.submit(b, random_codes(5, i + 1))]
-            await asyncio.gather(*pair)
+        a, b, c = (worker.open() for _ in range(3))
+        with worker._cond:
+            pair = [worker.submit(a, random_codes(5, 1)), worker.submit(b, random_codes(5, 2))]
+        await asyncio.gather(*pair)
         with worker._cond:  # a is three chunks behind, b one; c is new
             out = [worker.submit(a, random_codes(5, 5 + i)) for i in range(3)]
             out += [worker.submit(b, random_codes(5, 8)), worker.submit(c, random_codes(5, 9))]
         out = list(await asyncio.gather(*out))
-        with worker._cond:  # a is two chunks behind; d is new
-            again = [worker.submit(a, random_codes(5, 10)), worker.submit(a, random_codes(5, 11)),
-                     worker.submit(d, random_codes(5, 12))]
-        out += await asyncio.gather(*again)
-        for h in (a, b, c, d):
+        for h in (a, b, c):
             worker.release(h)
         return out
 
     out = drive(worker, run)
-    assert session.events == ["launch [0, 1] x [5, 5]", "launch [0, 1] x [5, 5]",
-                              "launch [1, 2] x [5, 5]", "launch [0] x [15]",  # c (new) with b, then a's backlog
-                              "launch [3] x [5]", "launch [0] x [10]"]         # d first, then a's two chunks
-    assert out[:3] == [step_pcm(3, range(0, 5)), step_pcm(3, range(5, 10)), step_pcm(3, range(10, 15))]
-    assert out[3:5] == [step_pcm(2, range(5))] * 2
-    assert out[5:] == [step_pcm(5, range(0, 5)), step_pcm(5, range(5, 10)), step_pcm(4, range(5))]
-
-
-def test_session_worker_coalesces_step_frame_pieces_only_of_a_backlog():
-    """--step-frames 5 with --coalesce-frames 25: the five pieces of one 25-frame chunk are not a
-    backlog: they go 5 frames a step, the first beside a new stream's first chunk, as with
-    --step-frames alone. Two chunks queued are one: the first goes as one 25-frame step, then the
-    stream is back to one chunk. Each caller gets its chunk's PCM whole."""
-    session = StepRecorder()
-    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, step_frames=5,
-                           coalesce_frames=25)
-
-    async def run() -> list[bytes]:
-        a, b = worker.open(), worker.open()
-        await worker.submit(a, random_codes(5, 1))
-        session.events.clear()
-        with worker._cond:
-            steady, first = worker.submit(a, random_codes(25, 2)), worker.submit(b, random_codes(5, 3))
-        out = [await steady, await first]
-        with worker._cond:
-            two = [worker.submit(a, random_codes(25, 4)), worker.submit(a, random_codes(25, 5))]
-        out += await asyncio.gather(*two)
-        for h in (a, b):
-            worker.release(h)
-        return out
-
-    out = drive(worker, run)
-    assert session.events == ["launch [0, 1] x [5, 5]"] + ["launch [0] x [5]"] * 4 + ["launch [0] x [25]"] + \
-        ["launch [0] x [5]"] * 5
-    assert out == [b"".join(step_pcm(i, range(5)) for i in range(5)), step_pcm(0, range(5)),
-                   step_pcm(5, range(25)), b"".join(step_pcm(i, range(5)) for i in range(6, 11))]
-
-
-def test_session_engine_coalesced_steps_match_offline(tiny_codec):
-    """On a real session, a backlog decoded in coalesced steps (graphs for 5, 10 and 15 frames) gives
-    each chunk the offline decode's audio."""
-    session = CodecSession(tiny_codec, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 10, 15])
-    session.capture()
-    steps: list[tuple[int, int]] = []
-    worker = SessionWorker(session, lambda r: steps.append((r.step_streams, r.step_frames)) if r.step_ms else None,
-                           launch_ahead_streams=1, coalesce_frames=15)
-    codes = {0: random_codes(30, seed=41), 1: random_codes(10, seed=42)}
-
-    async def run() -> dict[int, bytes]:
-        handles = {k: worker.open() for k in codes}
-        with worker._cond:  # everything queued at once, as a vocoder far behind would have it
-            futures = {k: [worker.submit(handles[k], c[i:i + 5]) for i in range(0, len(c), 5)]
-                       for k, c in codes.items()}
-        out = {k: b"".join(await asyncio.gather(*f)) for k, f in futures.items()}
-        for h in handles.values():
-            worker.release(h)
-        return out
-
-    try:
-        out = asyncio.run(run())
-    finally:
-        worker.close()
-    assert max(f for _, f in steps) == 15 and sum(n * f for n, f in steps) == 40
-    for k, c in codes.items():
-        assert_close(np.frombuffer(out[k], "<f4").reshape(-1, 2), offline_pcm(tiny_codec, c))
+    assert session.events == ["launch [0, 1] x [5, 5]", "launch [0, 1, 2] x [5, 5, 5]",
+                              "launch [0] x [5]", "launch [0] x [5]"]
+    assert out == [step_pcm(1, range(5)), step_pcm(2, range(5)), step_pcm(3, range(5)),
+                   step_pcm(1, range(5)), step_pcm(1, range(5))]
 
 
 def test_session_engine_step_frames_match_offline(tiny_codec):

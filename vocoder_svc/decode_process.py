@@ -62,7 +62,7 @@ class DecoderGone(RuntimeError):
 # Flags the child needs to build the same codec and session as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
               "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams",
-              "step_frames", "coalesce_frames", "stall_exit_s")
+              "step_frames", "stall_exit_s")
 _FORWARDED_SWITCHES = ("priority_first_chunks",)
 
 
@@ -334,8 +334,7 @@ class Decoder:
         codec, _ = make_codec(args)
         session = build_session(codec, args)
         self.worker = SessionWorker(session, self._replies.report, args.launch_ahead_streams, args.step_frames,
-                                    cuda_stream=cuda_stream, coalesce_frames=args.coalesce_frames,
-                                    stall_exit_s=stall_exit_seconds(args))
+                                    cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
         self.ready = dpb.DecoderReady(
             slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
             attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",

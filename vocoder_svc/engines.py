@@ -22,10 +22,6 @@ from vocoder_svc.metrics import Metrics
 from vocoder_svc.session import CodecSession, PendingPcm
 
 DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
-# A session step's fixed cost in stream-frames, for choosing how many queued frames to coalesce: on the
-# H200 (full codec, graphed, PCM16) one stream x 5 frames took 4.6 ms and 64 x 25 took 60.7 ms, i.e.
-# ~4.4 ms fixed and ~0.035 ms per padded stream-frame.
-COALESCE_OVERHEAD_FRAMES = 128
 log = logging.getLogger("chorus.vocoder")
 
 
@@ -141,34 +137,6 @@ class _SessionJob:
     finish: Finish     # called once, on the session thread (or the releasing thread for dropped jobs)
     abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
     submitted: float = field(default_factory=time.monotonic)
-    chunk: object = None  # the chunk a --step-frames piece belongs to (None: the job is a whole chunk)
-
-
-def _behind(queue: list[_SessionJob]) -> bool:
-    """Does a stream's queue hold more than one chunk (--step-frames pieces of one chunk do not count)?"""
-    return queue[0].stream.slot is not None and any(
-        (j.chunk is None or j.chunk is not queue[0].chunk) for j in queue[1:])
-
-
-def _coalesced(jobs: list[_SessionJob]) -> _SessionJob:
-    """One step's job for a stream's consecutive queued jobs: their codes joined, and the step's PCM cut
-    back into each job's frames (the codec is causal and every frame has the same number of samples,
-    so each part's bytes equal what its own step would have given, up to rounding)."""
-    sizes = [j.codes.shape[0] for j in jobs]
-
-    def finish(result, error) -> None:
-        if error is not None:
-            for j in jobs:
-                j.finish(None, error)
-            return
-        per_frame = len(result) // sum(sizes)
-        start = 0
-        for j, n in zip(jobs, sizes):
-            j.finish(result[start:start + n * per_frame], None)
-            start += n * per_frame
-
-    return _SessionJob(jobs[0].stream, np.concatenate([j.codes for j in jobs]), jobs[0].int16, finish,
-                       lambda: any(j.abandoned() for j in jobs), jobs[0].submitted)
 
 
 class _Pieces:
@@ -239,7 +207,7 @@ class SessionWorker:
 
     def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
                  launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None,
-                 coalesce_frames: int = 0, stall_exit_s: float = 0.0):
+                 stall_exit_s: float = 0.0):
         """report: receives the slot gauges and each step's figures (Metrics.record_session in the
         service; the decode process forwards them to its parent).
 
@@ -256,21 +224,16 @@ class SessionWorker:
         stream's first chunk then waits behind at most the one step already running, not also a
         queued one (with the vocoder beside the worker on one GPU that queue cost ~50 ms of TTFA).
 
-        coalesce_frames: decode up to this many queued frames of a stream that fell behind in one step
-        (see _group); 0: one queued step at a time.
-
         stall_exit_s: end the process when a launched step's PCM has not come back after this many
         seconds (chorus.watchdog: a hung device); 0: never.
 
         cuda_stream: the CUDA stream steps run on (default: the thread's current one, i.e. the
         device's default stream). A decoder hosted in the worker's process passes a low-priority
         one, so the worker's kernels go first wherever both wait for the GPU."""
-        if step_frames < 0 or coalesce_frames < 0:
-            raise ValueError(f"step_frames and coalesce_frames must be >= 0, got {step_frames}, {coalesce_frames}")
+        if step_frames < 0:
+            raise ValueError(f"step_frames must be >= 0, got {step_frames}")
         self.session, self.report, self.step_frames = session, report, step_frames
-        self.coalesce_frames = coalesce_frames
         self._watchdog = StallWatchdog(stall_exit_s, "a vocoder session step")
-        self._starter_led = False  # the last step was led by a new stream's first step
         self.cuda_stream = cuda_stream
         self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
                                      else launch_ahead_streams)
@@ -321,8 +284,7 @@ class SessionWorker:
             if step and n > step:
                 whole = _Pieces(-(-n // step), finish, abandoned)
                 self._pending.extend(_SessionJob(stream, codes[a:a + step], int16, whole.finish_piece(i),
-                                                 whole.abandoned, chunk=whole)
-                                     for i, a in enumerate(range(0, n, step)))
+                                                 whole.abandoned) for i, a in enumerate(range(0, n, step)))
             else:
                 self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
             self._cond.notify()
@@ -348,41 +310,12 @@ class SessionWorker:
         self._thread.join(timeout=10)
 
     # ---- the thread -------------------------------------------------------------------------------
-    def _prefixes(self, queue: list[_SessionJob]) -> dict[int, int]:
-        """frames -> jobs, for each run of a stream's oldest queued jobs that one step can decode: the
-        oldest job, and with coalescing, for a stream that is behind (_behind), every longer run (one
-        PCM encoding) of up to coalesce_frames frames whose frame count has a graph (an eager step would
-        cost more than it saves). The pieces of one chunk alone are not coalesced: under --step-frames
-        they are meant to share steps with new streams' first chunks."""
-        out = {queue[0].codes.shape[0]: 1}
-        total = queue[0].codes.shape[0]
-        for k, j in enumerate(queue[1:] if self.coalesce_frames and _behind(queue) else (), 2):
-            total += j.codes.shape[0]
-            if j.int16 != queue[0].int16 or total > self.coalesce_frames:
-                break
-            if self.session.graph_mode is None or total in self.session.graph_frames:
-                out[total] = k
-        return out
-
-    def _step_value(self, frames: int, streams: int) -> float:
-        """Frames decoded per unit of estimated device time, for a step of `streams` streams x `frames`:
-        a fixed cost of COALESCE_OVERHEAD_FRAMES plus every row of the bucket, padding included."""
-        return frames * streams / (COALESCE_OVERHEAD_FRAMES + self.session.bucket_for(streams) * frames)
-
     def _group(self) -> list[_SessionJob]:
         """(Under the lock.) The next step's jobs, one per stream, all of one frame count; runnable = the
         stream holds a slot, or a free one is left for it. The lead is the oldest first step of a new
         stream if one can run (its listener hears nothing until it is done: time to first audio), else
         the oldest step (later chunks have audio buffered ahead); every other stream whose next step has
-        the lead's frame count joins it.
-
-        With coalescing (coalesce_frames > 0), a stream that fell behind has several steps queued, and
-        its oldest ones are joined into one longer step: per frame a long step costs far less than a
-        short one (5 frames of 40 streams took ~13 ms on the H200, 25 frames of 64 about 61). The frame
-        count is the one of the lead's possible runs that decodes the most frames per estimated device
-        time. New streams' first steps then go with only the streams that are not behind, so a backlog
-        does not slow time to first audio, and they lead at most every other step while a stream is
-        behind, so the backlog is not starved either."""
+        the lead's frame count joins it."""
         self._pending = [j for j in self._pending if not j.abandoned()]
         free = self.session.free_slots
         queues: dict[int, list[_SessionJob]] = {}  # each stream's jobs, oldest first; streams by oldest job
@@ -390,37 +323,20 @@ class SessionWorker:
             queues.setdefault(id(j.stream), []).append(j)
         starters = [q for q in queues.values() if q[0].stream.slot is None] if free else []
         slotted = [q for q in queues.values() if q[0].stream.slot is not None]
-        starter_led = bool(starters) and not (self.coalesce_frames and self._starter_led
-                                              and any(_behind(q) for q in slotted))
-        lead = starters[0] if starter_led else slotted[0] if slotted else None
+        lead = starters[0] if starters else slotted[0] if slotted else None
         group: list[_SessionJob] = []
         if lead is not None:
-            runs = {sid: self._prefixes(q) for sid, q in queues.items()}
-            if starter_led and self.coalesce_frames:  # a stream that is behind waits for a longer step
-                runs = {sid: {max(r): r[max(r)]} if _behind(queues[sid]) else r for sid, r in runs.items()}
-
-            def members(frames: int) -> list[int]:
-                left, out = free, []
-                for sid, q in queues.items():
-                    new = q[0].stream.slot is None
-                    if frames in runs[sid] and not (new and left == 0):
-                        left -= new
-                        out.append(sid)
-                return out
-
-            candidates = {f: members(f) for f in runs[id(lead[0].stream)]}
-            frames = next(iter(candidates)) if len(candidates) == 1 else max(
-                candidates, key=lambda f: (self._step_value(f, len(candidates[f])), -f))
-            taken: set[int] = set()
-            for sid in candidates[frames]:
-                jobs = queues[sid][:runs[sid][frames]]
-                group.append(jobs[0] if len(jobs) == 1 else _coalesced(jobs))
-                taken.update(id(j) for j in jobs)
+            frames, left = lead[0].codes.shape[0], free
+            for q in queues.values():
+                new = q[0].stream.slot is None
+                if q[0].codes.shape[0] == frames and not (new and left == 0):
+                    left -= new
+                    group.append(q[0])
+            taken = {id(j) for j in group}
             self._pending = [j for j in self._pending if id(j) not in taken]
             for j in group:
                 if j.stream.slot is None:
                     j.stream.slot = self.session.acquire()
-            self._starter_led = starter_led
         slotless = sum(j.stream.slot is None for j in self._pending)
         waiting = max(0, slotless - self.session.free_slots)
         if waiting != self._waiting:  # a stream started or stopped waiting for a slot

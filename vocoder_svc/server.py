@@ -153,7 +153,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
                  metrics: Metrics | None = None, session: CodecSession | None = None,
                  decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None,
-                 step_frames: int = 0, coalesce_frames: int = 0, stall_exit_s: float = 0.0):
+                 step_frames: int = 0, stall_exit_s: float = 0.0):
         """session: decode streams of session.n_q codebooks on this CodecSession (the session
         engine); decoder: the same, with the session in a decode process (already started); other
         streams, and every stream without either, use the stream engine."""
@@ -169,13 +169,11 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             raise ValueError("a session runs in this process or in a decode process, not both")
         self.session = session
         self.step_frames = step_frames
-        # Steps a call may have queued before its reader stops reading (backpressure). Coalescing needs
-        # a backlog to be visible to the decoder: enough small chunks to fill its longest step.
-        self.queued_steps = 2 + coalesce_frames // max(1, first_chunk_frames)
+        self.queued_steps = 2  # steps a call may have queued before its reader stops reading (backpressure)
         # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
         self.session_worker: SessionWorker | DecodeProcess | None = (
             SessionWorker(session, self.metrics.record_session, launch_ahead_streams, step_frames,
-                          coalesce_frames=coalesce_frames, stall_exit_s=stall_exit_s)
+                          stall_exit_s=stall_exit_s)
             if session is not None else decoder)
         # With a session, the stream engine only serves the odd codebook count: one stream per step.
         self.worker = DecodeWorker(codec, self.metrics, 1 if self.session_worker is not None else max_batch_streams,
@@ -473,12 +471,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "taking turns in small ones (one H200, codec beside the worker, W1 c16: time to "
                              "first audio p50 89 -> 78 ms, 6%% less audio per second). 0 = one step per chunk "
                              "(default: %(default)s)")
-    parser.add_argument("--coalesce-frames", type=int, default=0, metavar="N",
-                        help="session engine: a stream that fell behind (several steps queued) has up to N of its "
-                             "queued frames decoded in one step, the frame count chosen to decode the most frames "
-                             "per estimated device time (a long step costs far less per frame than a short one). "
-                             "Its multiples of --step-frames (or --chunk-frames) up to N get graphs. 0 = one "
-                             "queued step at a time (default: %(default)s)")
     add_stall_flag(parser, "a launched codec-session step (session engine)")
     parser.add_argument("--priority-first-chunks", action="store_true",
                         help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
@@ -571,11 +563,8 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     first = first_chunk(args)
     if args.step_frames < 0:
         raise SystemExit(f"--step-frames {args.step_frames}: must be >= 0")
-    if args.coalesce_frames < 0:
-        raise SystemExit(f"--coalesce-frames {args.coalesce_frames}: must be >= 0")
     if args.graph_frames is None:
-        base = args.step_frames or args.chunk_frames
-        frames = sorted({first, base, *range(base, args.coalesce_frames + 1, base)})
+        frames = sorted({first, args.step_frames or args.chunk_frames})
     elif args.graph_frames.strip().lower() in ("", "none"):
         frames = []
     else:
@@ -670,8 +659,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
                                session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
-                               step_frames=args.step_frames, coalesce_frames=args.coalesce_frames,
-                               stall_exit_s=stall_exit_seconds(args))
+                               step_frames=args.step_frames, stall_exit_s=stall_exit_seconds(args))
     if session is None and decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
