@@ -275,18 +275,8 @@ class Engine:
                  rows_list: list[int]) -> torch.Tensor | None:
         """The step's prefill chunks alone (decodes run in their graph): replayed from a prefill
         graph when they fit a bucket, else eagerly; then their first frames, as in `_eager`."""
-        prefill = self.prefill_graphs
-        bucket = prefill.bucket(sum(r.shape[0] for r in prompt_rows), len(spans)) if prefill else None
-        if bucket is None:
-            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
-        try:
-            hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket)
-        except PrefillBucketUnusable as e:  # this bucket only: the others keep their graphs
-            log.warning("prefill graph (%d rows, %d sequences) left out, prefill runs eagerly: %s", *bucket, e)
-            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
-        except Exception as e:  # noqa: BLE001 - a capture or replay failure: serve on, eagerly
-            log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
-            prefill.disabled = f"replay failed: {e!r}"
+        hidden = self._prefill_graph(prompt_rows, spans)
+        if hidden is None:
             return self._eager(prompt_rows, spans, sample_at, rows_list, [])
         return self._first_frames(hidden, spans, sample_at, rows_list)
 
@@ -294,23 +284,28 @@ class Engine:
                 rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
         """A step's prefill chunks and decodes in one prefill-graph replay (decodes last, one row each),
         then every sampled row's frame in one frame-decode pass: `_eager`'s layout, graphed. None when
-        no prefill graph bucket holds the step (the caller runs it apart, as without folding)."""
+        no prefill graph holds the step (the caller runs it apart, as without folding)."""
+        hidden = self._prefill_graph(prompt_rows, spans, decode_rows)
+        return None if hidden is None else self._first_frames(hidden, spans, sample_at, rows_list)
+
+    def _prefill_graph(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan],
+                       decode_rows: list[int] = ()) -> torch.Tensor | None:
+        """Hidden states of the packed prompt rows (and, folded, the decodes after them) from a prefill
+        graph replay; None when no bucket holds them, flashinfer refuses the bucket (that bucket only) or
+        a capture or replay fails (prefill graphs are then off for good): the caller runs them otherwise."""
         prefill = self.prefill_graphs
-        if prefill is None:
-            return None
-        bucket = prefill.bucket(sum(r.shape[0] for r in prompt_rows) + len(decode_rows), len(spans))
+        rows = sum(r.shape[0] for r in prompt_rows) + len(decode_rows)
+        bucket = prefill.bucket(rows, len(spans)) if prefill else None
         if bucket is None:
             return None
         try:
-            hidden = prefill.run(np.concatenate(prompt_rows), spans, bucket, decode_rows)
-        except PrefillBucketUnusable as e:  # this bucket only: the step runs apart
+            return prefill.run(np.concatenate(prompt_rows), spans, bucket, decode_rows)
+        except PrefillBucketUnusable as e:  # this bucket only: the others keep their graphs
             log.warning("prefill graph (%d rows, %d sequences) left out: %s", *bucket, e)
-            return None
-        except Exception as e:  # noqa: BLE001 - a capture or replay failure: serve on, eagerly
-            log.exception("prefill graph (%d rows, %d sequences) failed; prefill runs eagerly from now on", *bucket)
+        except Exception as e:  # noqa: BLE001 - a capture or replay failure: serve on without prefill graphs
+            log.exception("prefill graph (%d rows, %d sequences) failed; prefill graphs are off from now on", *bucket)
             prefill.disabled = f"replay failed: {e!r}"
-            return None
-        return self._first_frames(hidden, spans, sample_at, rows_list)
+        return None
 
     def _eager(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
                rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
