@@ -27,7 +27,7 @@ import torch
 
 from chorus.v1 import worker_pb2
 from chorus.provenance import git_revision
-from gpu_worker.engine import Engine, sample_and_commit
+from gpu_worker.engine import Engine, PendingStep, sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
 from scheduler_svc.scheduler import rows_matrix
 
@@ -93,6 +93,9 @@ class LaunchPhases:
                 self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
         return timed
 
+    def reset(self) -> None:
+        self.current, self.steps = {}, []
+
     def end_step(self) -> None:
         self.steps.append(self.current)
         self.current = {}
@@ -139,6 +142,8 @@ class Bench:
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
                              decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes)
         self.device = self.engine.device
+        self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
+        self.phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
         self.next_page = 0
         self.rows: dict[int, list[int]] = {}  # request id -> its KV slots, page-aligned like the scheduler's
         self.step_id = 0
@@ -244,33 +249,30 @@ class Bench:
         pipelined = self._pipelined([self._decode_plan(ids) for _ in range(self.args.steps + 1)], len(ids))
         return pipelined, float(np.median(times))
 
-    launch_s = 0.0  # mean host seconds in Engine.launch over the last _pipelined run
-    phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
-    launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
-
     def _pipelined(self, plans: list[worker_pb2.StepPlan], frames: int | None = None) -> float:
         """Mean seconds a step, run as the worker serves under lookahead: step N+1 launched before step
         N's journal is read. frames: the frames every journal must carry (None: not checked)."""
+        self.launch_times = []
+        if self.phases is not None:
+            self.phases.reset()
+
+        def launch(plan: worker_pb2.StepPlan) -> PendingStep:
+            t1 = time.perf_counter()
+            pending = self.engine.launch(plan)
+            self.launch_times.append(time.perf_counter() - t1)
+            if self.phases is not None:
+                self.phases.end_step()
+            return pending
+
         _sync(self.device)
         t0 = time.perf_counter()
-        if self.phases is not None:
-            self.phases.steps, self.phases.current = [], {}
-        prev = self.engine.launch(plans[0])
-        self.launch_times = [time.perf_counter() - t0]
-        if self.phases is not None:
-            self.phases.end_step()
+        prev = launch(plans[0])
         for plan in plans[1:] + [None]:
-            t1 = time.perf_counter()
-            nxt = self.engine.launch(plan) if plan is not None else None
-            if plan is not None:
-                self.launch_times.append(time.perf_counter() - t1)
-                if self.phases is not None:
-                    self.phases.end_step()
+            nxt = launch(plan) if plan is not None else None
             journal = self.engine.finish(prev)
             if frames is not None:
                 self._check(journal, frames)
             prev = nxt
-        self.launch_s = float(np.mean(self.launch_times))
         return (time.perf_counter() - t0) / len(plans)
 
     def mixed(self, ids: list[int], interval: int, rows_per_step: int, request_rows: int) -> float:
@@ -351,8 +353,8 @@ class Bench:
             per_row = (step - decode_only) / a.mixed_rows
             # host time in launch: steps that prefill (every k-th, from the first) and the others
             launches = np.asarray(self.launch_times) * 1e3
-            with_prefill = launches[::k]
-            others = np.delete(launches, np.s_[::k]) if k > 1 else np.zeros(0)
+            prefills = np.arange(len(launches)) % k == 0
+            with_prefill, others = launches[prefills], launches[~prefills]
             result["mixed"]["points"].append({
                 "interval": k, "step_ms": step * 1e3, "prefill_us_per_row": per_row * 1e6,
                 "host_launch_ms_prefill_steps": float(with_prefill.mean()),
@@ -362,8 +364,8 @@ class Bench:
                   f"prefill step" + (f", {others.mean():.2f} others" if others.size else ""), flush=True)
             if self.phases is not None:
                 steps = self.phases.steps
-                parts = {"prefill_steps": self.phases.mean_ms(steps[::k]),
-                         "other_steps": self.phases.mean_ms([x for i, x in enumerate(steps) if i % k])}
+                parts = {"prefill_steps": self.phases.mean_ms([x for x, p in zip(steps, prefills) if p]),
+                         "other_steps": self.phases.mean_ms([x for x, p in zip(steps, prefills) if not p])}
                 result["mixed"]["points"][-1]["host_launch_parts_ms"] = parts
                 for which, ms in parts.items():
                     if ms:
@@ -394,10 +396,10 @@ class Bench:
                 point = {"batch": bs, "context": ctx, "step_ms": step * 1e3, "frames_per_s": bs / step,
                          "sync_step_ms": sync * 1e3, "floor_ms": floor * 1e3, "floor_bytes_ms": mem * 1e3,
                          "floor_flops_ms": comp * 1e3, "ratio_to_floor": step / floor,
-                         "host_launch_ms": self.launch_s * 1e3}
+                         "host_launch_ms": float(np.mean(self.launch_times)) * 1e3}
                 result["points"].append(point)
                 print(f"{bs:>5} {ctx:>5} {step * 1e3:>8.2f} {bs / step:>10,.0f} {floor * 1e3:>9.2f} "
-                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f} {self.launch_s * 1e3:>9.2f}", flush=True)
+                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f} {point['host_launch_ms']:>9.2f}", flush=True)
             if ctx == self.contexts[0] and self.args.mixed_batch:
                 self.mixed_points(ids[:self.args.mixed_batch], ctx, result)
             self.release(ids)
