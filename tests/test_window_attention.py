@@ -109,6 +109,21 @@ def test_kernel_half_precision(dtype, rel):
 
 
 @needs_triton
+@pytest.mark.parametrize("config", [(16, 16, 4, 2), (32, 16, 4, 2), (16, 32, 4, 2)])
+@pytest.mark.parametrize("tk, w", [(50, 40), (23, 64), (96, 24), (16, 17)])
+def test_kernel_whole_and_edge_blocks(config, tk, w):
+    """Key blocks smaller than the window, so a query block sees some ring and chunk blocks whole (the
+    unmasked path) between masked edges, with Tk below, near and above W, from fresh streams to ones
+    whose ring wrapped; every block size mix of BLOCK_M and BLOCK_N."""
+    gen = torch.Generator().manual_seed(tk * 100 + w)
+    offsets = [0, 5, w - 1, w, 3 * w + 7, 1000]
+    q, k, v, kc, vc, rows, offset = _inputs(gen, len(offsets), 2, tk, 16, w, offsets)
+    ref = WA.window_attention(q, k, v, kc, vc, rows, offset, w, impl="torch")
+    out = WA.window_attention(q, k, v, kc, vc, rows, offset, w, impl="triton", config=config)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+@needs_triton
 def test_kernel_contiguous_inputs_and_output_layout():
     gen = torch.Generator().manual_seed(3)
     q, k, v, kc, vc, rows, offset = _inputs(gen, 2, 2, 9, 16, 6, [4, 9], session_strides=False)

@@ -220,7 +220,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         heads, tk, window, d, (1.0 / math.sqrt(d)) * math.log2(math.e),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=block_d == d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
         num_warps=warps, num_stages=stages)
     return out.transpose(1, 2)
@@ -252,36 +252,54 @@ if HAVE_TRITON:
         tl.store(vc_ptr + dst, tl.load(v_ptr + b * sv_b + h * sv_h + t * sv_t + d, mask=m), mask=m)
 
     @triton.jit
-    def _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base, v_base,
+    def _key_block(start, q, pq, off, k_lo, new_end, m_i, l_i, acc, kc_base, vc_base, k_base, v_base,
                    skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-        """One online-softmax update with the keys at positions [start, start + BLOCK_N)."""
-        p = start + tl.arange(0, BLOCK_N)
-        in_ring = p < off  # p >= 0 always (start >= 0)
-        in_new = (p >= off) & (p < new_end)
-        ridx = p % W
-        nidx = p - off
-        rmask = in_ring[:, None] & dmask[None, :]
-        nmask = in_new[:, None] & dmask[None, :]
-        kr = tl.load(kc_base + ridx[:, None] * skc_w + dd[None, :], mask=rmask, other=0.0)
-        kn = tl.load(k_base + nidx[:, None] * sk_t + dd[None, :], mask=nmask, other=0.0)
-        kb = tl.where(in_ring[:, None], kr, kn)
+                   FROM_RING: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One online-softmax update with the keys at positions [start, start + BLOCK_N), all from the ring
+        (positions < off) or all from the chunk (>= off). An unmasked block is one every real query of the
+        block sees whole, so it needs no load masks, no band mask and no all-masked guard."""
+        t = tl.arange(0, BLOCK_N)
+        p = start + t
+        if FROM_RING:
+            if MASKED:
+                idx = tl.where(p >= 0, p % W, 0)
+            else:  # [start, start + BLOCK_N) lies in [off - W, off): the ring index wraps at most once
+                idx = start % W + t
+                idx = tl.where(idx >= W, idx - W, idx)
+            k_ptrs, v_ptrs = kc_base + idx[:, None] * skc_w, vc_base + idx[:, None] * svc_w
+        else:
+            k_ptrs, v_ptrs = k_base + (p - off)[:, None] * sk_t, v_base + (p - off)[:, None] * sv_t
+        if MASKED:
+            exists = (p >= k_lo) & (p < new_end)
+            lmask = exists[:, None] & dmask[None, :]
+            kb = tl.load(k_ptrs + dd[None, :], mask=lmask, other=0.0)
+        elif EVEN_D:
+            kb = tl.load(k_ptrs + dd[None, :])
+        else:
+            kb = tl.load(k_ptrs + dd[None, :], mask=dmask[None, :], other=0.0)
         if INTERPRETED:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.6): same operands in fp32
             s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision=PRECISION)
         else:
             s = tl.dot(q, tl.trans(kb), input_precision=PRECISION)
         s = s * qk_scale  # log2 domain
-        rel = pq[:, None] - p[None, :]
-        ok = (rel >= 0) & (rel < W) & (in_ring | in_new)[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        if MASKED:
+            rel = pq[:, None] - p[None, :]
+            s = tl.where((rel >= 0) & (rel < W) & exists[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
         alpha = tl.exp2(m_i - m_safe)
         pr = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        vr = tl.load(vc_base + ridx[:, None] * svc_w + dd[None, :], mask=rmask, other=0.0)
-        vn = tl.load(v_base + nidx[:, None] * sv_t + dd[None, :], mask=nmask, other=0.0)
-        vb = tl.where(in_ring[:, None], vr, vn)
+        if MASKED:
+            vb = tl.load(v_ptrs + dd[None, :], mask=lmask, other=0.0)
+        elif EVEN_D:
+            vb = tl.load(v_ptrs + dd[None, :])
+        else:
+            vb = tl.load(v_ptrs + dd[None, :], mask=dmask[None, :], other=0.0)
         if INTERPRETED:
             pv = tl.dot(pr.to(vb.dtype).to(tl.float32), vb.to(tl.float32), input_precision=PRECISION)
         else:
@@ -296,7 +314,7 @@ if HAVE_TRITON:
                                  so_b, so_t, so_h,
                                  H, TK, W, D, qk_scale,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
         mb = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
@@ -312,9 +330,9 @@ if HAVE_TRITON:
                     mask=qmask[:, None] & dmask[None, :], other=0.0)
         pq = off + i  # absolute query positions
 
-        q_lo = off + mb * BLOCK_M
-        q_end = off + tl.minimum(mb * BLOCK_M + BLOCK_M, TK)  # one past the block's last query
-        k_lo = tl.maximum(q_lo - W + 1, 0)  # the first key any query of the block can see
+        n_q = tl.minimum(mb * BLOCK_M + BLOCK_M, TK)  # one past the block's last real query, from off
+        q_end = off + n_q
+        k_lo = tl.maximum(off + mb * BLOCK_M - W + 1, 0)  # the first key any query of the block can see
         new_end = off + TK
 
         kc_base = kc_ptr + row * skc_r + h * skc_h
@@ -325,21 +343,60 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # Key blocks [k_lo, q_end) in chronological order. The interpreter cannot take tensor loop
-        # bounds (numpy 2 refuses int() of its 1-element scalars), so there the same blocks run as a
-        # while loop; compiled, it is an scf.for (software pipelined).
+        # Key blocks are aligned to off, so each is all ring (counted back from off) or all chunk; in
+        # chronological order. Ring blocks at or after e = max(q_end - W, 0) are seen whole by every
+        # real query of the block (they precede all of them); chunk blocks too if they also end at or
+        # before the block's first query. Only the band's edges and the diagonal take masks.
+        e = tl.maximum(q_end - W, 0)
+        n_ring = tl.cdiv(tl.maximum(off - k_lo, 0), BLOCK_N)
+        n_ring_whole = tl.minimum(tl.maximum(off - e, 0) // BLOCK_N, n_ring)
+        n_new = tl.cdiv(n_q, BLOCK_N)
+        first_new = tl.maximum(k_lo - off, 0) // BLOCK_N
+        whole_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(n_q - W, 0), BLOCK_N), first_new), n_new)
+        whole_hi = tl.minimum(tl.maximum((mb * BLOCK_M + 1) // BLOCK_N, whole_lo), n_new)
+        # Five runs of blocks: masked ring (the band's lower edge), whole ring, masked chunk (the lower
+        # edge when Tk > W), whole chunk, masked chunk (the diagonal). The interpreter cannot take
+        # tensor loop bounds (numpy 2 refuses int() of its 1-element scalars), so there each run is a
+        # while loop; compiled, each is an scf.for (software pipelined).
+        runs_ring = ((0, n_ring - n_ring_whole, n_ring, True), (0, n_ring_whole, n_ring_whole, False))
+        runs_new = ((first_new, whole_lo, True), (whole_lo, whole_hi, False), (whole_hi, n_new, True))
         if INTERPRETED:
-            start = k_lo
-            while start < q_end:
-                m_i, l_i, acc = _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base,
-                                           v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
-                                           BLOCK_N, PRECISION, INTERPRETED)
-                start += BLOCK_N
+            for lo, hi, back, masked in runs_ring:
+                j = lo
+                while j < hi:
+                    m_i, l_i, acc = _key_block(off - (back - j) * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc,
+                                               kc_base, vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W,
+                                               qk_scale, dd, dmask, True, masked, BLOCK_N, EVEN_D, PRECISION,
+                                               INTERPRETED)
+                    j += 1
+            for lo, hi, masked in runs_new:
+                j = lo
+                while j < hi:
+                    m_i, l_i, acc = _key_block(off + j * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc, kc_base,
+                                               vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd,
+                                               dmask, False, masked, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
+                    j += 1
         else:
-            for start in range(k_lo, q_end, BLOCK_N):
-                m_i, l_i, acc = _key_block(start, q, pq, off, new_end, m_i, l_i, acc, kc_base, vc_base, k_base,
-                                           v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd, dmask,
-                                           BLOCK_N, PRECISION, INTERPRETED)
+            for j in range(0, n_ring - n_ring_whole):
+                m_i, l_i, acc = _key_block(off - (n_ring - j) * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc,
+                                           kc_base, vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale,
+                                           dd, dmask, True, True, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
+            for j in range(0, n_ring_whole):
+                m_i, l_i, acc = _key_block(off - (n_ring_whole - j) * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i,
+                                           acc, kc_base, vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W,
+                                           qk_scale, dd, dmask, True, False, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
+            for j in range(first_new, whole_lo):
+                m_i, l_i, acc = _key_block(off + j * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc, kc_base,
+                                           vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd,
+                                           dmask, False, True, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
+            for j in range(whole_lo, whole_hi):
+                m_i, l_i, acc = _key_block(off + j * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc, kc_base,
+                                           vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd,
+                                           dmask, False, False, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
+            for j in range(whole_hi, n_new):
+                m_i, l_i, acc = _key_block(off + j * BLOCK_N, q, pq, off, k_lo, new_end, m_i, l_i, acc, kc_base,
+                                           vc_base, k_base, v_base, skc_w, svc_w, sk_t, sv_t, W, qk_scale, dd,
+                                           dmask, False, True, BLOCK_N, EVEN_D, PRECISION, INTERPRETED)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padding queries (i >= TK): every real one sees itself
         o = acc / l_i[:, None]
         tl.store(o_ptr + b * so_b + i[:, None] * so_t + h * so_h + dd[None, :], o.to(o_ptr.dtype.element_ty),
