@@ -22,14 +22,15 @@
 # high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_v1 = that with one vocoder replica of 256
 # (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
 # the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
-# reached), chunk10_loaded_v1_fold = chunk10_loaded_v1 with the worker's --fold-decodes (a mixed step's prefill and
-# decodes in one graphed pass), chunk10_loaded_v1_fold_every = that prefilling every step under load too
-# (--prefill-interval-loaded 1: gathering was for the separate prefill pass's fixed cost), chunk10u_v1 = chunk10u
+# reached), chunk10_loaded_v1_no_fold = chunk10_loaded_v1 with the worker's --no-fold-decodes (a mixed step as a
+# prefill pass plus the decode graph, the default before session 11), chunk10_loaded_v1_every = chunk10_loaded_v1
+# prefilling every step under load too (--prefill-interval-loaded 1: gathering was for the separate prefill pass's
+# fixed cost), chunk10u_v1 = chunk10u
 # with one vocoder replica of 256 (one CUDA context: two
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
 # 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
-# --step-frames=5 instead, priority1gpu = the one-GPU run below with the vocoder's
+# --step-frames=5 instead (colocated_step5_1gpu_no_fold: and --no-fold-decodes), priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
 # vocoder on the worker's GPU as a process of its own (--colocate-vocoder=off; chorus's one-GPU default is
 # colocated with 5-frame steps, the colocated_step5_1gpu run); PROFILE=1 adds vocoder profiles.
@@ -99,12 +100,12 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
                --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10_loaded_v1_fold) run e2e_w1_c256_chunk10_loaded_v1_fold --workload W1 --concurrency ${C256:-256} \
+    chunk10_loaded_v1_no_fold) run e2e_w1_c256_chunk10_loaded_v1_no_fold --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--fold-decodes ;;
-    chunk10_loaded_v1_fold_every) run e2e_w1_c256_chunk10_loaded_v1_fold_every --workload W1 --concurrency ${C256:-256} \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--no-fold-decodes ;;
+    chunk10_loaded_v1_every) run e2e_w1_c256_chunk10_loaded_v1_every --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--fold-decodes \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 \
                --scheduler-arg=--prefill-interval-loaded=1 ;;
     chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
@@ -134,6 +135,10 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
+    colocated_step5_1gpu_no_fold) run e2e_w1_1gpu_colocated_step5_no_fold --workload W1 --concurrency 1,16 \
+                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
+                     --colocate-vocoder --vocoder-arg=--step-frames=5 --worker-arg=--no-fold-decodes \
+                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, mixed steps not folded, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks --colocate-vocoder=off \

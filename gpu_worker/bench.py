@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
-    p.add_argument("--fold-decodes", action="store_true", help="as gpu_worker --fold-decodes (the mixed points)")
+    p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
+                   help="as gpu_worker --fold-decodes (the mixed points)")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")

@@ -84,7 +84,7 @@ class PendingStep:
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
                  attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True,
-                 fold_decodes: bool = False):
+                 fold_decodes: bool = True):
         """fold_decodes: a step that prefills beside decodes runs them in one graphed backbone pass and
         samples all its frames in one frame-decode pass (prefill_graphs: folded decodes), instead of a
         prefill graph, a first-frame graph and the decode graph."""
