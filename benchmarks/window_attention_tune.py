@@ -1,6 +1,7 @@
 """Pick the vocoder's windowed-attention kernel config on the GPU: time every (BLOCK_M, BLOCK_N,
 num_warps, num_stages) candidate on the attention shapes of one steady streaming step of the full
-v2 codec (every Transformer stage, weighted by its layer count) and check each against the default.
+v2 codec (every Transformer stage, weighted by its layer count; kernel time inside a CUDA graph)
+and check each against the default.
 
     python benchmarks/window_attention_tune.py --streams 64 --frames 25 --out tune.json
 
@@ -35,6 +36,24 @@ def stage_shapes(preset: str, frames: int) -> list[dict]:
     return shapes
 
 
+def kernel_ms(call, iters: int) -> float:
+    """GPU time of one call: `iters` calls captured in a CUDA graph, replayed (as the session runs them).
+    Timing eager calls would time their launches: the small stages' kernels take less than that."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (3 * iters)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="full_v2")
@@ -60,13 +79,7 @@ def main() -> None:
         for (sh, a), r in zip(cases, ref):
             out = wa.window_attention(*a, impl="triton", config=config)
             worst = max(worst, (out.float() - r).abs().max().item())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.iters):
-                wa.window_attention(*a, impl="triton", config=config)
-            end.record()
-            torch.cuda.synchronize()
-            per_stage.append(start.elapsed_time(end) / args.iters)
+            per_stage.append(kernel_ms(lambda: wa.window_attention(*a, impl="triton", config=config), args.iters))
         total = sum(ms * sh["layers"] for (sh, _), ms in zip(cases, per_stage))
         return total, worst, per_stage
 
