@@ -12,6 +12,7 @@ shapes keeps CUDA-graph capture and the bitwise graph == eager property simple).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 
@@ -60,6 +61,9 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--frames", type=int, default=25)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--baseline", metavar="FILE",
+                    help="a window_attention.py of another tree (git show REV:vocoder_svc/window_attention.py > "
+                         "FILE): its kernel at its own default config is timed first, as 'baseline'")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -74,16 +78,26 @@ def main() -> None:
         cases.append((sh, (q, k, v, kc, vc, rows, offset, w)))
     ref = [wa.window_attention(*a, impl="triton").float() for _, a in cases]
 
-    def time_config(config) -> tuple[float, float, list[float]]:
+    def time_config(config, module=wa) -> tuple[float, float, list[float]]:
         per_stage, worst = [], 0.0
         for (sh, a), r in zip(cases, ref):
-            out = wa.window_attention(*a, impl="triton", config=config)
+            kw = {} if config is None else {"config": config}
+            out = module.window_attention(*a, impl="triton", **kw)
             worst = max(worst, (out.float() - r).abs().max().item())
-            per_stage.append(kernel_ms(lambda: wa.window_attention(*a, impl="triton", config=config), args.iters))
+            per_stage.append(kernel_ms(lambda: module.window_attention(*a, impl="triton", **kw), args.iters))
         total = sum(ms * sh["layers"] for (sh, _), ms in zip(cases, per_stage))
         return total, worst, per_stage
 
-    results = []
+    results, baseline = [], None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_window_attention", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        total, worst, per_stage = time_config(None, module)
+        baseline = {"file": args.baseline, "config": module.KERNEL_CONFIG, "step_ms": total,
+                    "max_abs_diff_vs_default": worst, "per_stage_ms": per_stage}
+        print(f"baseline {module.KERNEL_CONFIG}: {total:7.2f} ms per step (all layers), max |diff| vs default "
+              f"{worst:.3e}, per stage {[round(x, 3) for x in per_stage]}", flush=True)
     for config in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
         try:
             total, worst, per_stage = time_config(config)
@@ -99,7 +113,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shapes": [sh for sh, _ in cases], "streams": args.streams, "frames": args.frames,
-                       "default": wa.KERNEL_CONFIG, "results": results,
+                       "default": wa.KERNEL_CONFIG, "baseline": baseline, "results": results,
                        "device": torch.cuda.get_device_name()}, f, indent=2)
 
 
