@@ -1,6 +1,7 @@
-"""flashinfer's paged decode attention at the worker's shapes (32 q heads, 8 KV heads, head dim 128,
-bf16): the tensor-core path the worker uses, the CUDA-core path, and page sizes, each against the
-KV-bytes floor. At W1 c256 a decode step at bs 180 and ~150-row contexts spends 2.15 of its 7.4 ms
+"""Paged decode attention at the worker's shapes (32 q heads, 8 KV heads, head dim 128, bf16):
+flashinfer's tensor-core path (the worker's), its CUDA-core path and the Triton kernel of
+gpu_worker/decode_attention.py at each --triton-configs entry, over page sizes, each against the
+KV-bytes floor. The KV is laid out as the worker's slot cache (K and V apart, [slots, Hkv, D]). At W1 c256 a decode step at bs 180 and ~150-row contexts spends 2.15 of its 7.4 ms
 in the 36 attention calls (profile_step_bs180_ctx150_s10_h200.json), ~2.3x the bytes floor.
 
 Each of a graph's 36 calls reads its own layer's KV, as in the model. The session-10 results
@@ -19,6 +20,7 @@ import json
 import torch
 
 from chorus.provenance import git_revision
+from gpu_worker.decode_attention import paged_decode_attention
 from profile_step import replay_ms  # benchmarks/: run as a script, its folder is on the path
 
 
@@ -31,6 +33,8 @@ def main() -> None:
                     help="requests' pages scattered over the pool, or each request's pages in one run (as "
                          "chorus bench worker lays them out)")
     ap.add_argument("--iters", type=int, default=20, help="graph replays (36 calls each) a point")
+    ap.add_argument("--triton-configs", default="64:4:2,32:4:2,64:4:3,128:8:2,32:2:3",
+                    help="BLOCK_N:num_warps:num_stages of the Triton kernel, comma-separated ('' for none)")
     ap.add_argument("--bandwidth", type=float, default=4.3e12)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -44,8 +48,11 @@ def main() -> None:
         for ctx in (int(x) for x in args.contexts.split(",")):
             for bs in (int(x) for x in args.batches.split(",")):
                 pages_per = -(-ctx // page)
-                caches = [torch.randn(bs * pages_per, 2, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
-                          for _ in range(36)]  # one per layer: L2 must not carry a layer's KV to the next
+                # one K and one V per layer: L2 must not carry a layer's KV to the next
+                caches = [(torch.randn(bs * pages_per * page, kv_heads, dim, dtype=torch.bfloat16, device=dev),
+                           torch.randn(bs * pages_per * page, kv_heads, dim, dtype=torch.bfloat16, device=dev))
+                          for _ in range(36)]
+                paged = [(k.view(-1, page, kv_heads, dim), v.view(-1, page, kv_heads, dim)) for k, v in caches]
                 indptr = torch.arange(bs + 1, dtype=torch.int32) * pages_per
                 # requests' pages scattered over the pool, as the allocator leaves them
                 indices = (torch.randperm(bs * pages_per, dtype=torch.int32) if args.layout == "random"
@@ -66,16 +73,32 @@ def main() -> None:
                     s = torch.cuda.Stream()
                     s.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(s):
-                        w.run(q, caches[0])
+                        ref = w.run(q, paged[0])
                     torch.cuda.current_stream().wait_stream(s)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g):
-                        for cache in caches:
+                        for cache in paged:
                             w.run(q, cache)
                     point[name + "_us"] = replay_ms(g, args.iters) * 1e3 / 36
+                table = (indptr.to(dev), indices, last.to(dev))
+                point["triton_us"] = {}
+                for cfg in (tuple(int(x) for x in c.split(":")) for c in args.triton_configs.split(",") if c):
+                    try:
+                        out = paged_decode_attention(q, *caches[0], *table, page, impl="triton", config=cfg)
+                        point.setdefault("triton_max_abs_diff_vs_flashinfer", {})[str(cfg)] = \
+                            (out.float() - ref.float()).abs().max().item()
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            for k, v in caches:
+                                paged_decode_attention(q, k, v, *table, page, impl="triton", config=cfg)
+                        point["triton_us"][str(cfg)] = replay_ms(g, args.iters) * 1e3 / 36
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                        print(f"triton {cfg}: failed ({type(e).__name__}: {e})", flush=True)
                 results["points"].append(point)
+                best = min(point["triton_us"].items(), key=lambda kv: kv[1], default=("-", float("nan")))
                 print(f"page {page:3d} ctx {ctx:5d} bs {bs:4d}: tensor cores {point['tensor_cores_us']:7.1f} us, "
-                      f"CUDA cores {point['cuda_cores_us']:7.1f} us, bytes floor {floor_us:6.1f} us", flush=True)
+                      f"CUDA cores {point['cuda_cores_us']:7.1f} us, triton {best[1]:7.1f} us {best[0]}, "
+                      f"bytes floor {floor_us:6.1f} us", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,157 @@
+"""Paged decode attention in Triton: one query row per request over its KV pages, GQA.
+
+Why: at W1 c256's decode shape (bs ~180, ~150-row contexts) flashinfer's decode takes ~58 us a
+layer against a ~26 us KV-bytes floor (decode_attention_s10_h200.json); its cost beyond the
+floor grows with the batch, not the context, which points at fixed work per request.
+This kernel is the plain design for that regime: one program per (request, KV head) computes
+the GROUP query heads that share the KV head, streaming the request's keys and values once in
+BLOCK_N-row tiles (online softmax, fp32 accumulation). No split over the context, so a row's
+result does not depend on the batch around it (batch invariant).
+
+Layout (the worker's slot cache, gpu_worker/attention.py): k_cache, v_cache [slots, Hkv, D] of
+one layer, slot = page * page_size + offset in page; a request's pages are
+kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last page holding last_page_len[b] rows (the
+flashinfer page table, attention.page_table). All sync-free with shapes fixed by the batch, so
+it can be captured in a CUDA graph; the page table is read on the device.
+
+Not yet used by the worker: benchmarks/decode_attention_bench.py times it beside flashinfer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES, triton, tl, use_kernel
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_torch", "KERNEL_CONFIG"]
+
+# (BLOCK_N, num_warps, num_stages)
+KERNEL_CONFIG = (64, 4, 2)
+
+
+def paged_decode_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indptr: Tensor,
+                                 kv_indices: Tensor, last_page_len: Tensor, page_size: int) -> Tensor:
+    """Reference: each request's slots gathered, softmax(q k^T / sqrt(D)) v per query head, in >= fp32."""
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    indptr, indices, last = kv_indptr.tolist(), kv_indices.long(), last_page_len.tolist()
+    for b in range(bsz):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).reshape(-1)
+        slots = slots[:(len(pages) - 1) * page_size + last[b]]
+        k = k_cache[slots].to(acc).repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].to(acc).repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].to(acc), k) / math.sqrt(d)
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    return out
+
+
+def _supported(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_size: int) -> bool:
+    if q.dim() != 3 or k_cache.dim() != 3:
+        return False
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    return (q.dtype in KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.shape == v_cache.shape
+            and k_cache.shape[2] == d and hq % hkv == 0 and d >= 16 and d & (d - 1) == 0 and page_size >= 1
+            and q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+            and k_cache.stride() == v_cache.stride() and bsz > 0)
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indptr: Tensor, kv_indices: Tensor,
+                           last_page_len: Tensor, page_size: int, *, out: Tensor | None = None, impl: str = "auto",
+                           config: tuple[int, int, int] | None = None) -> Tensor:
+    """Decode attention: q [B, Hq, D] (one row per request), k_cache/v_cache [slots, Hkv, D] (one layer),
+    kv_indptr [B+1], kv_indices, last_page_len [B] int32 device tensors (the page table). Returns
+    [B, Hq, D] in q's dtype (into `out` if given). Scale 1/sqrt(D); every request has >= 1 KV row."""
+    supported = _supported(q, k_cache, v_cache, page_size)
+    if not use_kernel(impl, supported, q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len,
+                      unsupported="fp16/bf16/fp32, head dim a power of two >= 16, Hq a multiple of Hkv"):
+        result = paged_decode_attention_torch(q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, page_size)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    block_n, warps, stages = config or KERNEL_CONFIG
+    _paged_decode_kernel[(bsz, hkv)](
+        q, k_cache, v_cache, out, kv_indptr, kv_indices, last_page_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        (1.0 / math.sqrt(d)) * math.log2(math.e),
+        PAGE=page_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _kv_block(start, q, m_i, l_i, acc, k_head, v_head, indices_ptr, p0, kv_len, sk_s, d, qk_scale,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One online-softmax update with the request's KV rows [start, start + BLOCK_N)."""
+        t = start + tl.arange(0, BLOCK_N)
+        tmask = t < kv_len
+        page = tl.load(indices_ptr + p0 + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = (page * PAGE + t % PAGE)[:, None]
+        kb = tl.load(k_head + slot * sk_s + d, mask=tmask[:, None], other=0.0)
+        if INTERPRETED:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.6): fp32 operands
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision=PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(kb), input_precision=PRECISION)
+        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block has a key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vb = tl.load(v_head + slot * sk_s + d, mask=tmask[:, None], other=0.0)
+        if INTERPRETED:
+            pv = tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)  # P rounded to the KV dtype
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
+                             sq_b, sq_h, sk_s, sk_h, so_b, so_h, qk_scale,
+                             PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1).to(tl.int64)
+        p0 = tl.load(indptr_ptr + b)
+        n_pages = tl.load(indptr_ptr + b + 1) - p0
+        kv_len = (n_pages - 1) * PAGE + tl.load(last_ptr + b)
+
+        g = tl.arange(0, BLOCK_G)  # query heads of this KV head, padded to a tl.dot tile
+        gmask = (g < GROUP)[:, None]
+        d = tl.arange(0, D)[None, :]
+        heads = hk * GROUP + g
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d, mask=gmask, other=0.0)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        k_head = k_ptr + hk * sk_h
+        v_head = v_ptr + hk * sk_h
+        # The interpreter cannot take tensor loop bounds (numpy 2 refuses int() of its 1-element
+        # scalars): there the same blocks run as a while loop.
+        if INTERPRETED:
+            start = 0
+            while start < kv_len:
+                m_i, l_i, acc = _kv_block(start, q, m_i, l_i, acc, k_head, v_head, indices_ptr, p0, kv_len, sk_s, d,
+                                          qk_scale, PAGE, BLOCK_N, PRECISION, INTERPRETED)
+                start += BLOCK_N
+        else:
+            for start in range(0, kv_len, BLOCK_N):
+                m_i, l_i, acc = _kv_block(start, q, m_i, l_i, acc, k_head, v_head, indices_ptr, p0, kv_len, sk_s, d,
+                                          qk_scale, PAGE, BLOCK_N, PRECISION, INTERPRETED)
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d, o.to(o_ptr.dtype.element_ty), mask=gmask)
