@@ -176,7 +176,7 @@ def first_divergence(a: list[list[list[int]]], b: list[list[list[int]]]) -> list
 
 
 def quick_graph_parity(model) -> dict:
-    """Five comparisons, each per request (the first frame index that differs, None = identical). The
+    """Six comparisons, each per request (the first frame index that differs, None = identical). The
     first four use the graphed engine with --no-fold-decodes (a mixed step as a prefill pass plus the
     decode graph, the path a step takes when no folded bucket holds it):
     - first_frame_graph: the graphed engine with its first-frame graphs against itself with them off
@@ -191,7 +191,9 @@ def quick_graph_parity(model) -> dict:
       plus the decode graph, so divergence from the late step on is expected in bf16;
     - late_folded: the same with the default graphed engine, which folds the mixed step (one
       prefill-graph pass over prefill and decode rows, the eager layout): only the bucket's padding
-      differs from the eager forward (43/43 on the H200 in session 11)."""
+      differs from the eager forward (43/43 on the H200 in session 11);
+    - together_triton_decode: as together, both engines decoding with the Triton kernel (the worker's
+      decode attention above 48 requests; --decode-kernel triton here, so small batches take it)."""
     rng = np.random.default_rng(2)
     eager = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=False, page_size=16)
     graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16,
@@ -218,6 +220,10 @@ def quick_graph_parity(model) -> dict:
                                             page_size=16), prompts[:3], 12, late=prompts[3],
                                      pipelined=True),
                         run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
+        "together_triton_decode": tuple(
+            run_requests(Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=graphs,
+                                page_size=16, decode_kernel="triton"), prompts[:3], 12, pipelined=True)
+            for graphs in (True, False)),
     }
     for name, (a, b) in runs.items():
         same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="as gpu_worker --decode-split-kv")
     p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --fold-decodes (the mixed points)")
+    p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
+                   help="as gpu_worker --decode-kernel")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="300,1000", help="comma-separated context lengths (rows)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per point")
@@ -141,7 +143,8 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes)
+                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes,
+                             decode_kernel=args.decode_kernel)
         self.device = self.engine.device
         self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
         self.phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
@@ -418,7 +421,8 @@ def run(args: argparse.Namespace) -> None:
     report = {"benchmark": "worker", "command": " ".join(sys.argv),
               "git_revision": git_revision()["revision"] or "unknown",
               "device": device, "torch": torch.__version__, "dtype": args.dtype,
-              "attention": type(bench.engine.kv).__name__, "cuda_graphs": bench.engine.graphs is not None,
+              "attention": type(bench.engine.kv).__name__, "decode_kernel": args.decode_kernel,
+              "cuda_graphs": bench.engine.graphs is not None,
               "floor": {"bandwidth_bytes_per_s": args.bandwidth, "flops_per_s": args.flops,
                         "weight_bytes_per_step": bench.weight_bytes()},
               **results}

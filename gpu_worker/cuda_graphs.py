@@ -1,11 +1,12 @@
 """One CUDA graph per batch-size bucket for a whole pure-decode step:
-gather feedback embeddings → backbone (flashinfer paged decode) → frame
+gather feedback embeddings → backbone (paged decode attention) → frame
 decode (12 local steps, 13 seeded samples) → pool commit → journal tensor.
 
 Launch overhead dominates a decode step (hundreds of small kernels), so the
 graph is what makes small batches fast. Inputs are copied into static
-buffers; the flashinfer decode wrapper of the bucket is re-planned with the
-step's page table before each replay (plan is host work, outside the graph).
+buffers; the decode kernel of the bucket (attention.py: flashinfer's wrapper,
+or TritonDecode above 48 requests) is re-planned with the step's page table
+before each replay (plan is host work, outside the graph).
 Padding rows read and write only the pool's spare row and the scratch KV page.
 
 A step's prefill chunks run eagerly (their row counts vary), but the frame
@@ -112,15 +113,9 @@ class GraphedDecode:
         return g
 
     def _capture(self, b: int) -> _Graph:
-        import flashinfer
-
         e = self.engine
         dev = e.device
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            e.kv.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=torch.zeros(e.kv.num_slots // e.page_size, dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buffer=torch.ones(b, dtype=torch.int32, device=dev))
+        wrapper = e.kv.decode_graph_wrapper(b)
         rows = torch.full((b,), e.pool.spare_row, dtype=torch.int64, device=dev)
         positions = torch.zeros(b, dtype=torch.int64, device=dev)
         write_slots = torch.full((b,), e.scratch_slot, dtype=torch.int64, device=dev)

@@ -84,10 +84,11 @@ class PendingStep:
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
                  attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True,
-                 fold_decodes: bool = True):
+                 fold_decodes: bool = True, decode_kernel: str = "auto"):
         """fold_decodes: a step that prefills beside decodes runs them in one graphed backbone pass and
         samples all its frames in one frame-decode pass (prefill_graphs: folded decodes), instead of a
-        prefill graph, a first-frame graph and the decode graph."""
+        prefill graph, a first-frame graph and the decode graph. decode_kernel: the flashinfer backend's
+        decode attention (attention.FlashInferPagedAttention)."""
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
@@ -100,7 +101,7 @@ class Engine:
         self.page_size = page_size
         self.kv = make_backend(attention, bb.num_hidden_layers, num_kv_slots, bb.num_key_value_heads,
                                bb.head_dim, bb.num_attention_heads, self.dtype, self.device, page_size,
-                               decode_split_kv=decode_split_kv)
+                               decode_split_kv=decode_split_kv, decode_kernel=decode_kernel)
         # The last page is the worker's scratch (padding rows write and read its first slot);
         # the scheduler never sees it.
         self.kv_capacity = num_kv_slots - page_size

@@ -83,3 +83,28 @@ def test_kernel_is_batch_invariant():
                                       indices[int(indptr[1]):int(indptr[2])], last[1:2], 4, impl="triton",
                                       config=(16, 4, 2))
     assert torch.equal(together[1:2], alone)
+
+
+@needs_triton
+def test_triton_decode_stages_a_table_and_attends():
+    """attention.TritonDecode (the worker's decode kernel above 48 requests, in and out of CUDA graphs):
+    a staged page table in its one buffer, then run() over the paged views flashinfer would get."""
+    from gpu_worker.attention import TritonDecode
+
+    page = 4
+    q, k, v, table, _ = _case(11, [6, 13, 1], page)
+    dec = TritonDecode(3, k.shape[0] // page, page, torch.device("cpu"))
+    dec.stage(tuple(t.numpy() for t in table))
+    paged = (k.view(-1, page, *k.shape[1:]), v.view(-1, page, *v.shape[1:]))
+    out = dec.run(q, paged)
+    assert (out - DA.paged_decode_attention_torch(q, k, v, *table, page)).abs().max().item() <= 2e-6
+    with pytest.raises(ValueError, match="page table of 2 sequences"):
+        dec.stage(tuple(t.numpy() for t in _case(12, [3, 4], page)[3]))
+
+
+def test_triton_decode_threshold_is_a_graph_bucket_boundary():
+    """A batch and its decode-graph bucket must pick the same kernel, so graphed frames equal eager ones."""
+    from gpu_worker.attention import TRITON_DECODE_ABOVE
+    from gpu_worker.cuda_graphs import BUCKETS
+
+    assert TRITON_DECODE_ABOVE in BUCKETS
