@@ -14,7 +14,9 @@ kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last page holding last_page_len[b] 
 flashinfer page table, attention.page_table). All sync-free with shapes fixed by the batch, so
 it can be captured in a CUDA graph; the page table is read on the device.
 
-Not yet used by the worker: benchmarks/decode_attention_bench.py times it beside flashinfer.
+The worker decodes batches above 48 requests with it (attention.TritonDecode); below that,
+flashinfer's split over long contexts wins. benchmarks/decode_attention_bench.py times it beside
+flashinfer at several tile configs.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES, triton,
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_torch", "KERNEL_CONFIG"]
 
-# (BLOCK_N, num_warps, num_stages)
-KERNEL_CONFIG = (64, 4, 2)
+# (BLOCK_N, num_warps, num_stages): of the five in decode_attention_s11_h200.json, the fastest or
+# within 2 us of it at every point with batch >= 64 (the batches the worker gives it), contexts 150-1000
+KERNEL_CONFIG = (32, 2, 3)
 
 
 def paged_decode_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indptr: Tensor,
