@@ -30,8 +30,9 @@ from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES, triton,
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_torch", "KERNEL_CONFIG"]
 
-# (BLOCK_N, num_warps, num_stages): of the five in decode_attention_s11_h200.json, the fastest or
-# within 2 us of it at every point with batch >= 64 (the batches the worker gives it), contexts 150-1000
+# (BLOCK_N, num_warps, num_stages): of the five in decode_attention_s11_h200.json, the fastest at
+# 150-row contexts (W1's) and within 6% of the fastest at 300 and 1,000 rows, from batch 64 on (the
+# batches the worker gives it)
 KERNEL_CONFIG = (32, 2, 3)
 
 
