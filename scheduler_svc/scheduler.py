@@ -146,10 +146,11 @@ class SchedulerConfig:
     lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
     prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
     # While at least loaded_batch requests decode, prefill only every loaded_prefill_interval-th step: a
-    # step's prefill costs its own graph pass over the weights (~2.8 ms on the H200 beyond ~24 us a row),
-    # so at 160 decoding and 100 new rows a step, prefilling every 4th step made steps 15% shorter on
-    # average (13.6 -> 11.6 ms, `chorus bench worker --mixed-batch 160`), at up to 3 steps more TTFA;
-    # end to end at c256 it took 5-frame chunks from 1,370 to 1,472 s/s (every 3rd step).
+    # step that prefills costs a fixed ~2 ms on the H200 beyond ~16 us a row, even with its decodes folded
+    # into the prefill pass (the worker's default since session 11), so at 180 decoding and 113 new rows a
+    # step, prefilling every 4th step makes steps 13% shorter on average (11.8 -> 10.3 ms,
+    # worker_mixed_fold_s11_h200.json), at up to 3 steps more TTFA; end to end at c256 (unfolded, when the
+    # fixed cost was ~2.8 ms) it took 5-frame chunks from 1,370 to 1,472 s/s (every 3rd step).
     loaded_prefill_interval: int = 4
     loaded_batch: int = 64
     cache_key: str = ""            # model/codec identity: requests under other keys never share KV
@@ -408,9 +409,9 @@ class Scheduler:
 
     def _prefill_interval(self, decoding: int) -> int:
         """Prefill work is admitted and prefilled every n-th step (n returned here). While requests
-        decode it is gathered (the worker runs a step's prefill as a pass of its own beside the graphed
-        decode, so each step that carries one pays that pass): n = prefill_interval, or under load
-        (loaded_batch or more decoding) at least loaded_prefill_interval; with nothing decoding, 1."""
+        decode it is gathered (each step that carries prefill pays a fixed cost in the worker, folded or
+        not): n = prefill_interval, or under load (loaded_batch or more decoding) at least
+        loaded_prefill_interval; with nothing decoding, 1."""
         if not decoding:
             return 1
         interval = max(1, self.config.prefill_interval)
