@@ -224,12 +224,19 @@ class FlashInferPagedAttention(_SlotCache):
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, num_qo_heads: int,
                  dtype: torch.dtype, device: torch.device, page_size: int = 1, workspace_bytes: int = 512 << 20,
                  decode_split_kv: bool = True, decode_kernel: str = "auto"):
-        """decode_kernel: 'auto' (Triton above TRITON_DECODE_ABOVE requests, else flashinfer),
-        'flashinfer' or 'triton' (every decode)."""
+        """decode_kernel: 'auto' (Triton above TRITON_DECODE_ABOVE requests when the kernel takes the
+        model's shapes, else flashinfer), 'flashinfer' or 'triton' (every decode)."""
         import flashinfer  # CUDA-only dependency, imported lazily
+
+        from gpu_worker.decode_attention import kernel_supports
 
         if decode_kernel not in ("auto", "flashinfer", "triton"):
             raise ValueError(f"decode kernel must be auto, flashinfer or triton, got {decode_kernel!r}")
+        if not kernel_supports(num_qo_heads, num_kv_heads, head_dim, dtype):
+            if decode_kernel == "triton":
+                raise ValueError(f"the Triton decode kernel needs triton, fp16/bf16/fp32 and a power-of-two head "
+                                 f"dim >= 16 (got {dtype}, head dim {head_dim}): use --decode-kernel flashinfer")
+            decode_kernel = "flashinfer"
         super().__init__(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
         self.decode_kernel = decode_kernel
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES, triton, tl, use_kernel
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_torch", "KERNEL_CONFIG"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_torch", "kernel_supports", "KERNEL_CONFIG"]
 
 # (BLOCK_N, num_warps, num_stages): of the five in decode_attention_s11_h200.json, the fastest at
 # 150-row contexts (W1's) and within 6% of the fastest at 300 and 1,000 rows, from batch 64 on (the
@@ -55,13 +55,20 @@ def paged_decode_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv
     return out
 
 
+def kernel_supports(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a model of these shapes and dtype (else paged_decode_attention falls back
+    to the torch reference, which syncs the host and cannot run inside a CUDA graph)."""
+    return (HAVE_TRITON and dtype in KERNEL_DTYPES and num_qo_heads % num_kv_heads == 0 and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0)
+
+
 def _supported(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_size: int) -> bool:
     if q.dim() != 3 or k_cache.dim() != 3:
         return False
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
-    return (q.dtype in KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.shape == v_cache.shape
-            and k_cache.shape[2] == d and hq % hkv == 0 and d >= 16 and d & (d - 1) == 0 and page_size >= 1
+    return (kernel_supports(hq, hkv, d, q.dtype) and k_cache.dtype == v_cache.dtype == q.dtype
+            and k_cache.shape == v_cache.shape and k_cache.shape[2] == d and page_size >= 1
             and q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
             and k_cache.stride() == v_cache.stride() and bsz > 0)
 

@@ -108,3 +108,12 @@ def test_triton_decode_threshold_is_a_graph_bucket_boundary():
     from gpu_worker.cuda_graphs import BUCKETS
 
     assert TRITON_DECODE_ABOVE in BUCKETS
+
+
+def test_kernel_supports_the_shapes_it_handles():
+    """What FlashInferPagedAttention asks before choosing the kernel: MOSS-TTS's backbone (32 q heads,
+    8 KV heads, head dim 128, bf16) yes; shapes whose fallback would sync inside a CUDA graph, no."""
+    assert DA.kernel_supports(32, 8, 128, torch.bfloat16) == DA.HAVE_TRITON
+    assert not DA.kernel_supports(32, 8, 80, torch.bfloat16)   # head dim not a power of two
+    assert not DA.kernel_supports(30, 8, 128, torch.bfloat16)  # heads not a multiple of the KV heads
+    assert not DA.kernel_supports(32, 8, 128, torch.float64)
