@@ -209,7 +209,7 @@ class TritonDecode:
         if len(last) != self.batch:
             raise ValueError(f"page table of {len(last)} sequences for a decode of {self.batch}")
         host = torch.from_numpy(np.concatenate([indptr, last, indices]).astype(np.int32))
-        self.table[:host.numel()].copy_(host.to(self.table.device, non_blocking=True))
+        self.table[:host.numel()].copy_(host, non_blocking=True)
 
     def run(self, q: Tensor, pages: tuple[Tensor, Tensor]) -> Tensor:
         from gpu_worker.decode_attention import paged_decode_attention

@@ -362,9 +362,9 @@ if HAVE_TRITON:
         # edge when Tk > W), whole chunk, masked chunk (the diagonal). The interpreter cannot take
         # tensor loop bounds (numpy 2 refuses int() of its 1-element scalars), so there each run is a
         # while loop; compiled, each is an scf.for (software pipelined).
-        runs_ring = ((0, n_ring - n_ring_whole, n_ring, True), (0, n_ring_whole, n_ring_whole, False))
-        runs_new = ((first_new, whole_lo, True), (whole_lo, whole_hi, False), (whole_hi, n_new, True))
         if INTERPRETED:
+            runs_ring = ((0, n_ring - n_ring_whole, n_ring, True), (0, n_ring_whole, n_ring_whole, False))
+            runs_new = ((first_new, whole_lo, True), (whole_lo, whole_hi, False), (whole_hi, n_new, True))
             for lo, hi, back, masked in runs_ring:
                 j = lo
                 while j < hi:
