@@ -9,8 +9,8 @@ worker's own graphs and kernels:
 - prefill graph replay time against rows (W1-like requests: `--request-rows` new rows after a
   `--prefix`-row cached prefix each) and the FLOP floor of each point;
 - the decode graph (backbone + frame decode) at `--decode-batch`, the frame decode alone, and
-  one prefill-style graph over the prefill rows plus the decode rows (as one-row sequences):
-  the saving a folded step would make;
+  one prefill graph over the prefill rows plus the decode rows (folded, as the worker runs a
+  mixed step: the decodes' attention on the Triton decode kernel): what a folded step saves;
 - one eager pass of each under the torch profiler, kernels grouped (GEMM, attention, glue);
 - bare GEMMs of the backbone's shapes at the step's row counts, in TFLOP/s.
 
@@ -103,10 +103,11 @@ def main() -> None:
               "gemm": []}
     prefill = engine.prefill_graphs
 
-    def planned_graph(spans: list[SequenceSpan], rows: int, sequences: int):
+    def planned_graph(spans: list[SequenceSpan], rows: int, sequences: int, decodes: list[SequenceSpan] = ()):
+        """The (rows, sequences) graph planned for prefill spans and, folded, decode spans after them."""
         g = prefill._get(rows, sequences)
-        layout = host_layout(prefill._padding(spans, rows, sequences))
-        prefill._plan(g.wrapper, layout, g.positions, g.write_slots, (rows, sequences))
+        layout = host_layout(prefill._padding(spans, rows - len(decodes), sequences) + list(decodes))
+        prefill._plan(g.wrapper, layout, g.positions, g.write_slots, (rows, sequences), len(decodes))
         g.positions.copy_(torch.from_numpy(layout[0]))
         g.write_slots.copy_(torch.from_numpy(layout[1]))
         return g
@@ -131,8 +132,8 @@ def main() -> None:
         spans = prefill_spans(args.fold_rows)
         pre_bucket = prefill.bucket(args.fold_rows, len(spans))
         prefill_ms = replay_ms(planned_graph(spans, *pre_bucket).graph)
-        rows_f, seqs_f = args.fold_rows + B + 1, len(spans) + B + 1  # one padding sequence of one row
-        folded_ms = replay_ms(planned_graph(spans + decode_spans, rows_f, seqs_f).graph)
+        rows_f, seqs_f = args.fold_rows + B + 1, len(spans) + 1  # one padding sequence of one row
+        folded_ms = replay_ms(planned_graph(spans, rows_f, seqs_f, decode_spans).graph)
         saved = decode_ms - frame_ms + prefill_ms - folded_ms
         report["fold"] = {"decode_batch": B, "prefill_rows": args.fold_rows, "decode_graph_ms": decode_ms,
                           "frame_decode_ms": frame_ms, "prefill_graph_ms": prefill_ms,

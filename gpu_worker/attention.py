@@ -48,6 +48,7 @@ class AttentionBatch:
     qo_indptr: Tensor      # [S+1] int32 (host): sequence s owns packed tokens [qo[s], qo[s+1])
     kv_indptr: Tensor      # [S+1] int32 (host)
     kv_indices: Tensor     # [nnz] int32 (host): slots of sequence s are kv_indices[kv[s]:kv[s+1]]
+    decodes: int = 0       # the last `decodes` sequences are decodes (one row each) beside prefill chunks
 
     @property
     def num_sequences(self) -> int:
@@ -58,8 +59,9 @@ class AttentionBatch:
         return int(self.qo_indptr[-1]) == self.num_sequences
 
     @staticmethod
-    def build(spans: Sequence[SequenceSpan], device: torch.device) -> "AttentionBatch":
-        """Packed order = spans in order, each contributing its num_new tokens."""
+    def build(spans: Sequence[SequenceSpan], device: torch.device, decodes: int = 0) -> "AttentionBatch":
+        """Packed order = spans in order, each contributing its num_new tokens; the last `decodes`
+        spans are decodes."""
         positions, write_slots, q_indptr, kv_indptr, kv_indices = host_layout(spans)
         return AttentionBatch(
             positions=torch.from_numpy(positions).to(device, non_blocking=True),
@@ -67,6 +69,7 @@ class AttentionBatch:
             qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
             kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
             kv_indices=torch.from_numpy(kv_indices.astype(np.int32)),
+            decodes=decodes,
         )
 
 
@@ -195,27 +198,67 @@ TRITON_DECODE_ABOVE = 48
 class TritonDecode:
     """The Triton decode kernel behind a flashinfer decode wrapper's interface: `stage` takes the page
     table a plan would (host arrays), `run(q, (k_pages, v_pages))` attends. The table lives in one
-    device buffer (indptr, last page lengths, page ids), so a CUDA graph keeps reading the same
-    addresses while each step stages its own table, without a plan on the host."""
+    device buffer (indptr, last page lengths, [rows,] page ids), so a CUDA graph keeps reading the same
+    addresses while each step stages its own table, without a plan on the host.
 
-    def __init__(self, batch: int, max_pages: int, page_size: int, device: torch.device):
+    With rows=True it serves a folded prefill step's decodes (PrefillWithDecodes): up to `batch`
+    requests, each at its own row of q and out (staged with the table); entries past the step's
+    requests have no pages and are skipped."""
+
+    def __init__(self, batch: int, max_pages: int, page_size: int, device: torch.device, rows: bool = False):
         self.batch, self.page_size = batch, page_size
-        self.table = torch.zeros(2 * batch + 1 + max_pages, dtype=torch.int32, device=device)
+        fields = 2 * batch + 1 + (batch if rows else 0)
+        self.table = torch.zeros(fields + max_pages, dtype=torch.int32, device=device)
         self.indptr, self.last = self.table[:batch + 1], self.table[batch + 1:2 * batch + 1]
-        self.indices = self.table[2 * batch + 1:]
+        self.rows = self.table[2 * batch + 1:fields] if rows else None
+        self.indices = self.table[fields:]
 
-    def stage(self, pages: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    def stage(self, pages: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray | None = None) -> None:
         indptr, indices, last = pages
-        if len(last) != self.batch:
-            raise ValueError(f"page table of {len(last)} sequences for a decode of {self.batch}")
-        host = torch.from_numpy(np.concatenate([indptr, last, indices]).astype(np.int32))
+        n = len(last)
+        if self.rows is None:
+            if n != self.batch or rows is not None:
+                raise ValueError(f"page table of {n} sequences for a decode of {self.batch}")
+            parts = [indptr, last]
+        else:
+            if n > self.batch or rows is None or len(rows) != n:
+                raise ValueError(f"{n} decodes (rows {None if rows is None else len(rows)}) for a folded "
+                                 f"decode of up to {self.batch}")
+            empty = self.batch - n
+            parts = [indptr, np.full(empty, indptr[-1]), last, np.zeros(empty), rows, np.zeros(empty)]
+        host = torch.from_numpy(np.concatenate(parts + [indices]).astype(np.int32))
         self.table[:host.numel()].copy_(host, non_blocking=True)
 
-    def run(self, q: Tensor, pages: tuple[Tensor, Tensor]) -> Tensor:
+    def run(self, q: Tensor, pages: tuple[Tensor, Tensor], out: Tensor | None = None) -> Tensor:
         from gpu_worker.decode_attention import paged_decode_attention
 
         k, v = (t.view(-1, *t.shape[2:]) for t in pages)  # [pages, P, Hkv, D] -> the slot cache
-        return paged_decode_attention(q, k, v, self.indptr, self.indices, self.last, self.page_size)
+        return paged_decode_attention(q, k, v, self.indptr, self.indices, self.last, self.page_size,
+                                      rows=self.rows, out=out)
+
+
+class PrefillWithDecodes:
+    """A mixed step's attention: flashinfer's batch prefill over its prefill sequences (the leading
+    ones), then the Triton decode kernel over its decodes (one-row sequences after them, at the last
+    rows of q) into the same output. flashinfer's prefill kernel gives each one-row sequence a whole
+    query tile; at W1 c256's shape its 180 decodes cost ~2 ms of a folded step's backbone pass
+    (prefill_profile_s10_h200.json) against ~1.2 for the decode kernel.
+
+    graphed: the wrapper of a CUDA graph of fixed rows. flashinfer then reads every row of q and
+    writes the rows its plan covers (its sequences vary in rows from step to step, up to all of
+    them); eager, its plan covers exactly the leading `prefill_rows` rows."""
+
+    def __init__(self, prefill, decode: TritonDecode, graphed: bool):
+        self.prefill, self.decode, self.graphed = prefill, decode, graphed
+        self.prefill_rows = 0
+
+    def run(self, q: Tensor, pages: tuple[Tensor, Tensor]) -> Tensor:
+        if self.graphed:
+            out = self.prefill.run(q, pages)
+        else:
+            out = torch.empty_like(q)
+            self.prefill.run(q[:self.prefill_rows], pages, out=out[:self.prefill_rows])
+        return self.decode.run(q, pages, out=out)
 
 
 class FlashInferPagedAttention(_SlotCache):
@@ -232,7 +275,10 @@ class FlashInferPagedAttention(_SlotCache):
 
         if decode_kernel not in ("auto", "flashinfer", "triton"):
             raise ValueError(f"decode kernel must be auto, flashinfer or triton, got {decode_kernel!r}")
-        if not kernel_supports(num_qo_heads, num_kv_heads, head_dim, dtype):
+        # Mixed steps attend their decodes with the kernel whenever it takes the model (PrefillWithDecodes);
+        # decode_kernel picks the kernel of decode steps.
+        self.folds_decodes = kernel_supports(num_qo_heads, num_kv_heads, head_dim, dtype)
+        if not self.folds_decodes:
             if decode_kernel == "triton":
                 raise ValueError(f"the Triton decode kernel needs triton, fp16/bf16/fp32 and a power-of-two head "
                                  f"dim >= 16 (got {dtype}, head dim {head_dim}): use --decode-kernel flashinfer")
@@ -305,26 +351,41 @@ class FlashInferPagedAttention(_SlotCache):
                    disable_split_kv=not self.decode_split_kv)
 
     def plan_prefill(self, wrapper, batch: AttentionBatch) -> None:
-        """Plan a (mixed) prefill step on a batch-prefill wrapper."""
-        indptr, indices, last_len = self._page_tensors(
-            page_table(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), self.page_size))
-        self._plan(wrapper, batch.qo_indptr, indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads,
+        """Plan a (mixed) prefill step on a batch-prefill wrapper, or on a PrefillWithDecodes (the batch's
+        decodes its decode part)."""
+        qo, kv_indptr, kv_indices = batch.qo_indptr.numpy(), batch.kv_indptr.numpy(), batch.kv_indices.numpy()
+        if isinstance(wrapper, PrefillWithDecodes):
+            s = len(qo) - 1 - batch.decodes
+            first = kv_indptr[s]
+            wrapper.decode.stage(page_table(kv_indptr[s:] - first, kv_indices[first:], self.page_size), qo[s:-1])
+            wrapper.prefill_rows = int(qo[s])
+            qo, kv_indptr, kv_indices = qo[:s + 1], kv_indptr[:s + 1], kv_indices[:first]
+            wrapper = wrapper.prefill
+        elif batch.decodes:
+            raise ValueError("decodes in a prefill plan need a PrefillWithDecodes wrapper")
+        indptr, indices, last_len = self._page_tensors(page_table(kv_indptr, kv_indices, self.page_size))
+        self._plan(wrapper, torch.from_numpy(qo), indptr, indices, last_len, self.num_qo_heads, self.num_kv_heads,
                    self.head_dim, self.page_size, causal=True, q_data_type=self.k_cache.dtype,
                    kv_data_type=self.k_cache.dtype)
 
-    def prefill_graph_wrapper(self, sequences: int, rows: int):
-        """A batch-prefill wrapper for a CUDA graph of exactly `sequences` sequences and `rows`
-        query rows. FA2 always: the graph bakes in the kernel, and the auto choice would switch to
-        FA3 above 64 rows per sequence."""
+    def prefill_graph_wrapper(self, sequences: int, rows: int, decodes: int = 0):
+        """A batch-prefill wrapper for a CUDA graph of exactly `sequences` sequences and at most `rows`
+        query rows; with decodes, a PrefillWithDecodes whose last rows may also hold up to that many
+        decodes. FA2 always: the graph bakes in the kernel, and the auto choice would switch to FA3
+        above 64 rows per sequence."""
         import flashinfer
 
         dev = self.k_cache.device
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, backend="fa2", max_total_num_rows=rows,
             qo_indptr_buf=torch.zeros(sequences + 1, dtype=torch.int32, device=dev),
             paged_kv_indptr_buf=torch.zeros(sequences + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buf=torch.zeros(self.num_slots // self.page_size, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buf=torch.ones(sequences, dtype=torch.int32, device=dev))
+        if not decodes:
+            return prefill
+        decode = TritonDecode(decodes, self.num_slots // self.page_size, self.page_size, dev, rows=True)
+        return PrefillWithDecodes(prefill, decode, graphed=True)
 
     def begin(self, batch: AttentionBatch) -> None:
         if batch.decode_only:
@@ -334,9 +395,17 @@ class FlashInferPagedAttention(_SlotCache):
                        if self.triton_decode(n) else self.decode_wrapper)
             self.plan_decode(wrapper, pages)
             self.active = wrapper
-        else:
-            self.plan_prefill(self.prefill_wrapper, batch)
-            self.active = self.prefill_wrapper
+            return
+        # A mixed step's decodes take the Triton kernel, as in a folded prefill graph, so eager and
+        # graphed mixed steps run the same kernels.
+        decodes = batch.decodes if self.folds_decodes else 0
+        wrapper = self.prefill_wrapper
+        if decodes:
+            pages = sum(-(-np.diff(batch.kv_indptr.numpy()[-decodes - 1:]) // self.page_size))
+            wrapper = PrefillWithDecodes(wrapper, TritonDecode(decodes, int(pages), self.page_size,
+                                                               self.k_cache.device, rows=True), graphed=False)
+        self.plan_prefill(wrapper, batch)
+        self.active = wrapper
 
     def attend(self, layer: int, q: Tensor, batch: AttentionBatch) -> Tensor:
         k, v = self.k_cache[layer], self.v_cache[layer]

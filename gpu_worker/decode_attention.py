@@ -37,21 +37,28 @@ KERNEL_CONFIG = (32, 2, 3)
 
 
 def paged_decode_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indptr: Tensor,
-                                 kv_indices: Tensor, last_page_len: Tensor, page_size: int) -> Tensor:
-    """Reference: each request's slots gathered, softmax(q k^T / sqrt(D)) v per query head, in >= fp32."""
-    bsz, hq, d = q.shape
+                                 kv_indices: Tensor, last_page_len: Tensor, page_size: int,
+                                 rows: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """Reference: each request's slots gathered, softmax(q k^T / sqrt(D)) v per query head, in >= fp32.
+    With rows, request b's query and output are row rows[b] of q and out; a request without pages is
+    skipped (its row of out is left as it was)."""
+    hq, d = q.shape[1:]
     hkv = k_cache.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     indptr, indices, last = kv_indptr.tolist(), kv_indices.long(), last_page_len.tolist()
-    for b in range(bsz):
+    row_of = rows.tolist() if rows is not None else range(q.shape[0])
+    for b, row in enumerate(row_of):
+        if indptr[b + 1] == indptr[b]:
+            continue
         pages = indices[indptr[b]:indptr[b + 1]]
         slots = (pages[:, None] * page_size + torch.arange(page_size, device=pages.device)).reshape(-1)
         slots = slots[:(len(pages) - 1) * page_size + last[b]]
         k = k_cache[slots].to(acc).repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
         v = v_cache[slots].to(acc).repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("hd,lhd->hl", q[b].to(acc), k) / math.sqrt(d)
-        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+        s = torch.einsum("hd,lhd->hl", q[row].to(acc), k) / math.sqrt(d)
+        out[row] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
     return out
 
 
@@ -62,7 +69,7 @@ def kernel_supports(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: 
             and head_dim & (head_dim - 1) == 0)
 
 
-def _supported(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_size: int) -> bool:
+def _supported(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_size: int, out: Tensor | None) -> bool:
     if q.dim() != 3 or k_cache.dim() != 3:
         return False
     bsz, hq, d = q.shape
@@ -70,36 +77,42 @@ def _supported(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_size: int) -> b
     return (kernel_supports(hq, hkv, d, q.dtype) and k_cache.dtype == v_cache.dtype == q.dtype
             and k_cache.shape == v_cache.shape and k_cache.shape[2] == d and page_size >= 1
             and q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
-            and k_cache.stride() == v_cache.stride() and bsz > 0)
+            and k_cache.stride() == v_cache.stride() and bsz > 0
+            and (out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1)))
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indptr: Tensor, kv_indices: Tensor,
-                           last_page_len: Tensor, page_size: int, *, out: Tensor | None = None, impl: str = "auto",
+                           last_page_len: Tensor, page_size: int, *, rows: Tensor | None = None,
+                           out: Tensor | None = None, impl: str = "auto",
                            config: tuple[int, int, int] | None = None) -> Tensor:
     """Decode attention: q [B, Hq, D] (one row per request), k_cache/v_cache [slots, Hkv, D] (one layer),
     kv_indptr [B+1], kv_indices, last_page_len [B] int32 device tensors (the page table). Returns
-    [B, Hq, D] in q's dtype (into `out` if given). Scale 1/sqrt(D); every request has >= 1 KV row."""
-    supported = _supported(q, k_cache, v_cache, page_size)
+    [B, Hq, D] in q's dtype (into `out` if given). Scale 1/sqrt(D).
+
+    rows (int32 [B'], device): request b's query and output are row rows[b] of q and out, which may hold
+    other rows (a folded prefill step's, attended by flashinfer into the same out); the table then has B'
+    requests, and one without pages (indptr[b + 1] == indptr[b]) is skipped. Without rows every request
+    has >= 1 KV row."""
+    supported = _supported(q, k_cache, v_cache, page_size, out)
     if not use_kernel(impl, supported, q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len,
+                      *(() if rows is None else (rows,)),
                       unsupported="fp16/bf16/fp32, head dim a power of two >= 16, Hq a multiple of Hkv"):
-        result = paged_decode_attention_torch(q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, page_size)
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result
-    bsz, hq, d = q.shape
+        return paged_decode_attention_torch(q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, page_size,
+                                            rows, out)
+    hq, d = q.shape[1:]
     hkv = k_cache.shape[1]
     group = hq // hkv
     if out is None:
         out = torch.empty_like(q)
     block_n, warps, stages = config or KERNEL_CONFIG
-    _paged_decode_kernel[(bsz, hkv)](
-        q, k_cache, v_cache, out, kv_indptr, kv_indices, last_page_len,
+    requests = q.shape[0] if rows is None else rows.numel()
+    _paged_decode_kernel[(requests, hkv)](
+        q, k_cache, v_cache, out, kv_indptr, kv_indices, last_page_len, q if rows is None else rows,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         (1.0 / math.sqrt(d)) * math.log2(math.e),
         PAGE=page_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRETED=INTERPRET,
-        num_warps=warps, num_stages=stages)
+        HAS_ROWS=rows is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRETED=INTERPRET, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -131,21 +144,25 @@ if HAVE_TRITON:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr, rows_ptr,
                              sq_b, sq_h, sk_s, sk_h, so_b, so_h, qk_scale,
                              PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                             BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+                             INTERPRETED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         hk = tl.program_id(1).to(tl.int64)
         p0 = tl.load(indptr_ptr + b)
         n_pages = tl.load(indptr_ptr + b + 1) - p0
-        kv_len = (n_pages - 1) * PAGE + tl.load(last_ptr + b)
+        kv_len = (n_pages - 1) * PAGE + tl.load(last_ptr + b)  # <= 0 for a request without pages: skipped
+        row = b
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b).to(tl.int64)
 
         g = tl.arange(0, BLOCK_G)  # query heads of this KV head, padded to a tl.dot tile
         gmask = (g < GROUP)[:, None]
         d = tl.arange(0, D)[None, :]
         heads = hk * GROUP + g
-        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d, mask=gmask, other=0.0)
+        q = tl.load(q_ptr + row * sq_b + heads[:, None] * sq_h + d, mask=gmask, other=0.0)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -164,5 +181,6 @@ if HAVE_TRITON:
             for start in range(0, kv_len, BLOCK_N):
                 m_i, l_i, acc = _kv_block(start, q, m_i, l_i, acc, k_head, v_head, indices_ptr, p0, kv_len, sk_s, d,
                                           qk_scale, PAGE, BLOCK_N, PRECISION, INTERPRETED)
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d, o.to(o_ptr.dtype.element_ty), mask=gmask)
+        o = acc / tl.where(kv_len > 0, l_i, 1.0)[:, None]  # l_i >= 1 for a request with rows
+        tl.store(o_ptr + row * so_b + heads[:, None] * so_h + d, o.to(o_ptr.dtype.element_ty),
+                 mask=gmask & (kv_len > 0))

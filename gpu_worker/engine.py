@@ -112,12 +112,13 @@ class Engine:
         self.max_context = max_context
         self.graphs = None
         self.prefill_graphs = None
-        self.fold_decodes = fold_decodes
+        # Folding needs the Triton decode kernel for the decodes' attention (attention.PrefillWithDecodes).
+        self.fold_decodes = fold_decodes and getattr(self.kv, "folds_decodes", True)
         if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
             from gpu_worker.cuda_graphs import GraphedDecode
             from gpu_worker.prefill_graphs import GraphedPrefill
             self.graphs = GraphedDecode(self)
-            self.prefill_graphs = GraphedPrefill(self, fold_decodes)
+            self.prefill_graphs = GraphedPrefill(self, self.fold_decodes)
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
@@ -296,7 +297,7 @@ class Engine:
         a capture or replay fails (prefill graphs are then off for good): the caller runs them otherwise."""
         prefill = self.prefill_graphs
         rows = sum(r.shape[0] for r in prompt_rows) + len(decode_rows)
-        bucket = prefill.bucket(rows, len(spans)) if prefill else None
+        bucket = prefill.bucket(rows, len(spans) - len(decode_rows), len(decode_rows)) if prefill else None
         if bucket is None:
             return None
         try:
@@ -315,7 +316,7 @@ class Engine:
         embeds = [self.model.embed_rows(to_device(np.concatenate(prompt_rows), self.device))] if prompt_rows else []
         if decode_rows:
             embeds.append(self.pool.feedback[to_device(decode_rows, self.device)])
-        batch = AttentionBatch.build(spans, self.device)
+        batch = AttentionBatch.build(spans, self.device, decodes=len(decode_rows))
         self.kv.begin(batch)
         hidden = self.model.backbone(torch.cat(embeds) if len(embeds) > 1 else embeds[0], batch, self.kv)
         return self._first_frames(hidden, spans, sample_at, rows_list)

@@ -18,13 +18,16 @@ is not batch-invariant on the GPU; the CPU float64 contract does not involve gra
 
 Folded decodes (gpu_worker --fold-decodes). A step that prefills beside decodes otherwise runs
 two passes over the backbone's weights, this graph and the decode graph. Folded, its decodes
-ride in this graph as one-row sequences that read their feedback embedding from the pool (as
-the decode graph does), and every row the step samples (decodes and new requests' first
-frames) goes through one frame-decode graph afterwards: the eager path's layout, graphed. On
-the H200 at W1 c256's shape (448 prefill rows beside 180 decodes) one backbone pass over both
-took 11.26 ms against 5.74 + 7.40 apart (prefill_profile_s10_h200.json), and the first frames'
-own frame-decode pass (~1.3 ms) goes too. The sequence buckets then reach past the decode
-batch.
+ride in this graph's last rows, reading their feedback embedding from the pool (as the decode
+graph does), and every row the step samples (decodes and new requests' first frames) goes
+through one frame-decode graph afterwards: the eager path's layout, graphed. On the H200 at W1
+c256's shape (448 prefill rows beside 180 decodes) one backbone pass over both took 11.26 ms
+against 5.74 + 7.40 apart (prefill_profile_s10_h200.json), and the first frames' own
+frame-decode pass (~1.3 ms) goes too. The decodes' attention is the Triton decode kernel
+(attention.PrefillWithDecodes), up to min(max batch, R) of them in any (R, S) graph: flashinfer's
+prefill kernel gave each a query tile of its own, ~2 ms of that pass. So the packed order is
+[prefill rows][padding sequences][decode rows], S counts the prefill and padding sequences only,
+and a step without decodes uses the same graphs.
 """
 
 from __future__ import annotations
@@ -50,11 +53,6 @@ ROW_BUCKETS = tuple(range(64, 769, 64)) + (896, 1024, 1280, 1536, 1792, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
-def fold_sequence_buckets(max_batch: int) -> tuple[int, ...]:
-    """SEQUENCE_BUCKETS, then every 64 up to past max_batch decodes plus 64 prefill sequences."""
-    return SEQUENCE_BUCKETS + tuple(range(128, max_batch + SEQUENCE_BUCKETS[-1] + 65, 64))
-
-
 class PrefillBucketUnusable(RuntimeError):
     """flashinfer refused to plan this bucket (e.g. its workspace is too small for the rows):
     prefills of that bucket run eagerly, the other buckets keep their graphs."""
@@ -72,22 +70,23 @@ class _PrefillGraph:
     out: torch.Tensor        # [rows, hidden]: final-norm hidden states
     feedback_rows: torch.Tensor | None = None  # folded: [rows] int64 pool row of each decode row (spare elsewhere)
     is_decode: torch.Tensor | None = None      # folded: [rows] bool, the rows that read feedback embeddings
+    decodes: int = 0                           # folded: the most decodes its last rows hold
 
 
 class GraphedPrefill:
     def __init__(self, engine, fold_decodes: bool = False):
         self.engine = engine
         self.fold_decodes = fold_decodes
-        self.sequence_buckets = fold_sequence_buckets(engine.max_batch) if fold_decodes else SEQUENCE_BUCKETS
         self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle()  # its own: the output is read after other graphs run
         self.disabled: str | None = None
         self.unusable: dict[tuple[int, int], str] = {}  # bucket -> why flashinfer refused to plan it
 
-    def bucket(self, rows: int, sequences: int) -> tuple[int, int] | None:
-        """(R, S) for r rows in s sequences, or None: the step runs eagerly."""
-        s = next((b for b in self.sequence_buckets if b > sequences), None)
-        if s is None or self.disabled:
+    def bucket(self, rows: int, sequences: int, decodes: int = 0) -> tuple[int, int] | None:
+        """(R, S) for r rows in s prefill sequences (plus, folded, `decodes` of the rows as decodes), or
+        None: the step runs eagerly (or, folded, apart)."""
+        s = next((b for b in SEQUENCE_BUCKETS if b > sequences), None)
+        if s is None or self.disabled or decodes > self.engine.max_batch:
             return None
         r = next((b for b in ROW_BUCKETS if b >= rows + s - sequences), None)
         return None if r is None or (r, s) in self.unusable else (r, s)
@@ -96,7 +95,7 @@ class GraphedPrefill:
         """Every bucket ahead of serving, largest first so smaller graphs reuse its memory. A bucket
         flashinfer cannot plan is left out (logged); any other failure leaves every prefill eager."""
         try:
-            for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in self.sequence_buckets if s <= r),
+            for r, s in sorted(((r, s) for r in ROW_BUCKETS for s in SEQUENCE_BUCKETS if s <= r),
                                key=lambda rs: (-rs[0], -rs[1])):
                 try:
                     self._get(r, s)
@@ -125,12 +124,13 @@ class GraphedPrefill:
         positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
         feedback_rows = is_decode = None
+        decodes = min(e.max_batch, rows) if self.fold_decodes else 0
         if self.fold_decodes:
             feedback_rows = torch.full((rows,), e.pool.spare_row, dtype=torch.int64, device=dev)
             is_decode = torch.zeros(rows, dtype=torch.bool, device=dev)
-        wrapper = e.kv.prefill_graph_wrapper(sequences, rows)
+        wrapper = e.kv.prefill_graph_wrapper(sequences, rows, decodes)
         batch = self._plan(wrapper, host_layout(self._padding([], rows, sequences)), positions, write_slots,
-                           (rows, sequences))
+                           (rows, sequences), 0)
 
         def body() -> torch.Tensor:
             e.kv.active = wrapper
@@ -141,19 +141,20 @@ class GraphedPrefill:
 
         graph, out = cuda_graphs.capture_graph(body, self.mempool)
         g = self.graphs[(rows, sequences)] = _PrefillGraph(rows, sequences, graph, wrapper, tokens, positions,
-                                                          write_slots, out, feedback_rows, is_decode)
+                                                          write_slots, out, feedback_rows, is_decode, decodes)
         log.info("captured prefill graph for %d rows in %d sequences", rows, sequences)
         return g
 
     def _plan(self, wrapper, layout: tuple[np.ndarray, ...], positions: torch.Tensor,
-              write_slots: torch.Tensor, bucket: tuple[int, int]) -> AttentionBatch:
-        """Plan the wrapper for a padded step's host layout (attention.host_layout). Nothing is
-        launched before the plan, so a refusal leaves no state behind: PrefillBucketUnusable."""
+              write_slots: torch.Tensor, bucket: tuple[int, int], decodes: int) -> AttentionBatch:
+        """Plan the wrapper for a padded step's host layout (attention.host_layout), its last `decodes`
+        sequences folded decodes. Nothing is launched before the plan, so a refusal leaves no state
+        behind: PrefillBucketUnusable."""
         _, _, q_indptr, kv_indptr, kv_indices = layout
         batch = AttentionBatch(positions=positions, write_slots=write_slots,
                                qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
                                kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
-                               kv_indices=torch.from_numpy(kv_indices.astype(np.int32)))
+                               kv_indices=torch.from_numpy(kv_indices.astype(np.int32)), decodes=decodes)
         try:
             self.engine.kv.plan_prefill(wrapper, batch)
         except (ValueError, RuntimeError) as e:
@@ -165,15 +166,17 @@ class GraphedPrefill:
             decode_rows: Sequence[int] = ()) -> torch.Tensor:
         """Final-norm hidden states [n, hidden] of the packed prefill rows [r, 1 + n_vq] (sequences
         `spans`, in order) and, folded, of the decodes after them (the last len(decode_rows) spans, one
-        row each, pool rows decode_rows), by replaying the bucket's graph. The result is a view of the
-        graph's output: read it before this graph (or another of this pool) replays again."""
+        row each, pool rows decode_rows), by replaying the bucket's graph. Without decodes the result is
+        a view of the graph's output: read it before this graph (or another of this pool) replays again."""
         e = self.engine
         g = self._get(*bucket)
         r, d = rows.shape[0], len(decode_rows)
-        if d and g.is_decode is None:
-            raise ValueError("decodes in a prefill graph need GraphedPrefill(fold_decodes=True)")
-        layout = host_layout(self._padding(spans, g.rows, g.sequences))
-        self._plan(g.wrapper, layout, g.positions, g.write_slots, bucket)  # before any copy: may refuse
+        if d > g.decodes:
+            raise ValueError(f"{d} decodes in a prefill graph that holds {g.decodes} "
+                             f"(folding needs GraphedPrefill(fold_decodes=True))")
+        prefill_spans, decode_spans = spans[:len(spans) - d], spans[len(spans) - d:]
+        layout = host_layout(self._padding(prefill_spans, g.rows - d, g.sequences) + list(decode_spans))
+        self._plan(g.wrapper, layout, g.positions, g.write_slots, bucket, d)  # before any copy: may refuse
         positions, write_slots = layout[:2]
         width = rows.shape[1]
         staged = np.zeros((g.rows, width + (4 if g.is_decode is not None else 2)), dtype=np.int64)
@@ -182,8 +185,8 @@ class GraphedPrefill:
         staged[:, width + 1] = write_slots
         if g.is_decode is not None:
             staged[:, width + 2] = e.pool.spare_row
-            staged[r:r + d, width + 2] = decode_rows
-            staged[r:r + d, width + 3] = 1
+            staged[g.rows - d:, width + 2] = decode_rows
+            staged[g.rows - d:, width + 3] = 1
         staged = torch.from_numpy(staged).to(e.device, non_blocking=True)
         g.tokens.copy_(staged[:, :width])
         g.positions.copy_(staged[:, width])
@@ -192,4 +195,4 @@ class GraphedPrefill:
             g.feedback_rows.copy_(staged[:, width + 2])
             g.is_decode.copy_(staged[:, width + 3] != 0)
         g.graph.replay()
-        return g.out[:r + d]
+        return torch.cat((g.out[:r], g.out[g.rows - d:])) if d else g.out[:r]

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sample all its frames in one frame-decode pass, instead of a prefill graph, a first-frame "
                         "graph and the decode graph (one H200, 180 decodes beside 113 prefill rows: 11.8 ms a "
                         "step against 14.1; the eager engine's layout, so graphed frames equal eager ones). "
-                        "Captures prefill graphs for up to --max-batch + 64 sequences")
+                        "The decodes' attention is the Triton decode kernel (folding is off where it cannot take "
+                        "the model)")
     p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
     p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")

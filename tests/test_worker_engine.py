@@ -182,10 +182,10 @@ def test_prefill_graph_buckets_and_padding():
     from gpu_worker.prefill_graphs import ROW_BUCKETS, SEQUENCE_BUCKETS, GraphedPrefill
 
     class FakeEngine:
-        scratch_slot, page_size = 4080, 16
+        scratch_slot, page_size, max_batch = 4080, 16, 256
 
     g = GraphedPrefill.__new__(GraphedPrefill)
-    g.engine, g.disabled, g.unusable, g.sequence_buckets = FakeEngine(), None, {}, SEQUENCE_BUCKETS
+    g.engine, g.disabled, g.unusable = FakeEngine(), None, {}
     assert g.bucket(45, 1) == (64, 2)
     assert g.bucket(63, 1) == (64, 2) and g.bucket(64, 1) == (128, 2)
     assert g.bucket(400, 10) == (448, 16) and g.bucket(443, 10) == (512, 16)
@@ -195,13 +195,10 @@ def test_prefill_graph_buckets_and_padding():
     assert g.bucket(2048, 60) == (2112, 64) and g.bucket(2110, 60) is None  # too many rows: eager
     assert g.bucket(10, SEQUENCE_BUCKETS[-1]) is None  # too many sequences: eager
     assert g.bucket(ROW_BUCKETS[-1], 1) is None
-    # Folded decodes: sequence buckets past the decode batch plus 64 prefill sequences.
-    from gpu_worker.prefill_graphs import fold_sequence_buckets
-    assert fold_sequence_buckets(256) == SEQUENCE_BUCKETS + (128, 192, 256, 320, 384)
-    g.sequence_buckets = fold_sequence_buckets(256)
-    assert g.bucket(450 + 180, 10 + 180) == (640, 192)  # W1 c256: ~450 prefill rows beside 180 decodes
-    assert g.bucket(2048 + 256, 46 + 256) is None  # more rows than the largest bucket: apart, as unfolded
-    g.sequence_buckets = SEQUENCE_BUCKETS
+    # Folded decodes: rows, but not sequences (the decode kernel takes them, up to the decode batch).
+    assert g.bucket(450 + 180, 10, 180) == (640, 16)  # W1 c256: ~450 prefill rows beside 180 decodes
+    assert g.bucket(2048 + 256, 46, 256) is None  # more rows than the largest bucket: apart, as unfolded
+    assert g.bucket(100, 1, 257) is None  # more decodes than the pool holds
     real = [SequenceSpan(np.arange(100, 140), 30), SequenceSpan(np.arange(200, 215), 15)]
     padded = g._padding(real, 64, 4)
     assert [sp.num_new for sp in padded] == [30, 15, 1, 18]
@@ -225,7 +222,7 @@ def test_prefill_graph_plumbing_matches_eager(model, monkeypatch, graph_stand_in
     want = Driver(model).run(prompts, frames=10)
     d = Driver(model)
     kv = d.engine.kv
-    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: None, raising=False)
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows, decodes=0: None, raising=False)
     monkeypatch.setattr(kv, "plan_prefill", lambda wrapper, batch: kv.begin(batch), raising=False)
     graphs = cuda_graphs.GraphedDecode(d.engine)
     graphs.fits = lambda n: False  # decode steps stay eager; the prefill-only first step takes the graph
@@ -249,7 +246,7 @@ def test_folded_decodes_match_eager(model, monkeypatch, graph_stand_in):
     want = Driver(model).run(prompts, frames=10, arrivals=late)
     d = Driver(model)
     kv = d.engine.kv
-    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: None, raising=False)
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows, decodes=0: None, raising=False)
     monkeypatch.setattr(kv, "plan_prefill", lambda wrapper, batch: kv.begin(batch), raising=False)
     d.engine.fold_decodes = True
     graphs = cuda_graphs.GraphedDecode(d.engine)
@@ -277,7 +274,7 @@ def test_prefill_graph_failure_falls_back_to_eager(model, monkeypatch):
     want = Driver(model).run(prompts, frames=6)
     d = Driver(model)
 
-    def broken(sequences, rows):
+    def broken(sequences, rows, decodes=0):
         raise ValueError("no graph-mode prefill here")
 
     monkeypatch.setattr(d.engine.kv, "prefill_graph_wrapper", broken, raising=False)
@@ -307,7 +304,7 @@ def test_prefill_bucket_flashinfer_refuses_runs_eagerly(model, monkeypatch, grap
             raise ValueError("workspace too small")
         kv.begin(batch)
 
-    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows: ("big",) if rows >= 128 else None,
+    monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows, decodes=0: ("big",) if rows >= 128 else None,
                         raising=False)
     monkeypatch.setattr(kv, "plan_prefill", plan, raising=False)
     graphs = cuda_graphs.GraphedDecode(d.engine)
