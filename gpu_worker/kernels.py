@@ -159,11 +159,21 @@ if HAVE_TRITON:
         c = tl.arange(0, 2 * BLOCK_H)
         mc = c < D
         src = qkv_ptr + b * qkv_stride + h * D + c
+        # Every load first, the cache's too: they do not depend on this position's k, v (positions
+        # < P only), and issued before the store below they overlap instead of waiting on it.
         q = tl.load(src, mask=mc, other=0.0)
+        k_new = tl.load(src + width, mask=mc, other=0.0)
+        v_new = tl.load(src + 2 * width, mask=mc, other=0.0)
+        row = b * c_sb + h * c_sh
+        j = tl.arange(0, BLOCK_P)
+        cached = (j < P)[:, None] & mc[None, :]
+        at = row + j[:, None] * c_sp + c[None, :]
+        k_old = tl.load(kc_ptr + at, mask=cached, other=0.0)
+        v_old = tl.load(vc_ptr + at, mask=cached, other=0.0)
         dt = q.dtype
         qe, qo = _pairs(q.to(tl.float32), BLOCK_H)
-        ke, ko = _pairs(tl.load(src + width, mask=mc, other=0.0).to(tl.float32), BLOCK_H)
-        ve, vo = _pairs(tl.load(src + 2 * width, mask=mc, other=0.0).to(tl.float32), BLOCK_H)
+        ke, ko = _pairs(k_new.to(tl.float32), BLOCK_H)
+        ve, vo = _pairs(v_new.to(tl.float32), BLOCK_H)
         if HAS_ROPE:
             # model.rotate_interleaved in the activation dtype: x*cos + rot(x)*sin with
             # rot = (-x_odd, x_even) per pair, every product and the sum rounded.
@@ -176,14 +186,10 @@ if HAVE_TRITON:
             ke, ko = (_rnd(_rnd(ke * cs, dt, CUDA) + _rnd(-ko * sn, dt, CUDA), dt, CUDA),
                       _rnd(_rnd(ko * cs, dt, CUDA) + _rnd(ke * sn, dt, CUDA), dt, CUDA))
         # Append this position's k, v; positions < P come from earlier launches.
-        row = b * c_sb + h * c_sh
         tl.store(kc_ptr + row + P * c_sp + c, _cast(_interleave(ke, ko, BLOCK_H), dt, CUDA), mask=mc)
         tl.store(vc_ptr + row + P * c_sp + c, _cast(_interleave(ve, vo, BLOCK_H), dt, CUDA), mask=mc)
-        j = tl.arange(0, BLOCK_P)
-        cached = (j < P)[:, None] & mc[None, :]
-        at = row + j[:, None] * c_sp + c[None, :]
         is_new = (j == P)[:, None]
-        Ke, Ko = _pairs2(tl.load(kc_ptr + at, mask=cached, other=0.0).to(tl.float32), BLOCK_P, BLOCK_H)
+        Ke, Ko = _pairs2(k_old.to(tl.float32), BLOCK_P, BLOCK_H)
         Ke = tl.where(is_new, ke[None, :], Ke)
         Ko = tl.where(is_new, ko[None, :], Ko)
         # Scores and softmax in fp32, probabilities rounded to the activation dtype for P·V.
@@ -191,7 +197,7 @@ if HAVE_TRITON:
         sc = tl.where(j <= P, sc, float("-inf"))
         e = _exp(sc - tl.max(sc, axis=0), CUDA)
         p = _rnd(_div(e, tl.sum(e, axis=0)), dt, CUDA)
-        Ve, Vo = _pairs2(tl.load(vc_ptr + at, mask=cached, other=0.0).to(tl.float32), BLOCK_P, BLOCK_H)
+        Ve, Vo = _pairs2(v_old.to(tl.float32), BLOCK_P, BLOCK_H)
         Ve = tl.where(is_new, ve[None, :], Ve)
         Vo = tl.where(is_new, vo[None, :], Vo)
         o = _interleave(tl.sum(p[:, None] * Ve, axis=0), tl.sum(p[:, None] * Vo, axis=0), BLOCK_H)
@@ -682,9 +688,13 @@ def _local_attention_torch(qkv, k_cache, v_cache, p, cos, sin, n_head):
     return local_attention(qkv, k_cache, v_cache, p, cos, sin, n_head)
 
 
+# local_attention's warps a program; benchmarks/local_attention_tune.py times the candidates
+LOCAL_ATTENTION_WARPS = 2
+
+
 def local_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: int,
                     cos: torch.Tensor | None, sin: torch.Tensor | None, n_head: int, *,
-                    impl: str = "auto") -> torch.Tensor:
+                    impl: str = "auto", num_warps: int | None = None) -> torch.Tensor:
     """model.local_attention in one launch: interleaved RoPE of q and k at local position p,
     k/v stored at cache position p, attention over positions 0..p. qkv [B, 3*n_head*d]
     (c_attn's output), caches [B, n_head, P, d], cos/sin the fp32 rows of the RoPE tables
@@ -704,7 +714,8 @@ def local_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qkv, qkv.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         cos if rope else qkv, sin if rope else qkv, out, out.stride(0), int(p), d // 2, d ** -0.5,
         HAS_ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[2])),
-        BLOCK_H=max(16, triton.next_power_of_2(d // 2)), CUDA=qkv.is_cuda, **_launch_opts(2))
+        BLOCK_H=max(16, triton.next_power_of_2(d // 2)), CUDA=qkv.is_cuda,
+        **_launch_opts(num_warps or LOCAL_ATTENTION_WARPS))
     return out
 
 
