@@ -15,6 +15,7 @@ and inside the worker it gained nothing (worker_{cuda,tensor}_core_s10_h200.json
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import torch
@@ -35,10 +36,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="graph replays (36 calls each) a point")
     ap.add_argument("--triton-configs", default="64:4:2,32:4:2,64:4:3,128:8:2,32:2:3",
                     help="BLOCK_N:num_warps:num_stages of the Triton kernel, comma-separated ('' for none)")
+    ap.add_argument("--baseline", metavar="FILE",
+                    help="a decode_attention.py of another tree (git show REV:gpu_worker/decode_attention.py > "
+                         "FILE): its kernel at its default config is timed too, as 'baseline_us'")
     ap.add_argument("--bandwidth", type=float, default=4.3e12)
     ap.add_argument("--out")
     args = ap.parse_args()
     import flashinfer
+
+    baseline = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_decode_attention", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
 
     qo_heads, kv_heads, dim, dev = 32, 8, 128, torch.device("cuda")
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
@@ -94,6 +104,14 @@ def main() -> None:
                         point["triton_us"][str(cfg)] = replay_ms(g, args.iters) * 1e3 / 36
                     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                         print(f"triton {cfg}: failed ({type(e).__name__}: {e})", flush=True)
+                if baseline is not None:
+                    g = torch.cuda.CUDAGraph()
+                    baseline.paged_decode_attention(q, *caches[0], *table, page, impl="triton")
+                    with torch.cuda.graph(g):
+                        for k, v in caches:
+                            baseline.paged_decode_attention(q, k, v, *table, page, impl="triton")
+                    point["baseline_us"] = replay_ms(g, args.iters) * 1e3 / 36
+                    print(f"baseline {baseline.KERNEL_CONFIG}: {point['baseline_us']:7.1f} us", flush=True)
                 results["points"].append(point)
                 best = min(point["triton_us"].items(), key=lambda kv: kv[1], default=("-", float("nan")))
                 print(f"page {page:3d} ctx {ctx:5d} bs {bs:4d}: tensor cores {point['tensor_cores_us']:7.1f} us, "

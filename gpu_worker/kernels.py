@@ -688,8 +688,9 @@ def _local_attention_torch(qkv, k_cache, v_cache, p, cos, sin, n_head):
     return local_attention(qkv, k_cache, v_cache, p, cos, sin, n_head)
 
 
-# local_attention's warps a program; benchmarks/local_attention_tune.py times the candidates
-LOCAL_ATTENTION_WARPS = 2
+# local_attention's warps a program. One H200, a frame's 12 calls (local_attention_tune_s12_h200.json):
+# 1 warp 160 us at batch 180, 2 warps 192, 4 warps 391; the fewest warps win at every batch, 64 to 256.
+LOCAL_ATTENTION_WARPS = 1
 
 
 def local_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: int,
