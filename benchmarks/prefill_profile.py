@@ -144,18 +144,21 @@ def main() -> None:
               f"a prefill step", flush=True)
 
         # eager passes under the profiler: where the time goes
-        def eager(spans: list[SequenceSpan]):
+        def eager(spans: list[SequenceSpan], decodes: int = 0):
             n = sum(sp.num_new for sp in spans)
             tokens = torch.zeros(n, cfg.row_width, dtype=torch.int64, device="cuda")
-            batch = AttentionBatch.build(spans, engine.device)
+            batch = AttentionBatch.build(spans, engine.device, decodes)
 
             def run():
                 engine.kv.begin(batch)
                 return model.backbone(model.embed_rows(tokens), batch, engine.kv)
             return run
-        for name, spans in (("prefill", prefill_spans(args.fold_rows)), ("decode", decode_spans),
-                            ("folded", prefill_spans(args.fold_rows) + decode_spans)):
-            c = report["census"][name] = kernel_census(eager(spans))
+        # folded: as the worker runs it (decodes on the decode kernel); folded_flashinfer: every row through
+        # flashinfer's prefill kernel, as before session 12
+        for name, spans, decodes in (("prefill", prefill_spans(args.fold_rows), 0), ("decode", decode_spans, 0),
+                                     ("folded", prefill_spans(args.fold_rows) + decode_spans, B),
+                                     ("folded_flashinfer", prefill_spans(args.fold_rows) + decode_spans, 0)):
+            c = report["census"][name] = kernel_census(eager(spans, decodes))
             print(f"eager {name} ({sum(sp.num_new for sp in spans)} rows): {c['kernels']} kernels, "
                   f"{c['busy_ms']:.2f} ms busy: {c['by_category_ms']}", flush=True)
 
