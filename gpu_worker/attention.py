@@ -30,8 +30,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpu_worker.staging import copy_to_device, to_device
-
 
 @dataclass
 class SequenceSpan:
@@ -66,8 +64,8 @@ class AttentionBatch:
         spans are decodes."""
         positions, write_slots, q_indptr, kv_indptr, kv_indices = host_layout(spans)
         return AttentionBatch(
-            positions=to_device(positions, device),
-            write_slots=to_device(write_slots, device),
+            positions=torch.from_numpy(positions).to(device, non_blocking=True),
+            write_slots=torch.from_numpy(write_slots).to(device, non_blocking=True),
             qo_indptr=torch.from_numpy(q_indptr.astype(np.int32)),
             kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
             kv_indices=torch.from_numpy(kv_indices.astype(np.int32)),
@@ -229,7 +227,7 @@ class TritonDecode:
             empty = self.batch - n
             parts = [indptr, np.full(empty, indptr[-1]), last, np.zeros(empty), rows, np.zeros(empty)]
         host = torch.from_numpy(np.concatenate(parts + [indices]).astype(np.int32))
-        copy_to_device(self.table[:host.numel()], host)
+        self.table[:host.numel()].copy_(host, non_blocking=True)
 
     def run(self, q: Tensor, pages: tuple[Tensor, Tensor], out: Tensor | None = None) -> Tensor:
         from gpu_worker.decode_attention import paged_decode_attention
@@ -322,7 +320,7 @@ class FlashInferPagedAttention(_SlotCache):
         into its buffer with a blocking copy, which waits for every kernel queued before it: each
         graphed decode step drained the pipeline (step N+1's plan waited for step N to finish)."""
         indptr, indices, last_len = (torch.from_numpy(a) for a in pages)
-        return indptr, to_device(indices, self.k_cache.device), last_len
+        return indptr, indices.to(self.k_cache.device, non_blocking=True), last_len
 
     def triton_decode(self, batch: int) -> bool:
         """Whether a decode of `batch` requests (or a decode graph of that bucket) uses TritonDecode."""

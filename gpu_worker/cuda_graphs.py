@@ -15,7 +15,7 @@ decode step's: `GraphedDecode.sample` replays a frame-decode-only graph per
 bucket for it instead of hundreds of small eager launches. On the H200 a step
 with prefill took 46 ms at c1 against 9 for a decode step, all of it added to
 the request's time to first audio; the eager frame decode is one part, the
-blocking copies then on the same path (now staging.to_device) the other.
+blocking copies then on the same path (engine.to_device) the other.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from gpu_worker.attention import AttentionBatch, SequenceSpan, page_table
-from gpu_worker.staging import to_device
 
 log = logging.getLogger("chorus.worker")
 
@@ -164,7 +163,7 @@ class GraphedDecode:
         g.hidden[:n].copy_(hidden)
         staged = torch.from_numpy(np.concatenate([np.asarray(rows, dtype=np.int64),
                                                   np.full(b - n, self.engine.pool.spare_row, dtype=np.int64)]))
-        g.rows.copy_(to_device(staged, self.engine.device))
+        g.rows.copy_(staged.to(self.engine.device, non_blocking=True))
         g.graph.replay()
         return g.out[:n]
 
@@ -192,7 +191,7 @@ class GraphedDecode:
             np.concatenate([kv_lens - 1, np.zeros(pad, np.int64)]),
             np.concatenate([newest, np.full(pad, e.scratch_slot)]),
         ]).astype(np.int64)
-        staged = to_device(host, e.device)
+        staged = torch.from_numpy(host).to(e.device, non_blocking=True)
         g.rows.copy_(staged[0])
         g.positions.copy_(staged[1])
         g.write_slots.copy_(staged[2])

@@ -29,7 +29,6 @@ from chorus.v1 import common_pb2, worker_pb2
 from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
 from gpu_worker.model import MossTTSLocal
 from gpu_worker.prefill_graphs import PrefillBucketUnusable
-from gpu_worker.staging import to_device
 from gpu_worker.state_pool import DecodeStatePool, RequestState
 
 log = logging.getLogger("chorus.worker")
@@ -37,6 +36,15 @@ log = logging.getLogger("chorus.worker")
 
 def matrix_to_array(m: common_pb2.IntMatrix) -> np.ndarray:
     return np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols).astype(np.int64)
+
+
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """int64 host values on `device` without a host sync. A blocking copy (`.to(device)`,
+    `torch.as_tensor(..., device=cuda)`) waits for every kernel already queued on the stream:
+    in `launch` that drains the pipeline, so step N+1's host work stops overlapping step N's GPU
+    work. From pageable memory, a non-blocking copy returns once its bytes are staged."""
+    t = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return t.to(device, non_blocking=True)
 
 
 def tensor_to_matrix(t: torch.Tensor | np.ndarray) -> common_pb2.IntMatrix:
