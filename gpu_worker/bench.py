@@ -74,6 +74,8 @@ class LaunchPhases:
     waits on the GPU (a plan waiting for its previous copy, a staging copy) shows up in one part."""
 
     PARTS = {"prefill": ("engine", "_prefill"),       # prefill graph: plan, staging, replay, first frames
+             "folded step": ("engine", "_folded"),      # folded: the prefill graph with the decodes, first frames
+             "prefill graph": ("prefill_graphs", "run"),  # inside both: plan, staging, replay
              "decode graph": ("graphs", "run"),         # decode graph: plan, staging, replay
              "attention plans": ("kv", "_plan"),        # inside both: flashinfer plan + wait for the last copy
              "journal copy": ("engine", "_to_host")}
@@ -81,7 +83,7 @@ class LaunchPhases:
     def __init__(self, engine: Engine):
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
-        owners = {"engine": engine, "graphs": engine.graphs, "kv": engine.kv}
+        owners = {"engine": engine, "graphs": engine.graphs, "kv": engine.kv, "prefill_graphs": engine.prefill_graphs}
         for name, (owner, attr) in self.PARTS.items():
             obj = owners[owner]
             if obj is not None and hasattr(obj, attr):  # the torch backend has no plans, CPU no graphs

@@ -25,8 +25,8 @@ def test_worker_bench_smoke(tmp_path):
     assert all(p["host_launch_ms"] > 0 for p in report["points"])  # host time in Engine.launch
     two = mixed["points"][1]  # every 2nd step prefills: its launches and the others' apart, in parts
     assert two["host_launch_ms_prefill_steps"] > 0 and two["host_launch_ms_other_steps"] > 0
-    assert set(two["host_launch_parts_ms"]["other_steps"]) == {"prefill", "decode graph", "attention plans",
-                                                               "journal copy"}
+    assert set(two["host_launch_parts_ms"]["other_steps"]) == {"prefill", "folded step", "prefill graph",
+                                                               "decode graph", "attention plans", "journal copy"}
 
 
 def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
