@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
                    help="decode attention on CUDA: auto = the Triton kernel for decode batches above 48 "
                         "requests (on an H200 ~40%% faster than flashinfer's at ~150-row contexts, where "
-                        "W1 runs), flashinfer's below (it splits long contexts over thread blocks)")
+                        "W1 runs), flashinfer's below (it splits long contexts over thread blocks). Decode "
+                        "steps only: a folded (or eager) mixed step's decodes take the Triton kernel")
     p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
                    help="run a step that prefills beside decodes as one graphed backbone pass over both, and "
                         "sample all its frames in one frame-decode pass, instead of a prefill graph, a first-frame "
