@@ -187,11 +187,12 @@ def quick_graph_parity(model) -> dict:
       move (informational);
     - together: graphed vs eager engine, 3 requests prefilled together (bucket padding 3 -> 4);
     - late: graphed vs eager with the late request. The eager engine runs that mixed step as one
-      forward (decode rows through the prefill attention kernel), the graphed one as eager prefill
-      plus the decode graph, so divergence from the late step on is expected in bf16;
+      forward (its decode rows through the Triton decode kernel since session 12, the prefill
+      kernel before), the graphed one as eager prefill plus the decode graph (flashinfer's decode at
+      this batch), so divergence from the late step on is expected in bf16;
     - late_folded: the same with the default graphed engine, which folds the mixed step (one
-      prefill-graph pass over prefill and decode rows, the eager layout): only the bucket's padding
-      differs from the eager forward (43/43 on the H200 in session 11);
+      prefill-graph pass over prefill and decode rows, the eager layout and kernels): only the
+      bucket's padding differs from the eager forward (43/43 on the H200 in sessions 11 and 12);
     - together_triton_decode: as together, both engines decoding with the Triton kernel (the worker's
       decode attention above 48 requests; --decode-kernel triton here, so small batches take it)."""
     rng = np.random.default_rng(2)
