@@ -17,24 +17,8 @@ import json
 import torch
 
 from gpu_worker import kernels
+from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
 from chorus.moss_config import PRESETS
-
-
-def frame_ms(call, iters: int = 20) -> float:
-    """GPU time of one frame's 12 calls: `iters` frames captured in a CUDA graph, replayed."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (3 * iters)
 
 
 def main() -> None:
@@ -74,7 +58,7 @@ def main() -> None:
         for name, warps in candidates:
             module = modules[name]
             worst = max((o.float() - w).abs().max().item() for o, w in zip(frame(module, warps), want))
-            us = frame_ms(lambda: frame(module, warps)) * 1e3
+            us = kernel_ms(lambda: frame(module, warps), 20) * 1e3  # a frame's 12 calls
             key = name if warps is None else f"{name}_w{warps}"
             point["us"][key] = {"frame_us": us, "max_abs_diff": worst}
             print(f"batch {b} {key}: {us:7.1f} us a frame (12 calls), max |diff| vs current {worst:.2e}", flush=True)

@@ -40,6 +40,24 @@ def graph_time(fn, iters: int = 50) -> float:
     return replay_ms(capture_graph(fn)[0], iters)
 
 
+def kernel_ms(call, iters: int) -> float:
+    """GPU time of one call: `iters` calls captured in a CUDA graph, replayed (as the worker and vocoder run them).
+    Timing eager calls would time their launches: the small stages' kernels take less than that."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (3 * iters)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from chorus.moss_config import MossTTSLocalConfig
+from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
 
 
 @triton.jit
@@ -86,22 +87,6 @@ def splitk_linear(x, w, bias, part, out, config):
     return out
 
 
-def graph_us(call, iters: int = 20) -> float:
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * iters)
-
-
 def shapes() -> dict[str, tuple[int, int, bool]]:
     """name -> (N, K, bias) of each GEMM the worker runs per row."""
     cfg = MossTTSLocalConfig()
@@ -134,7 +119,7 @@ def main() -> None:
             w = torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * k ** -0.5
             bias = torch.randn(n, device=dev, generator=gen, dtype=torch.bfloat16) if has_bias else None
             want = F.linear(x, w, bias)
-            cublas = graph_us(lambda: F.linear(x, w, bias))
+            cublas = kernel_ms(lambda: F.linear(x, w, bias), 20) * 1e3
             floor_us = max(2 * (n * k + m * k + m * n) / 4.3e12, 2 * m * n * k / 790e12) * 1e6
             part = torch.empty(8 * m * n, device=dev, dtype=torch.float32)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
@@ -146,7 +131,7 @@ def main() -> None:
                 try:
                     got = splitk_linear(x, w, bias, part, out, cfg)
                     err = (got.float() - want.float()).abs().max().item()
-                    us = graph_us(lambda: splitk_linear(x, w, bias, part, out, cfg))
+                    us = kernel_ms(lambda: splitk_linear(x, w, bias, part, out, cfg), 20) * 1e3
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                     tried.append({"config": cfg, "error": type(e).__name__})
                     continue

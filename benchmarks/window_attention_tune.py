@@ -18,6 +18,7 @@ import json
 
 import torch
 
+from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec_config import PRESETS
 
@@ -35,24 +36,6 @@ def stage_shapes(preset: str, frames: int) -> list[dict]:
         else:
             tokens_per_frame *= st.patch_size
     return shapes
-
-
-def kernel_ms(call, iters: int) -> float:
-    """GPU time of one call: `iters` calls captured in a CUDA graph, replayed (as the session runs them).
-    Timing eager calls would time their launches: the small stages' kernels take less than that."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (3 * iters)
 
 
 def main() -> None:
