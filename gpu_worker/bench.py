@@ -168,7 +168,7 @@ class Bench:
         local = sum(p.numel() * p.element_size() for p in self.model.local_transformer.parameters())
         return total + local * (self.cfg.n_vq - 1)
 
-    def step_floor(self, bs: int, ctx: int) -> tuple[float, float]:
+    def step_floor(self, bs: int, ctx: float) -> tuple[float, float]:
         bb = self.cfg.backbone
         elem = torch.finfo(self.engine.dtype).bits // 8
         kv_bytes = bs * ctx * bb.num_hidden_layers * 2 * bb.num_key_value_heads * bb.head_dim * elem
@@ -337,6 +337,12 @@ class Bench:
             _sync(self.device)
         return (time.perf_counter() - t0) / self.args.steps
 
+    def context(self, ids: list[int]) -> float:
+        """The mean context of these requests now (rows in their KV). A point's nominal context is its
+        prompt length; every point adds a row a step to the requests it decodes, and they carry those
+        rows into the later points of that context."""
+        return float(np.mean([len(self.rows[rid]) for rid in ids]))
+
     def release(self, ids: list[int]) -> None:
         self.engine.execute(self._release_plan(ids))
         for rid in ids:
@@ -347,26 +353,33 @@ class Bench:
     def mixed_points(self, ids: list[int], ctx: int, result: dict) -> None:
         """Decode alone, then with prefill gathered into every k-th step (--mixed-intervals)."""
         a = self.args
+        before = self.context(ids)
         decode_only, _ = self.decode(ids)
         if a.launch_phases:
             self.phases = LaunchPhases(self.engine)
+        run_ctx = (before + self.context(ids)) / 2
         result["mixed"] = {"batch": len(ids), "context": ctx, "rows_per_step": a.mixed_rows,
-                           "request_rows": a.mixed_request_rows, "decode_step_ms": decode_only * 1e3, "points": []}
+                           "request_rows": a.mixed_request_rows, "decode_step_ms": decode_only * 1e3,
+                           "decode_context_mean": run_ctx, "points": []}
         print(f"mixed: bs {len(ids)} ctx {ctx}, {a.mixed_rows} prefill rows a step on average in "
-              f"{a.mixed_request_rows}-row requests; decode alone {decode_only * 1e3:.2f} ms a step", flush=True)
+              f"{a.mixed_request_rows}-row requests; decode alone {decode_only * 1e3:.2f} ms a step (contexts "
+              f"{run_ctx:.0f} rows on average)", flush=True)
         for k in (int(x) for x in a.mixed_intervals.split(",")):
+            before = self.context(ids)
             step = self.mixed(ids, k, a.mixed_rows, a.mixed_request_rows)
+            run_ctx = (before + self.context(ids)) / 2
             per_row = (step - decode_only) / a.mixed_rows
             # host time in launch: steps that prefill (every k-th, from the first) and the others
             launches = np.asarray(self.launch_times) * 1e3
             prefills = np.arange(len(launches)) % k == 0
             with_prefill, others = launches[prefills], launches[~prefills]
             result["mixed"]["points"].append({
-                "interval": k, "step_ms": step * 1e3, "prefill_us_per_row": per_row * 1e6,
+                "interval": k, "step_ms": step * 1e3, "decode_context_mean": run_ctx,
+                "prefill_us_per_row": per_row * 1e6,
                 "host_launch_ms_prefill_steps": float(with_prefill.mean()),
                 "host_launch_ms_other_steps": float(others.mean()) if others.size else None})
-            print(f"  prefill every {k} steps ({k * a.mixed_rows} rows): {step * 1e3:.2f} ms a step, prefill "
-                  f"{per_row * 1e6:.1f} us a row beyond decode; host launch {with_prefill.mean():.2f} ms a "
+            print(f"  prefill every {k} steps ({k * a.mixed_rows} rows): {step * 1e3:.2f} ms a step (decode "
+                  f"contexts {run_ctx:.0f}), prefill {per_row * 1e6:.1f} us a row beyond decode; host launch {with_prefill.mean():.2f} ms a "
                   f"prefill step" + (f", {others.mean():.2f} others" if others.size else ""), flush=True)
             if self.phases is not None:
                 steps = self.phases.steps
@@ -394,18 +407,21 @@ class Bench:
                                       "rows_per_s": 1 / per_row})
             print(f"prefill ctx {ctx}: {per_row * 1e6:.1f} us/row ({1 / per_row:,.0f} rows/s)", flush=True)
             print(f"{'bs':>5} {'ctx':>5} {'step ms':>8} {'frames/s':>10} {'floor ms':>9} {'ratio':>6} "
-                  f"{'sync ms':>8} {'launch ms':>9}", flush=True)
+                  f"{'sync ms':>8} {'launch ms':>9} {'ctx run':>7}", flush=True)
             for bs in self.batches:
+                before = self.context(ids[:bs])
                 step, sync = self.decode(ids[:bs])
-                mem, comp = self.step_floor(bs, ctx)
+                run_ctx = (before + self.context(ids[:bs])) / 2
+                mem, comp = self.step_floor(bs, run_ctx)  # the KV the steps read, not the nominal context
                 floor = max(mem, comp)
                 point = {"batch": bs, "context": ctx, "step_ms": step * 1e3, "frames_per_s": bs / step,
                          "sync_step_ms": sync * 1e3, "floor_ms": floor * 1e3, "floor_bytes_ms": mem * 1e3,
                          "floor_flops_ms": comp * 1e3, "ratio_to_floor": step / floor,
-                         "host_launch_ms": float(np.mean(self.launch_times)) * 1e3}
+                         "host_launch_ms": float(np.mean(self.launch_times)) * 1e3, "decode_context_mean": run_ctx}
                 result["points"].append(point)
                 print(f"{bs:>5} {ctx:>5} {step * 1e3:>8.2f} {bs / step:>10,.0f} {floor * 1e3:>9.2f} "
-                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f} {point['host_launch_ms']:>9.2f}", flush=True)
+                      f"{step / floor:>6.2f} {sync * 1e3:>8.2f} {point['host_launch_ms']:>9.2f} {run_ctx:>7.0f}",
+                      flush=True)
             if ctx == self.contexts[0] and self.args.mixed_batch:
                 self.mixed_points(ids[:self.args.mixed_batch], ctx, result)
             self.release(ids)

@@ -23,6 +23,9 @@ def test_worker_bench_smoke(tmp_path):
     assert mixed["batch"] == 2 and [p["interval"] for p in mixed["points"]] == [1, 2]
     assert all(p["step_ms"] > 0 for p in mixed["points"]) and mixed["decode_step_ms"] > 0
     assert all(p["host_launch_ms"] > 0 for p in report["points"])  # host time in Engine.launch
+    # contexts as decoded: the prompt plus the rows earlier points added (bs 2's first request decoded at bs 1)
+    first, second = (p["decode_context_mean"] for p in report["points"])
+    assert 16 < first < second and mixed["points"][1]["decode_context_mean"] > mixed["decode_context_mean"] > second
     two = mixed["points"][1]  # every 2nd step prefills: its launches and the others' apart, in parts
     assert two["host_launch_ms_prefill_steps"] > 0 and two["host_launch_ms_other_steps"] > 0
     assert set(two["host_launch_parts_ms"]["other_steps"]) == {"prefill", "folded step", "prefill graph",
