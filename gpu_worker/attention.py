@@ -118,6 +118,8 @@ def page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray,
 
 
 class AttentionBackend(Protocol):
+    folds_decodes: bool  # whether the engine may fold a mixed step's decodes into its prefill graphs
+
     def begin(self, batch: AttentionBatch) -> None:
         """Plan the step (once, before the first layer)."""
         ...
@@ -153,6 +155,8 @@ class _SlotCache:
 
 class TorchPagedAttention(_SlotCache):
     """Reference backend: gathers each sequence's slots into a padded batch."""
+
+    folds_decodes = True  # a mixed step's decodes are sequences like any other here
 
     def begin(self, batch: AttentionBatch) -> None:
         if self.page_size > 1:  # reads slots directly, but holds the scheduler to flashinfer's layout

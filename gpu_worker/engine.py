@@ -113,7 +113,7 @@ class Engine:
         self.graphs = None
         self.prefill_graphs = None
         # Folding needs the Triton decode kernel for the decodes' attention (attention.PrefillWithDecodes).
-        self.fold_decodes = fold_decodes and getattr(self.kv, "folds_decodes", True)
+        self.fold_decodes = fold_decodes and self.kv.folds_decodes
         if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
             from gpu_worker.cuda_graphs import GraphedDecode
             from gpu_worker.prefill_graphs import GraphedPrefill
