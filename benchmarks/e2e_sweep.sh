@@ -28,7 +28,10 @@
 # fixed cost), chunk10u_v1 = chunk10u
 # with one vocoder replica of 256 (one CUDA context: two
 # replicas' contexts time-slice cuda:1), chunk10u_interval4 / chunk10u_v1_interval4 = those prefilling every
-# 4th step under load, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
+# 4th step under load, engine_side_1gpu = chunk10_loaded_v1 on the one-GPU machine with the
+# vocoder at the tiny preset (same 48 kHz stereo PCM, toy widths): the worker, scheduler and relay's ceiling at c256
+# without the codec's GPU cost, engine_side_colocated_1gpu = that with the tiny decoder in the worker's
+# process (one CUDA context, so no time slices between the two), chunk10_loaded_v1_1gpu = chunk10_loaded_v1 with the full vocoder on the worker's GPU, step5_1gpu = one-GPU c16 with 5-frame vocoder steps, colocated1gpu = the one-GPU run below with the vocoder's decoder in the worker's process (--colocate-vocoder: one
 # CUDA context), colocated_priority1gpu = that plus --priority-first-chunks, colocated_step5_1gpu = that with
 # --step-frames=5 instead (colocated_step5_1gpu_no_fold: and --no-fold-decodes), priority1gpu = the one-GPU run below with the vocoder's
 # --priority-first-chunks; runs on one GPU too); ONE_GPU=1 adds W1 at c1 and c16 with the
@@ -120,6 +123,20 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 \
                --vocoders 1 --vocoder-arg=--slots=256 ;;
+    engine_side_1gpu) run e2e_w1_c256_engine_side_1gpu --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+               --vocoder-arg=--preset=tiny --vocoder-arg=--launch-ahead-streams=1 --colocate-vocoder=off \
+               --device-note "1x H200: worker cuda:0, vocoder cuda:0 at the tiny preset (48 kHz stereo, toy widths): the engine side's ceiling, bf16, dummy weights" ;;
+    engine_side_colocated_1gpu) run e2e_w1_c256_engine_side_colocated_1gpu --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+               --vocoder-arg=--preset=tiny --vocoder-arg=--launch-ahead-streams=1 --vocoder-arg=--step-frames=0 \
+               --colocate-vocoder=on --device-note "1x H200: worker cuda:0, the tiny-preset vocoder's decoder in the worker's process (one CUDA context): the engine side's ceiling, bf16, dummy weights" ;;
+    chunk10_loaded_v1_1gpu) run e2e_w1_c256_chunk10_loaded_v1_1gpu --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+               --colocate-vocoder=off --device-note "1x H200: worker and vocoder (one replica of 256) on cuda:0, bf16, dummy weights" ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
                   --colocate-vocoder=off --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights" ;;
