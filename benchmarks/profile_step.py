@@ -110,11 +110,13 @@ def main() -> None:
         report["frame_decode_ms"] = graph_time(lambda: sample_and_commit(model, engine.pool, hidden, rows, True))
         lt = model.local_transformer
 
-        def local_only():
+        fed_back = torch.randint(0, 1024, (cfg.n_vq - 1, b), device="cuda")
+
+        def local_only():  # as decode_frame: the hidden state at position 0, then 11 fed-back codes
             cache = lt.new_cache(b, hidden.dtype, hidden.device)
-            x = hidden
-            for p_ in range(cfg.n_vq):
-                x = lt.step(x, p_, cache)
+            x = lt.step(hidden, 0, cache)
+            for k in range(cfg.n_vq - 1):
+                x = lt.step_codes(k, model.audio_embeddings[k].weight, fed_back[k], k + 1, cache)
             return x
         report["local_transformer_12_steps_ms"] = graph_time(local_only)
         logits = torch.randn(b, 1024, device="cuda")

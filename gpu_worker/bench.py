@@ -159,24 +159,29 @@ class Bench:
               flush=True)
 
     # ---- floors ----------------------------------------------------------------
-    def weight_bytes(self) -> int:
-        """Bytes a decode step must read: every weight but the text embedding table, and the
-        local transformer's once per local position (n_vq per frame: each position depends on
-        the code sampled at the one before, and its 150 MB do not stay in L2)."""
+    def weight_elements(self) -> int:
+        """Weights a decode step must read (elements): every weight but the text embedding table, and
+        the local transformer's once per local position (n_vq per frame: each position depends on
+        the code sampled at the one before, and its 150 MB do not stay in L2), except the first
+        block's c_attn at the n_vq - 1 fed-back positions, whose output the model gathers from
+        precompute_code_qkv's table. The matmul FLOPs of a row are twice this."""
+        lt = self.model.local_transformer
         skip = self.model.transformer.embed_tokens.weight
-        total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p is not skip)
-        local = sum(p.numel() * p.element_size() for p in self.model.local_transformer.parameters())
-        return total + local * (self.cfg.n_vq - 1)
+        local = sum(p.numel() for p in lt.parameters())
+        other = sum(p.numel() for p in self.model.parameters() if p is not skip) - local
+        c_attn = lt.h[0].attn.c_attn
+        gathered = c_attn.weight.numel() + c_attn.bias.numel() if lt.code_qkv is not None else 0
+        return other + (local * self.cfg.n_vq - gathered * (self.cfg.n_vq - 1))
+
+    def weight_bytes(self) -> int:
+        return self.weight_elements() * (torch.finfo(self.engine.dtype).bits // 8)
 
     def step_floor(self, bs: int, ctx: float) -> tuple[float, float]:
+        """(bytes floor, FLOPs floor) in seconds for a decode step of bs requests at context ctx."""
         bb = self.cfg.backbone
         elem = torch.finfo(self.engine.dtype).bits // 8
         kv_bytes = bs * ctx * bb.num_hidden_layers * 2 * bb.num_key_value_heads * bb.head_dim * elem
-        params = self.weight_bytes() / elem
-        # backbone + local transformer (12 positions per frame) + heads, and attention over ctx
-        local = sum(p.numel() for p in self.model.local_transformer.parameters())
-        flops = 2 * bs * (params - local) + 2 * bs * local * self.cfg.n_vq
-        flops += 4 * bs * ctx * bb.num_hidden_layers * bb.num_attention_heads * bb.head_dim
+        flops = 2 * bs * self.weight_elements() + 4 * bs * ctx * bb.num_hidden_layers * bb.num_attention_heads * bb.head_dim
         return (self.weight_bytes() + kv_bytes) / self.args.bandwidth, flops / self.args.flops
 
     # ---- plans -----------------------------------------------------------------

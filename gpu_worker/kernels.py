@@ -8,8 +8,7 @@ inside one CUDA graph. These kernels collapse the worst offenders:
   Gumbel noise, argmax) in ONE launch, one program per row (V <= 2048).
 - `rms_norm` / `add_rms_norm`: model.RMSNorm (fp32 normalise, cast, then the
   weight multiply), optionally after the residual add it follows.
-- `add_layer_norm`: the local transformer's residual add + LayerNorm; `embed_layer_norm`
-  the same kernel with a fed-back code's embedding gather instead of the add.
+- `add_layer_norm`: the local transformer's residual add + LayerNorm.
 - `qk_norm_rope_store`: per-head RMSNorm of q and k + half-split RoPE, and
   the store of k, v in their paged KV slots, one launch.
 - `local_attention`: the local transformer's interleaved RoPE, cache append
@@ -64,7 +63,7 @@ from chorus.triton_support import KERNEL_DTYPES as _KERNEL_DTYPES, launch_opts a
 from chorus.triton_support import use_kernel
 
 __all__ = ["HAVE_TRITON", "INTERPRET", "fused_sample", "rms_norm", "add_rms_norm", "add_layer_norm",
-           "qk_norm_rope_store", "local_attention", "silu_mul", "head_linear", "embed_layer_norm"]
+           "qk_norm_rope_store", "local_attention", "silu_mul", "head_linear"]
 
 MAX_SAMPLE_VOCAB = 2048
 # fused_sample sorts only the 2**6 largest scores of a row whose top-k is at most 64 and
@@ -119,19 +118,13 @@ if HAVE_TRITON:
 
     # ---- (residual add +) LayerNorm --------------------------------------------
     @triton.jit
-    def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, ids_ptr, x_stride, r_stride, out_stride,
-                           sum_stride, D, inv_d, eps, HAS_RES: tl.constexpr, GATHER: tl.constexpr,
-                           BLOCK: tl.constexpr, CUDA: tl.constexpr):
+    def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, x_stride, r_stride, out_stride,
+                           sum_stride, D, inv_d, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
-        src = row
-        if GATHER:  # x is a table: this row's input is its row ids[row], stored as the residual
-            src = tl.load(ids_ptr + row).to(tl.int64)
-        x = tl.load(x_ptr + src * x_stride + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         xf = x.to(tl.float32)
-        if GATHER:
-            tl.store(sum_ptr + row * sum_stride + cols, x, mask=mask)
         if HAS_RES:
             xf = _rnd(xf + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32),
                       x.dtype, CUDA)
@@ -591,26 +584,6 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tens
     return _norm(x, residual, w, b, eps, impl)
 
 
-def embed_layer_norm(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, *,
-                     impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, F.layer_norm(x, w, b)) with x = table[ids] (ids int [N], table [V, D]): the
-    embedding gather of a fed-back code fused into the LayerNorm after it, one launch."""
-    D = table.shape[1]
-    supported = (table.dtype in _KERNEL_DTYPES and w.dtype in _KERNEL_DTYPES and ids.dim() == 1 and ids.numel() > 0
-                 and D <= 16384 and table.stride(1) == 1 and w.shape == b.shape == (D,) and w.is_contiguous()
-                 and b.is_contiguous() and b.dtype == w.dtype and ids.is_contiguous())
-    if not _use_kernel(impl, supported, table, ids, w, b):
-        return _norm_torch(torch.nn.functional.embedding(ids, table), None, w, b, eps)
-    N = ids.shape[0]
-    x = torch.empty((N, D), dtype=table.dtype, device=table.device)
-    out = torch.empty((N, D), dtype=torch.promote_types(table.dtype, w.dtype), device=table.device)
-    block = triton.next_power_of_2(D)
-    _layer_norm_kernel[(N,)](table, table, w, b, out, x, ids, table.stride(0), 0, out.stride(0), x.stride(0),
-                             D, _inv(D), eps, HAS_RES=False, GATHER=True, BLOCK=block, CUDA=table.is_cuda,
-                             **_launch_opts(max(1, min(8, block // 512))))
-    return x, out
-
-
 def _norm_torch(x, residual, w, b, eps):
     from gpu_worker.model import rms_norm as model_rms_norm  # the model's math is the reference (lazy import)
     s = x if residual is None else x + residual
@@ -641,8 +614,8 @@ def _norm(x, residual, w, b, eps, impl):
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, out, s, x2.stride(0), r2.stride(0), out.stride(0),
                                          s.stride(0), *common, **opts)
     else:
-        _layer_norm_kernel[(x2.shape[0],)](x2, r2, w, b, out, s, out, x2.stride(0), r2.stride(0), out.stride(0),
-                                           s.stride(0), *common, GATHER=False, **opts)
+        _layer_norm_kernel[(x2.shape[0],)](x2, r2, w, b, out, s, x2.stride(0), r2.stride(0), out.stride(0),
+                                           s.stride(0), *common, **opts)
     shape = x.shape[:-1] + (D,)
     return (x if residual is None else s.view(shape)), out.view(shape)
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from chorus.moss_config import PRESETS, MossTTSLocalConfig
-from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights
+from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights, precompute_code_qkv
 
 log = logging.getLogger(__name__)
 
@@ -221,4 +221,5 @@ def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_form
     else:
         init_random_weights(model, seed)
     fuse_projections(model)
+    precompute_code_qkv(model)
     return model.eval()

@@ -249,10 +249,11 @@ class LocalAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: Tensor, p: int, k_cache: Tensor, v_cache: Tensor, cos: Tensor | None,
+    def forward(self, qkv: Tensor, p: int, k_cache: Tensor, v_cache: Tensor, cos: Tensor | None,
                 sin: Tensor | None) -> Tensor:
-        """x: [B, H] (ln_1 output) at local position p → [B, H]; appends to the caches."""
-        return self.c_proj(kernels.local_attention(self.c_attn(x), k_cache, v_cache, p, cos, sin, self.n_head))
+        """qkv: [B, 3H] (c_attn of the ln_1 output) at local position p → [B, H]; appends to the
+        caches. It takes c_attn's output, not its input: a fed-back code's comes from a table."""
+        return self.c_proj(kernels.local_attention(qkv, k_cache, v_cache, p, cos, sin, self.n_head))
 
 
 class LocalMLP(nn.Module):
@@ -306,6 +307,7 @@ class LocalTransformer(_Fp32Tables):
         angles = torch.arange(positions, dtype=torch.float32, device="cpu")[:, None] * inv[None, :]
         self._register_tables(cos_table=angles.cos().repeat_interleave(2, dim=-1),
                               sin_table=angles.sin().repeat_interleave(2, dim=-1))
+        self.register_buffer("code_qkv", None, persistent=False)  # [fed-back channels, codes, 3H]: precompute_code_qkv
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> LocalCache:
         shape = (len(self.h), batch, self.cfg.n_head, self.cos_table.shape[0], self.cfg.head_dim)
@@ -315,26 +317,29 @@ class LocalTransformer(_Fp32Tables):
         """One local position for the whole batch: x [B, H] → ln_f output [B, H]."""
         if not self.use_rope:
             x = x + self.wpe.weight[p]
-        return self.blocks(*add_layer_norm(x, None, self.h[0].ln_1), p, cache)
+        x, h = add_layer_norm(x, None, self.h[0].ln_1)
+        return self.blocks(x, self.h[0].attn.c_attn(h), p, cache)
 
-    def step_codes(self, table: Tensor, codes: Tensor, p: int, cache: LocalCache) -> Tensor:
-        """step(table[codes], p, cache), the gather fused into the first LayerNorm (one launch
-        fewer for each of a frame's 11 fed-back codes)."""
-        if not self.use_rope:
+    def step_codes(self, channel: int, table: Tensor, codes: Tensor, p: int, cache: LocalCache) -> Tensor:
+        """step(table[codes], p, cache) for fed-back codes of audio channel `channel`: with code_qkv
+        the first LayerNorm and c_attn are a gather (no code_qkv: absolute positions, or a model
+        precompute_code_qkv has not seen)."""
+        if self.code_qkv is None:
             return self.step(F.embedding(codes, table), p, cache)
-        ln = self.h[0].ln_1
-        return self.blocks(*kernels.embed_layer_norm(table, codes, ln.weight, ln.bias, ln.eps), p, cache)
+        return self.blocks(F.embedding(codes, table), F.embedding(codes, self.code_qkv[channel]), p, cache)
 
-    def blocks(self, x: Tensor, h: Tensor, p: int, cache: LocalCache) -> Tensor:
-        """Local position p for the whole batch, from the residual x and its first LayerNorm h → ln_f
-        output; step and step_codes both end here."""
+    def blocks(self, x: Tensor, qkv: Tensor, p: int, cache: LocalCache) -> Tensor:
+        """Local position p for the whole batch, from the residual x and the first block's c_attn
+        output qkv → ln_f output; step and step_codes both end here."""
         cos = sin = None
         if self.use_rope:
             cos, sin = self.cos_table[p], self.sin_table[p]
-        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f]
-        for i, (block, next_norm) in enumerate(zip(self.h, norms)):
-            x, h = add_layer_norm(x, block.attn(h, p, cache.k[i], cache.v[i], cos, sin), block.ln_2)
-            x, h = add_layer_norm(x, block.mlp(h), next_norm)
+        for i, block in enumerate(self.h):
+            x, h = add_layer_norm(x, block.attn(qkv, p, cache.k[i], cache.v[i], cos, sin), block.ln_2)
+            last = i + 1 == len(self.h)
+            x, h = add_layer_norm(x, block.mlp(h), self.ln_f if last else self.h[i + 1].ln_1)
+            if not last:
+                qkv = self.h[i + 1].attn.c_attn(h)
         cache.length = p + 1
         return h
 
@@ -366,6 +371,24 @@ def fuse_projections(model: "MossTTSLocal") -> None:
     for layer in model.transformer.layers:
         fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
         fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))
+
+
+def precompute_code_qkv(model: "MossTTSLocal") -> None:
+    """The first local block's c_attn output for every code a frame feeds back (channels 0..n_vq-2,
+    each at its fixed local position k+1), so a frame decode's 11 fed-back steps gather it instead
+    of running LayerNorm and a [B, H] x [H, 3H] GEMM (full size: 11 x 1024 x 7680, 173 MB in bf16).
+    Exact: ln_1 and c_attn see only the code's embedding row (RoPE comes after, in the attention).
+    Derived from the weights, so call after they are in place (build_model does); left out without
+    RoPE, where wpe[p] joins the input. A non-persistent buffer: it follows .to() and stays out of
+    checkpoints."""
+    lt = model.local_transformer
+    if not lt.use_rope:
+        return
+    ln, c_attn = lt.h[0].ln_1, lt.h[0].attn.c_attn
+    with torch.no_grad():
+        tables = [c_attn(F.layer_norm(t.weight, ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+                  for t in model.audio_embeddings[:-1]]
+    lt.code_qkv = torch.stack(tables)
 
 
 class MossTTSLocal(nn.Module):
@@ -424,7 +447,7 @@ class MossTTSLocal(nn.Module):
                              presence, sp.audio_penalty if presence is not None else None, position_offset=k + 1)
             codes.append(c)
             if k + 1 < self.cfg.n_vq:  # code k is fed back at local position k+1; the last never is
-                l = lt.step_codes(table.weight, c, k + 1, cache)
+                l = lt.step_codes(k, table.weight, c, k + 1, cache)
         return torch.stack(codes, dim=1), stop
 
     def frame_rows(self, codes: Tensor) -> Tensor:

@@ -432,17 +432,3 @@ def test_head_linear(dtype, B):
     else:  # fp32 sums in another order than the reference, then one rounding to dtype
         assert _ulp_diff(got, want.to(dtype)) <= 1
     assert torch.equal(K.head_linear(x, w), F.linear(x, w))  # auto on CPU: the torch path
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_embed_layer_norm(dtype):
-    gen = torch.Generator().manual_seed(13)
-    V, D = 30, 300
-    table = (torch.randn(V, D, generator=gen) * 2).to(dtype)
-    w, b = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype), (0.1 * torch.randn(D, generator=gen)).to(dtype)
-    ids = torch.tensor([3, 0, 29, 3, 17])
-    x, h = K.embed_layer_norm(table, ids, w, b, 1e-5, impl="triton")
-    want_x, want_h = K.add_layer_norm(table[ids], None, w, b, 1e-5, impl="triton")
-    assert torch.equal(x, table[ids]) and torch.equal(h, want_h)  # the same kernel as the plain LayerNorm
-    tx, th = K.embed_layer_norm(table, ids, w, b, 1e-5)  # auto on CPU: the torch path
-    assert torch.equal(tx, table[ids]) and torch.equal(th, K.add_layer_norm(table[ids], None, w, b, 1e-5)[1])

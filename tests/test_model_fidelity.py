@@ -34,7 +34,7 @@ from gpu_worker.attention import AttentionBatch
 from gpu_worker.engine import Engine, tensor_to_matrix
 from gpu_worker.loader import build_model
 from gpu_worker.model import (FrameSampling, LocalTransformer, MossTTSLocal, init_random_weights,
-                              rope_inv_freq, rotate_half_split, rotate_interleaved)
+                              precompute_code_qkv, rope_inv_freq, rotate_half_split, rotate_interleaved)
 from gpu_worker.reference import ContiguousKVAttention, generate_reference
 from gpu_worker.sampler import apply_repetition_penalty, derive_sampling_seed, sample
 from scheduler_svc.validation import resolve_sampling
@@ -154,6 +154,29 @@ def test_tiny_frame_shapes_and_counts(tiny64, monkeypatch):
     assert calls["step"] == 12 and calls["sample"] == [2] + [1024] * 12
     assert tiny64.frame_rows(codes).shape == (3, 13)
     assert (tiny64.frame_rows(codes)[:, 0] == 151656).all()
+
+
+def test_code_qkv_table_is_the_first_c_attn_of_each_fed_back_code(tiny64):
+    """precompute_code_qkv: channel k's table row c is c_attn(ln_1(Eaudio_k[c])), it stays out of the
+    state dict, and a frame decoded through it equals one decoded with the GEMM."""
+    lt = tiny64.local_transformer
+    assert lt.code_qkv.shape == (tiny64.cfg.n_vq - 1, 1024, 3 * tiny64.cfg.hidden_size)
+    assert "local_transformer.code_qkv" not in tiny64.state_dict()
+    block = lt.h[0]
+    for k in (0, 10):
+        want = block.attn.c_attn(block.ln_1(tiny64.audio_embeddings[k].weight))
+        assert torch.allclose(lt.code_qkv[k], want, rtol=0, atol=1e-12)
+    hidden = torch.randn(5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    sp = FrameSampling(*(torch.tensor([v] * 5) for v in (1.0, 50, 1.0, 1.7, 25, 0.8, 1.0, 5, 0, 0)))
+    sp.seed = torch.arange(5)
+    table = lt.code_qkv
+    try:
+        with_table = tiny64.decode_frame(hidden, sp)
+        lt.code_qkv = None
+        with_gemm = tiny64.decode_frame(hidden, sp)
+    finally:
+        lt.code_qkv = table
+    assert torch.equal(with_table[0], with_gemm[0]) and torch.equal(with_table[1], with_gemm[1])
 
 
 # =============================================================================
@@ -435,6 +458,7 @@ def _synthetic_prompt(cfg: MossTTSLocalConfig, t: int, seed: int) -> np.ndarray:
 def test_modules_match_spec_transcription(cfg_fn):
     cfg = cfg_fn()
     model = make_model(cfg, seed=4)
+    precompute_code_qkv(model)  # as build_model does: fed-back codes' first c_attn from the table (rope configs)
     spec = Spec(model)
     prompt = _synthetic_prompt(cfg, 14, seed=5)
     rows = torch.as_tensor(prompt)
