@@ -19,7 +19,8 @@
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10_loaded = first
 # chunk 5 at light load and 10 under load (the README's
-# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_v1 = that with one vocoder replica of 256
+# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_fine = chunk10_loaded with vocoder buckets every 4 streams up to 64 (c256's
+# steps hold ~33 streams: less padding than buckets of 8), chunk10_loaded_v1 = that with one vocoder replica of 256
 # (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
 # the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
 # reached), chunk10_loaded_v1_no_fold = chunk10_loaded_v1 with the worker's --no-fold-decodes (a mixed step as a
@@ -100,6 +101,10 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
     chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
+    chunk10_loaded_fine) run e2e_w1_c256_chunk10_loaded_fine --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 \
+               --vocoder-arg=--buckets=1,2,4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,72,80,88,96,104,112,120,128 ;;
     chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
                --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 ;;
