@@ -54,7 +54,8 @@ def _cluster(args: argparse.Namespace):
                                    vocoder + args.vocoder_arg)
     return Cluster(worker_args=worker + args.worker_arg, vocoder_args=vocoder,
                    scheduler_args=scheduler + args.scheduler_arg, host=args.host, scheduler_port=args.port,
-                   vocoder_ports=[0] * replicas, echo=not args.quiet, colocate_vocoder=colocate)
+                   vocoder_ports=[0] * replicas, echo=not args.quiet, colocate_vocoder=colocate,
+                   shared_decoder=args.shared_vocoder_decoder)
 
 
 def cmd_up(args: argparse.Namespace) -> None:
@@ -174,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("up", help="start worker, vocoder and scheduler locally; Ctrl-C stops them")
     _add_model_flags(p)
     p.add_argument("--vocoders", type=int, default=1, metavar="N",
-                   help="vocoder replicas (on --vocoder-device, or the worker's device). One replica decodes about "
-                        "2,000 s of audio per second on an H200; replicas on one GPU take turns on it (each is a "
-                        "CUDA context of its own), so more than one per GPU buys failover, not speed")
+                   help="vocoder replicas (on --vocoder-device, or the worker's device). Replicas on one GPU take "
+                        "turns on it (each is a CUDA context of its own), but one vocoder process cannot feed an "
+                        "H200 at high load: two replicas of 128 --slots won at W1 c256 (see README, \"Two GPUs at "
+                        "high load\", and --shared-vocoder-decoder)")
     p.add_argument("--frontends", type=int, default=1, metavar="N", help="the scheduler's --frontends")
     p.set_defaults(func=cmd_up)
 

@@ -133,6 +133,13 @@ def add_service_flags(p) -> None:
                         "time to first audio p50 106 ms as two processes, 76-80 colocated). One vocoder "
                         "replica, on the worker's device. auto (the default) = on when the worker and one "
                         "vocoder replica share a CUDA device")
+    p.add_argument("--shared-vocoder-decoder", action="store_true",
+                   help="the --vocoders replicas share one decoder process (vocoder_svc.decode_process "
+                        "--fronts-dir; each replica attaches with --attach-decoder): one CUDA context and one "
+                        "codec session, whose --slots all replicas share, with the gRPC work spread over the "
+                        "replicas' processes. For a vocoder GPU of its own at high load, where one vocoder process "
+                        "cannot feed the GPU and two replicas' contexts take turns on it (benchmarks/README.md, "
+                        "session 13)")
 
 
 def _same_device(a: str, b: str) -> bool:
@@ -227,6 +234,8 @@ class Cluster:
     # The vocoder's decoder in the worker's process (one replica, the worker's device): see
     # gpu_worker --host-vocoder-decoder.
     colocate_vocoder: bool = False
+    # The vocoder replicas in front of one decoder process: see vocoder_svc.decode_process.host_main.
+    shared_decoder: bool = False
     services: list[Service] = field(default_factory=list)
     _decoder_dir: tempfile.TemporaryDirectory | None = None
 
@@ -250,12 +259,24 @@ class Cluster:
             vocoder_args += ["--attach-decoder", self._decoder_dir.name]
         worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
                                          *worker_args])
+        self.services = [worker]
+        attach = [[] for _ in self.vocoder_ports]
+        if self.shared_decoder:
+            from vocoder_svc.decode_process import front_dirs  # only where the vocoder's code is wanted
+            if self.colocate_vocoder:
+                raise LaunchError("--shared-vocoder-decoder and --colocate-vocoder: the colocated decoder is the "
+                                  "worker's; a shared one is a process of its own")
+            self._decoder_dir = tempfile.TemporaryDirectory(prefix="chorus-decoder-")
+            self.services.append(Service("decoder", py + [
+                "vocoder_svc.decode_process", "--fronts-dir", self._decoder_dir.name,
+                "--fronts", str(len(self.vocoder_ports)), *vocoder_args]))
+            attach = [["--attach-decoder", d] for d in front_dirs(self._decoder_dir.name, len(self.vocoder_ports))]
         metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
         vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
                             py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port",
-                                  str(mport), *vocoder_args])
-                    for i, (port, mport) in enumerate(zip(self.vocoder_ports, metrics))]
-        self.services = [worker, *vocoders]
+                                  str(mport), *vocoder_args, *extra])
+                    for i, (port, mport, extra) in enumerate(zip(self.vocoder_ports, metrics, attach))]
+        self.services += vocoders
         try:
             for s in self.services:
                 s.start(self.echo, env)

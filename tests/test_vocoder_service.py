@@ -901,6 +901,34 @@ def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):
         assert_close(r.pcm(), offline_pcm(tiny_codec, r.code_frames().astype(np.int32)))
 
 
+def test_shared_decoder_cluster_serves_audio_of_its_codes(tiny_codec):
+    """chorus up --vocoders 2 --shared-vocoder-decoder, started for real: a decoder process of its own
+    behind both vocoder replicas, and requests spread over the replicas get the offline decode of their codes."""
+    from chorus.client import channel, synthesize
+    from chorus.v1 import tts_pb2, tts_pb2_grpc
+    from helpers import make_cluster, seeded_request
+
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
+                      vocoder_args=["--seed", str(SEED), "--slots", "4"], vocoder_ports=[0, 0],
+                      shared_decoder=True) as cluster:
+        assert any("for 2 fronts ready on" in line for line in cluster.service("decoder").lines)
+        for name in ("vocoder0", "vocoder1"):
+            assert any("session engine in the decoder hosted by process" in line
+                       for line in cluster.service(name).lines), cluster.service(name).lines
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
+        replies = []
+        threads = [threading.Thread(target=lambda s=s: replies.append(synthesize(stub, seeded_request(
+            seed=s, frames=9, return_codes=True, format=tts_pb2.FLOAT32), timeout=120))) for s in (5, 6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(replies) == 2
+        for r in replies:
+            assert r.summary.frames == 9
+            assert_close(r.pcm(), offline_pcm(tiny_codec, r.code_frames().astype(np.int32)))
+
+
 class FakeSession:
     """What SessionWorker calls on a CodecSession, without a codec: 4 slots; tests override
     launch_pcm (and uses_priority_stream) to record the steps the worker forms."""
@@ -1133,3 +1161,79 @@ def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):
     assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
     assert sample("chorus_vocoder_session_steps_total", {"path": "graph"}) == before + 1
     assert wait_for(lambda: settled(v))
+
+
+# ---- one decoder behind several vocoder processes (decode_process --fronts-dir, --shared-vocoder-decoder) ----
+
+def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
+    """A decoder process of its own behind two vocoders (`--attach-decoder DIR/0` and `DIR/1`): streams on
+    both decode to the offline PCM in one session; the step metrics are the first front's only (summed over
+    the fronts, a step counts once); an idle front keeps hearing the decoder while the other one is busy;
+    and a front's SIGKILL frees only its own slot once a new front attaches in its place."""
+    from vocoder_svc.decode_process import front_dirs
+
+    path = str(tmp_path / "decoder")
+    host = subprocess.Popen(
+        [sys.executable, "-m", "vocoder_svc.decode_process", "--fronts-dir", path, "--fronts", "2", "--preset", "tiny",
+         "--seed", str(SEED), "--slots", "4", "--device", "cpu"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    procs = []
+    try:
+        assert any("ready on" in line for line in iter(host.stdout.readline, "")), "the decoder did not start"
+        threading.Thread(target=lambda: [None for _ in host.stdout], daemon=True).start()  # keep its pipe drained
+        ports = [free_port(), free_port()]
+        fronts = []
+        for d, port in zip(front_dirs(path, 2), ports):
+            proc, address, seen, _ = start_vocoder("--metrics-port", str(port), "--attach-decoder", d,
+                                                   "--attach-silence-s", "2", "--grace", "1")
+            procs.append(proc)
+            fronts.append(grpc.insecure_channel(address))
+        stubs = [vocoder_pb2_grpc.VocoderStub(ch) for ch in fronts]
+        metric = lambda i, name: _metric({"metrics_port": ports[i]}, name)  # noqa: E731
+
+        results: dict[int, list] = {}
+
+        def decode(i: int, seed: int) -> None:
+            results[seed] = list(stubs[i].Decode(decode_requests(random_codes(33, seed), [10, 23]), timeout=60))
+
+        threads = [threading.Thread(target=decode, args=(i % 2, seed)) for i, seed in enumerate(range(4))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for seed in range(4):
+            assert [r.frames for r in results[seed]] == [5, 25, 3]
+            assert_close(pcm_of(results[seed]), offline_pcm(tiny_codec, random_codes(33, seed)))
+        assert metric(0, "chorus_vocoder_decode_step_ms_count") > 0
+        assert metric(1, "chorus_vocoder_decode_step_ms_count") == 0
+
+        # Front 1 idle for longer than its --attach-silence-s while front 0 decodes: it still serves.
+        busy_until = time.time() + 3
+        while time.time() < busy_until:
+            decode(0, 9)
+        assert procs[1].poll() is None
+        decode(1, 10)
+        assert_close(pcm_of(results[10]), offline_pcm(tiny_codec, random_codes(33, 10)))
+
+        # Front 1 dies holding a slot; front 0 keeps serving; a new front 1's hello frees only that slot.
+        outbox, got, _ = _open_stream(stubs[1], random_codes(7, 11))
+        assert got.get(timeout=30).frames == 5
+        outbox0, got0, _ = _open_stream(stubs[0], random_codes(7, 12))
+        assert got0.get(timeout=30).frames == 5
+        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 2)
+        procs[1].kill()
+        procs[1].wait()
+        outbox.put(None)
+        proc, address, _, _ = start_vocoder("--metrics-port", str(ports[1]), "--attach-decoder", front_dirs(path, 2)[1],
+                                            "--attach-silence-s", "2", "--grace", "1")
+        procs.append(proc)
+        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 3)
+        outbox0.put(None)
+        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 4)
+        for ch in fronts:
+            ch.close()
+    finally:
+        for p in (*procs, host):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

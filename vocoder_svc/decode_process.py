@@ -23,8 +23,15 @@ so on one GPU the codec shares the worker's CUDA context instead of
 time-slicing against it, and `vocoder_svc.server --attach-decoder DIR`
 connects to it (DecodeProcess(attach=DIR)) instead of starting a child. It
 says hello first, and it takes a heartbeat's silence for the decoder's death.
+Or the decoder is a process of its own in front of which N vocoder processes
+attach, one per DIR/i (host_main; `chorus up --shared-vocoder-decoder`): one
+CUDA context and one session for a GPU of the vocoder's own, with the gRPC
+work spread over N processes. Each front has its own socket pair; a front's
+hello releases only its own streams, and every front hears a heartbeat.
 
     python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags>   (host_main: one decoder,
+        N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
 """
 
 from __future__ import annotations
@@ -279,9 +286,11 @@ class _Replies:
 
     def __init__(self, sock: zmq.Socket):
         self._sock, self._lock = sock, threading.Lock()
+        self.last_sent = time.monotonic()
 
     def send(self, msg: dpb.DecoderOutput, pcm: bytes | None = None) -> None:
         with self._lock:
+            self.last_sent = time.monotonic()
             if pcm is None:
                 self._sock.send(msg.SerializeToString())
             else:
@@ -313,69 +322,86 @@ def _exit_with_parent() -> None:
 
 
 class Decoder:
-    """The decode side: one CodecSession and its SessionWorker, answering DecoderInput from the
-    gRPC process on `jobs` with DecoderOutput on `results`. Runs as the gRPC process's child
-    (child_main) or as a thread of the worker's process (host_in_thread)."""
+    """The decode side: one CodecSession and its SessionWorker, answering DecoderInput from gRPC
+    processes ("fronts") with DecoderOutput, each front on its own (jobs, results) endpoint pair.
+    Runs as one gRPC process's child (child_main), as a thread of the worker's process
+    (host_in_thread), or as a process of its own behind several fronts (host_main): one CUDA
+    context and one session whose steps mix every front's streams, while the fronts' gRPC work
+    (250-440 us of host time a PCM chunk, benchmarks/grpc_pcm_bench.py) is spread over their processes."""
 
-    def __init__(self, args: argparse.Namespace, jobs: str, results: str, *, cuda_stream=None,
+    def __init__(self, args: argparse.Namespace, endpoints: list[tuple[str, str]], *, cuda_stream=None,
                  hosted: bool = False):
         from vocoder_svc.server import build_session, make_codec, stall_exit_seconds
 
         self._ctx = zmq.Context()
-        self._inbox = self._ctx.socket(zmq.PULL)
-        outbox = self._ctx.socket(zmq.PUSH)
-        for sock in (self._inbox, outbox):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self._inbox.connect(jobs)
-        outbox.connect(results)
-        self._replies = _Replies(outbox)
+        self._inboxes: list[zmq.Socket] = []
+        self._fronts: list[_Replies] = []
+        for jobs, results in endpoints:
+            inbox, outbox = self._ctx.socket(zmq.PULL), self._ctx.socket(zmq.PUSH)
+            for sock in (inbox, outbox):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+            inbox.connect(jobs)
+            outbox.connect(results)
+            self._inboxes.append(inbox)
+            self._fronts.append(_Replies(outbox))
         codec, _ = make_codec(args)
         session = build_session(codec, args)
-        self.worker = SessionWorker(session, self._replies.report, args.launch_ahead_streams, args.step_frames,
+        # Step reports go to the first front only: summed over the fronts' metrics, each step counts once.
+        self.worker = SessionWorker(session, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
                                     cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
         self.ready = dpb.DecoderReady(
             slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
             attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",
             incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted)
-        self._streams: dict[int, SessionStream] = {}
+        self._streams: dict[int, tuple[int, SessionStream]] = {}  # stream id -> (front, its session stream)
 
     def serve(self, heartbeat_s: float | None = None) -> None:
-        """Answer DecoderInput until `shutdown`. heartbeat_s: send a report after that long without
-        input (a hosted decoder's sign of life; its gRPC process has no child to watch)."""
-        self._replies.send(dpb.DecoderOutput(ready=self.ready))
+        """Answer DecoderInput until `shutdown`. heartbeat_s: send a front a report when it has heard
+        nothing for that long (a hosted decoder's sign of life; its gRPC processes have no child to watch)."""
+        for front in self._fronts:
+            front.send(dpb.DecoderOutput(ready=self.ready))
+        poller = zmq.Poller()
+        for inbox in self._inboxes:
+            poller.register(inbox, zmq.POLLIN)
+        timeout = None if heartbeat_s is None else int(heartbeat_s * 1000)
         try:
             while True:
-                if heartbeat_s is not None and not self._inbox.poll(int(heartbeat_s * 1000)):
-                    self.worker.report(self.worker.gauges())
-                    continue
-                frame = self._inbox.recv()
-                try:
-                    msg = dpb.DecoderInput.FromString(frame)
-                except Exception:  # noqa: BLE001 - one bad frame must not end the decoder
-                    log.exception("unparseable DecoderInput (%d bytes) ignored", len(frame))
-                    continue
-                if msg.hello:  # a new gRPC process: whatever an earlier one left open is nobody's now
-                    for stream in self._streams.values():
-                        self.worker.release(stream)
-                    self._streams.clear()
-                    self._replies.send(dpb.DecoderOutput(ready=self.ready))
-                for job in msg.jobs:
-                    stream = self._streams.get(job.stream)
-                    if stream is None:
-                        stream = self._streams[job.stream] = self.worker.open()
-                    codes = np.frombuffer(job.codes.data, dtype="<i4").reshape(job.codes.rows, job.codes.cols)
-                    self.worker.submit_job(stream, codes, job.int16, self._replies.finish(job.job))
-                for sid in msg.released:
-                    stream = self._streams.pop(sid, None)
-                    if stream is not None:
-                        self.worker.release(stream)
-                if msg.shutdown:
+                ready = dict(poller.poll(timeout))
+                if heartbeat_s is not None:
+                    now = time.monotonic()
+                    for front in self._fronts:
+                        if now - front.last_sent >= heartbeat_s:
+                            front.report(self.worker.gauges())
+                if any(self._handle(i, inbox.recv()) for i, inbox in enumerate(self._inboxes) if inbox in ready):
                     break
         finally:
             self.worker.close()
             self._ctx.destroy(linger=0)
+
+    def _handle(self, front: int, frame: bytes) -> bool:
+        """One DecoderInput from `front`; True when it says shutdown."""
+        try:
+            msg = dpb.DecoderInput.FromString(frame)
+        except Exception:  # noqa: BLE001 - one bad frame must not end the decoder
+            log.exception("unparseable DecoderInput (%d bytes) ignored", len(frame))
+            return False
+        if msg.hello:  # a new gRPC process on this front: whatever an earlier one left open is nobody's now
+            for sid in [sid for sid, (f, _) in self._streams.items() if f == front]:
+                self.worker.release(self._streams.pop(sid)[1])
+            self._fronts[front].send(dpb.DecoderOutput(ready=self.ready))
+        for job in msg.jobs:
+            entry = self._streams.get(job.stream)
+            if entry is None:
+                entry = self._streams[job.stream] = (front, self.worker.open())
+            codes = np.frombuffer(job.codes.data, dtype="<i4").reshape(job.codes.rows, job.codes.cols)
+            self.worker.submit_job(entry[1], codes, job.int16, self._fronts[front].finish(job.job))
+        for sid in msg.released:
+            entry = self._streams.pop(sid, None)
+            if entry is not None:
+                self.worker.release(entry[1])
+        return msg.shutdown
 
 
 HOST_HEARTBEAT_S = 1.0
@@ -383,8 +409,14 @@ HOST_SILENCE_S = 10.0  # default --attach-silence-s: an attached process gives i
 
 
 def host_endpoints(path: str) -> tuple[str, str]:
-    """(jobs, results) ipc endpoints under a directory shared by the worker and the vocoder."""
+    """(jobs, results) ipc endpoints under a directory shared by the decoder's host and one vocoder."""
     return f"ipc://{path}/jobs", f"ipc://{path}/results"
+
+
+def front_dirs(path: str, fronts: int) -> list[str]:
+    """The directories of a shared decoder's fronts (host_main --fronts): `vocoder_svc.server
+    --attach-decoder` takes one each."""
+    return [os.path.join(path, str(i)) for i in range(fronts)]
 
 
 def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
@@ -402,7 +434,7 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
     args = parser.parse_args([*vocoder_argv, "--device", device])
     os.makedirs(path, exist_ok=True)
     stream = torch.cuda.Stream(torch.device(device), priority=0) if torch.device(device).type == "cuda" else None
-    decoder = Decoder(args, *host_endpoints(path), cuda_stream=stream, hosted=True)
+    decoder = Decoder(args, [host_endpoints(path)], cuda_stream=stream, hosted=True)
     if stream is not None:
         torch.cuda.synchronize(torch.device(device))  # the build's work, queued on this thread's stream
     def serve() -> None:
@@ -430,10 +462,37 @@ def child_main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
         signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    decoder = Decoder(args, args.jobs, args.results)
+    decoder = Decoder(args, [(args.jobs, args.results)])
     print(f"vocoder: decode process {os.getpid()} ready", flush=True)
     decoder.serve()
 
 
+def host_main(argv: list[str] | None = None) -> None:
+    """A decoder of its own behind several vocoder gRPC processes (`--fronts-dir DIR --fronts N`), each
+    started with `vocoder_svc.server --attach-decoder DIR/i`. Why: one vocoder process cannot feed
+    an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md session 13), and two
+    replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
+    then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
+    until a process attaches in its place (its hello releases them), as with a hosted decoder."""
+    from vocoder_svc.server import add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process --fronts-dir DIR",
+                                     description=host_main.__doc__)
+    parser.add_argument("--fronts-dir", required=True, metavar="DIR", help="serve the fronts under DIR/0 ... DIR/N-1")
+    parser.add_argument("--fronts", type=int, default=2, metavar="N", help="vocoder gRPC processes (default 2)")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.fronts < 1:
+        raise SystemExit(f"--fronts {args.fronts}: at least 1")
+    dirs = front_dirs(args.fronts_dir, args.fronts)
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=True)  # its streams, as a child's
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: os._exit(0))
+    print(f"vocoder decoder {os.getpid()} for {args.fronts} fronts ready on {args.fronts_dir}", flush=True)
+    decoder.serve(HOST_HEARTBEAT_S)
+
+
 if __name__ == "__main__":
-    child_main()
+    host_main() if "--fronts-dir" in sys.argv[1:] else child_main()

@@ -452,7 +452,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "then shares the worker's CUDA context: the GPU interleaves their kernels (the "
                              "worker's on a high-priority stream) where two processes' contexts take turns in "
                              "time slices. The codec flags (--preset, --slots, ...) go to the worker's "
-                             "--vocoder-decoder-args, not here")
+                             "--vocoder-decoder-args, not here. Or DIR/i of a decoder that `python -m "
+                             "vocoder_svc.decode_process --fronts-dir DIR --fronts N` runs on its own, shared by N "
+                             "vocoder processes (chorus up --shared-vocoder-decoder)")
     parser.add_argument("--attach-silence-s", type=float, default=HOST_SILENCE_S, metavar="S",
                         help="with --attach-decoder: the decoder is gone (open calls end UNAVAILABLE and the "
                              "service stops, so its pod restarts) after this long without a word from it; it "

@@ -380,7 +380,7 @@ def _launch_cluster(args: argparse.Namespace):
     cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder,
                       scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
                       vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs,
-                      colocate_vocoder=colocate)
+                      colocate_vocoder=colocate, shared_decoder=args.shared_vocoder_decoder)
     return cluster, metrics_port
 
 
