@@ -19,7 +19,8 @@
 # chunk5_gather_off = chunk5 prefilling every step under load too (--prefill-interval-loaded=1; before session 9),
 # chunk10u = every chunk 10 frames, the first too (half the vocoder steps of chunk5), chunk10_loaded = first
 # chunk 5 at light load and 10 under load (the README's
-# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_fine = chunk10_loaded with vocoder buckets every 4 streams up to 64 (c256's
+# high-load config: --first-chunk-frames-loaded 10), chunk10_loaded_shared = chunk10_loaded with both replicas in front of one
+# decoder process of 256 slots (--shared-vocoder-decoder: one CUDA context, gRPC work over two processes), chunk10_loaded_fine = chunk10_loaded with vocoder buckets every 4 streams up to 64 (c256's
 # steps hold ~33 streams: less padding than buckets of 8), chunk10_loaded_v1 = that with one vocoder replica of 256
 # (one CUDA context, no time-slicing), chunk10_loaded_no_la = chunk10_loaded launching ahead only steps of half
 # the slots (--launch-ahead-streams 64, the default before session 10, which c256's 30-55-stream steps never
@@ -101,6 +102,9 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
     chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
+    chunk10_loaded_shared) run e2e_w1_c256_chunk10_loaded_shared --workload W1 --concurrency ${C256:-256} \
+               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
+               --vocoder-arg=--chunk-frames=10 --vocoders 2 --vocoder-arg=--slots=256 --shared-vocoder-decoder ;;
     chunk10_loaded_fine) run e2e_w1_c256_chunk10_loaded_fine --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
                --vocoder-arg=--chunk-frames=10 \
