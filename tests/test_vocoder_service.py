@@ -1185,7 +1185,7 @@ def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
         fronts = []
         for d, port in zip(front_dirs(path, 2), ports):
             proc, address, seen, _ = start_vocoder("--metrics-port", str(port), "--attach-decoder", d,
-                                                   "--attach-silence-s", "2", "--grace", "1")
+                                                   "--attach-silence-s", "4", "--grace", "1")
             procs.append(proc)
             fronts.append(grpc.insecure_channel(address))
         stubs = [vocoder_pb2_grpc.VocoderStub(ch) for ch in fronts]
@@ -1208,7 +1208,7 @@ def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
         assert metric(1, "chorus_vocoder_decode_step_ms_count") == 0
 
         # Front 1 idle for longer than its --attach-silence-s while front 0 decodes: it still serves.
-        busy_until = time.time() + 3
+        busy_until = time.time() + 5
         while time.time() < busy_until:
             decode(0, 9)
         assert procs[1].poll() is None
@@ -1225,7 +1225,7 @@ def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
         procs[1].wait()
         outbox.put(None)
         proc, address, _, _ = start_vocoder("--metrics-port", str(ports[1]), "--attach-decoder", front_dirs(path, 2)[1],
-                                            "--attach-silence-s", "2", "--grace", "1")
+                                            "--attach-silence-s", "4", "--grace", "1")
         procs.append(proc)
         assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 3)
         outbox0.put(None)
