@@ -250,27 +250,27 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
         worker_args, vocoder_args = list(self.worker_args), list(self.vocoder_args)
-        if self.colocate_vocoder:
-            if len(self.vocoder_ports) != 1:
-                raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+        if self.colocate_vocoder and self.shared_decoder:
+            raise LaunchError("--shared-vocoder-decoder and --colocate-vocoder: the colocated decoder is the "
+                              "worker's; a shared one is a process of its own")
+        if self.colocate_vocoder and len(self.vocoder_ports) != 1:
+            raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+        attach = [[] for _ in self.vocoder_ports]  # each replica's extra flags
+        services = []
+        if self.colocate_vocoder or self.shared_decoder:
             self._decoder_dir = tempfile.TemporaryDirectory(prefix="chorus-decoder-")
-            worker_args += ["--host-vocoder-decoder", self._decoder_dir.name,
-                            "--vocoder-decoder-args", shlex.join(vocoder_args)]
-            vocoder_args += ["--attach-decoder", self._decoder_dir.name]
+            decoder_dir = self._decoder_dir.name
+        if self.colocate_vocoder:
+            worker_args += ["--host-vocoder-decoder", decoder_dir, "--vocoder-decoder-args", shlex.join(vocoder_args)]
+            attach = [["--attach-decoder", decoder_dir]]
+        elif self.shared_decoder:
+            from vocoder_svc.decode_process import front_dirs  # only where the vocoder's code is wanted
+            services.append(Service("decoder", py + ["vocoder_svc.decode_process", "--fronts-dir", decoder_dir,
+                                                     "--fronts", str(len(self.vocoder_ports)), *vocoder_args]))
+            attach = [["--attach-decoder", d] for d in front_dirs(decoder_dir, len(self.vocoder_ports))]
         worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
                                          *worker_args])
-        self.services = [worker]
-        attach = [[] for _ in self.vocoder_ports]
-        if self.shared_decoder:
-            from vocoder_svc.decode_process import front_dirs  # only where the vocoder's code is wanted
-            if self.colocate_vocoder:
-                raise LaunchError("--shared-vocoder-decoder and --colocate-vocoder: the colocated decoder is the "
-                                  "worker's; a shared one is a process of its own")
-            self._decoder_dir = tempfile.TemporaryDirectory(prefix="chorus-decoder-")
-            self.services.append(Service("decoder", py + [
-                "vocoder_svc.decode_process", "--fronts-dir", self._decoder_dir.name,
-                "--fronts", str(len(self.vocoder_ports)), *vocoder_args]))
-            attach = [["--attach-decoder", d] for d in front_dirs(self._decoder_dir.name, len(self.vocoder_ports))]
+        self.services = [worker, *services]
         metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
         vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
                             py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port",
