@@ -51,6 +51,11 @@ COMMON=(--launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 --work
         --scheduler-arg=--frontends=${FRONTENDS:-4} --channels ${CHANNELS:-32}
         --duration "$DUR" --warmup 5 --no-progress
         --device-note "2x H200: worker cuda:0, vocoder cuda:1, bf16, dummy weights")
+# The README's high-load config at c256 (10-frame chunks; first chunks of 10 while 64 or more requests run),
+# and one vocoder replica of 256.
+LOADED10=(--workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10
+          --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10)
+V1=(--vocoders 1 --vocoder-arg=--slots=256)
 run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
@@ -82,7 +87,7 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     depth3) run e2e_w1_c256_depth3 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--lookahead-depth=3 ;;
     chunk2048) run e2e_w1_c256_chunk2048 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--prefill-chunk=2048 ;;
     vocoders4) run e2e_w1_c256_vocoders4 --workload W1 --concurrency ${C256:-256} --vocoders 4 --vocoder-arg=--slots=64 ;;
-    vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency ${C256:-256} --vocoders 1 --vocoder-arg=--slots=256 ;;
+    vocoders1) run e2e_w1_c256_vocoders1 --workload W1 --concurrency ${C256:-256} "${V1[@]}" ;;
     chunk10) run e2e_w1_c256_chunk10 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--chunk-frames=10 ;;
     chunk5) run e2e_w1_c256_chunk5 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=5 \
@@ -100,51 +105,31 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                --vocoder-arg=--chunk-frames=5 --vocoder-arg=--buckets=1,2,4,8,16,32,48,64,80,96,112,128 ;;
     chunk10u) run e2e_w1_c256_chunk10u --workload W1 --concurrency ${C256:-256} --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 ;;
-    chunk10_loaded) run e2e_w1_c256_chunk10_loaded --workload W1 --concurrency ${C256:-256} --scheduler-arg=--chunk-frames=10 \
-               --scheduler-arg=--first-chunk-frames-loaded=10 --vocoder-arg=--chunk-frames=10 ;;
-    chunk10_loaded_shared) run e2e_w1_c256_chunk10_loaded_shared --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 2 --vocoder-arg=--slots=256 --shared-vocoder-decoder ;;
-    chunk10_loaded_fine) run e2e_w1_c256_chunk10_loaded_fine --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 \
-               --vocoder-arg=--buckets=1,2,4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,72,80,88,96,104,112,120,128 ;;
-    chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 ;;
-    chunk10_loaded_v1_no_fold) run e2e_w1_c256_chunk10_loaded_v1_no_fold --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --worker-arg=--no-fold-decodes ;;
-    chunk10_loaded_v1_every) run e2e_w1_c256_chunk10_loaded_v1_every --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 \
+    chunk10_loaded) run e2e_w1_c256_chunk10_loaded "${LOADED10[@]}" ;;
+    chunk10_loaded_shared) run e2e_w1_c256_chunk10_loaded_shared "${LOADED10[@]}" --vocoders 2 --vocoder-arg=--slots=256 --shared-vocoder-decoder ;;
+    chunk10_loaded_fine) run e2e_w1_c256_chunk10_loaded_fine "${LOADED10[@]}" --vocoder-arg=--buckets=1,2,4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,72,80,88,96,104,112,120,128 ;;
+    chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 "${LOADED10[@]}" "${V1[@]}" ;;
+    chunk10_loaded_v1_no_fold) run e2e_w1_c256_chunk10_loaded_v1_no_fold "${LOADED10[@]}" "${V1[@]}" --worker-arg=--no-fold-decodes ;;
+    chunk10_loaded_v1_every) run e2e_w1_c256_chunk10_loaded_v1_every "${LOADED10[@]}" "${V1[@]}" \
                --scheduler-arg=--prefill-interval-loaded=1 ;;
-    chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoder-arg=--launch-ahead-streams=64 ;;
+    chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la "${LOADED10[@]}" --vocoder-arg=--launch-ahead-streams=64 ;;
     chunk10u_v1) run e2e_w1_c256_chunk10u_v1 --workload W1 --concurrency ${C256:-256} --scheduler-arg=--first-chunk-frames=10 \
                --scheduler-arg=--chunk-frames=10 --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 \
-               --vocoders 1 --vocoder-arg=--slots=256 ;;
+               "${V1[@]}" ;;
     chunk10u_interval4) run e2e_w1_c256_chunk10u_interval4 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 ;;
     chunk10u_v1_interval4) run e2e_w1_c256_chunk10u_v1_interval4 --workload W1 --concurrency ${C256:-256} \
                --scheduler-arg=--first-chunk-frames=10 --scheduler-arg=--chunk-frames=10 \
                --vocoder-arg=--first-chunk-frames=10 --vocoder-arg=--chunk-frames=10 --scheduler-arg=--prefill-interval-loaded=4 \
-               --vocoders 1 --vocoder-arg=--slots=256 ;;
-    engine_side_1gpu) run e2e_w1_c256_engine_side_1gpu --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+               "${V1[@]}" ;;
+    engine_side_1gpu) run e2e_w1_c256_engine_side_1gpu "${LOADED10[@]}" "${V1[@]}" --vocoder-device cuda:0 \
                --vocoder-arg=--preset=tiny --vocoder-arg=--launch-ahead-streams=1 --colocate-vocoder=off \
                --device-note "1x H200: worker cuda:0, vocoder cuda:0 at the tiny preset (48 kHz stereo, toy widths): the engine side's ceiling, bf16, dummy weights" ;;
-    engine_side_colocated_1gpu) run e2e_w1_c256_engine_side_colocated_1gpu --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+    engine_side_colocated_1gpu) run e2e_w1_c256_engine_side_colocated_1gpu "${LOADED10[@]}" "${V1[@]}" --vocoder-device cuda:0 \
                --vocoder-arg=--preset=tiny --vocoder-arg=--launch-ahead-streams=1 --vocoder-arg=--step-frames=0 \
                --colocate-vocoder=on --device-note "1x H200: worker cuda:0, the tiny-preset vocoder's decoder in the worker's process (one CUDA context): the engine side's ceiling, bf16, dummy weights" ;;
-    chunk10_loaded_v1_1gpu) run e2e_w1_c256_chunk10_loaded_v1_1gpu --workload W1 --concurrency ${C256:-256} \
-               --scheduler-arg=--chunk-frames=10 --scheduler-arg=--first-chunk-frames-loaded=10 \
-               --vocoder-arg=--chunk-frames=10 --vocoders 1 --vocoder-arg=--slots=256 --vocoder-device cuda:0 \
+    chunk10_loaded_v1_1gpu) run e2e_w1_c256_chunk10_loaded_v1_1gpu "${LOADED10[@]}" "${V1[@]}" --vocoder-device cuda:0 \
                --colocate-vocoder=off --device-note "1x H200: worker and vocoder (one replica of 256) on cuda:0, bf16, dummy weights" ;;
     step5_1gpu) run e2e_w1_1gpu_step5 --workload W1 --concurrency 16 --vocoder-device cuda:0 \
                   --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 --vocoder-arg=--step-frames=5 \
