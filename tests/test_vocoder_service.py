@@ -436,6 +436,26 @@ def assert_close(pcm: np.ndarray, ref: np.ndarray) -> None:
     assert np.abs(pcm - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 
+def decode_33(stub, seed: int) -> list:
+    """random_codes(33, seed) through a Decode call in pieces of 10 and 23 frames: its responses."""
+    return list(stub.Decode(decode_requests(random_codes(33, seed), [10, 23]), timeout=60))
+
+
+def decode_33_at_once(stub_of_seed: dict, codec) -> None:
+    """decode_33 for every seed at once, on its stub, one thread each; every stream's chunks are the
+    first (5) and steady (25) chunk and the rest, and its PCM is the offline decode."""
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda s=s, stub=stub: results.__setitem__(s, decode_33(stub, s)))
+               for s, stub in stub_of_seed.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for seed in stub_of_seed:
+        assert [r.frames for r in results[seed]] == [5, 25, 3]
+        assert_close(pcm_of(results[seed]), offline_pcm(codec, random_codes(33, seed)))
+
+
 def settled(v: InProcessVocoder) -> bool:
     """No call open and every slot back (slots are freed on the worker thread, after the call ends)."""
     return v.info().active_streams == 0 and v.servicer.session.free_slots == SESSION_SLOTS
@@ -712,19 +732,7 @@ def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
     try:
         with grpc.insecure_channel(address) as ch:
             stub = vocoder_pb2_grpc.VocoderStub(ch)
-            results: dict[int, list] = {}
-
-            def one(seed: int) -> None:
-                results[seed] = list(stub.Decode(decode_requests(random_codes(33, seed), [10, 23]), timeout=60))
-
-            threads = [threading.Thread(target=one, args=(s,)) for s in range(3)]  # 3 streams, 2 slots
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            for seed in range(3):
-                assert [r.frames for r in results[seed]] == [5, 25, 3]
-                assert_close(pcm_of(results[seed]), offline_pcm(tiny_codec, random_codes(33, seed)))
+            decode_33_at_once({seed: stub for seed in range(3)}, tiny_codec)  # 3 streams, 2 slots
 
             outbox, got, call = _open_stream(stub, random_codes(7, 9))
             assert got.get(timeout=30).frames == 5
@@ -816,9 +824,7 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
                 stub = vocoder_pb2_grpc.VocoderStub(ch)
                 # The first vocoder's stream holds a slot when it dies; the second's hello frees it.
                 assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 2)
-                responses = list(stub.Decode(decode_requests(random_codes(33, round_), [10, 23]), timeout=60))
-                assert [r.frames for r in responses] == [5, 25, 3]
-                assert_close(pcm_of(responses), offline_pcm(tiny_codec, random_codes(33, round_)))
+                decode_33_at_once({round_: stub}, tiny_codec)
                 if round_ == 0:
                     outbox, got, _ = _open_stream(stub, random_codes(7, 9))
                     assert got.get(timeout=30).frames == 5
@@ -1191,29 +1197,16 @@ def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
         stubs = [vocoder_pb2_grpc.VocoderStub(ch) for ch in fronts]
         metric = lambda i, name: _metric({"metrics_port": ports[i]}, name)  # noqa: E731
 
-        results: dict[int, list] = {}
-
-        def decode(i: int, seed: int) -> None:
-            results[seed] = list(stubs[i].Decode(decode_requests(random_codes(33, seed), [10, 23]), timeout=60))
-
-        threads = [threading.Thread(target=decode, args=(i % 2, seed)) for i, seed in enumerate(range(4))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for seed in range(4):
-            assert [r.frames for r in results[seed]] == [5, 25, 3]
-            assert_close(pcm_of(results[seed]), offline_pcm(tiny_codec, random_codes(33, seed)))
+        decode_33_at_once({seed: stubs[seed % 2] for seed in range(4)}, tiny_codec)
         assert metric(0, "chorus_vocoder_decode_step_ms_count") > 0
         assert metric(1, "chorus_vocoder_decode_step_ms_count") == 0
 
         # Front 1 idle for longer than its --attach-silence-s while front 0 decodes: it still serves.
         busy_until = time.time() + 5
         while time.time() < busy_until:
-            decode(0, 9)
+            decode_33(stubs[0], 9)
         assert procs[1].poll() is None
-        decode(1, 10)
-        assert_close(pcm_of(results[10]), offline_pcm(tiny_codec, random_codes(33, 10)))
+        assert_close(pcm_of(decode_33(stubs[1], 10)), offline_pcm(tiny_codec, random_codes(33, 10)))
 
         # Front 1 dies holding a slot; front 0 keeps serving; a new front 1's hello frees only that slot.
         outbox, got, _ = _open_stream(stubs[1], random_codes(7, 11))
