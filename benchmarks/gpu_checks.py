@@ -23,7 +23,7 @@ from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch, SequenceSpan, FlashInferPagedAttention, TorchPagedAttention
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-from scheduler_svc.scheduler import rows_matrix
+from chorus.wire import rows_matrix
 
 
 def backend_parity(model, device) -> dict:

@@ -20,7 +20,7 @@ from gpu_worker.engine import Engine, sample_and_commit
 from gpu_worker.loader import build_model
 from gpu_worker.model import fused_linear
 from gpu_worker.sampler import sample
-from scheduler_svc.scheduler import rows_matrix
+from chorus.wire import rows_matrix
 
 
 def replay_ms(graph, iters: int = 50) -> float:

@@ -29,7 +29,7 @@ from chorus.v1 import worker_pb2
 from chorus.provenance import git_revision
 from gpu_worker.engine import Engine, PendingStep, sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
-from scheduler_svc.scheduler import rows_matrix
+from chorus.wire import rows_matrix
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,10 +19,9 @@ simple so that a fused kernel can mirror it step by step:
 
 from __future__ import annotations
 
-import hashlib
-import os
-
 import torch
+
+from chorus.seeds import derive_sampling_seed
 
 __all__ = [
     "derive_sampling_seed",
@@ -39,19 +38,6 @@ _C1 = 0xCC9E2D51
 _C2 = 0x1B873593
 _LOG_MIN = -1.7976931348623157e308
 _LOG_MAX = -(2.0 ** -32)  # = -2.3283064365386963e-10
-
-
-def derive_sampling_seed(public_seed: int | None) -> int:
-    """§4.3: LE_uint64(blake2b("moss-tts:<decimal>", digest 8)) & 0x7FFFFFFF;
-    None -> 4 random bytes (LE) & 0x7FFFFFFF."""
-    if public_seed is None:
-        return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-    if isinstance(public_seed, bool) or not isinstance(public_seed, int):
-        raise ValueError(f"seed must be a non-negative integer, got {public_seed!r}")
-    if public_seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {public_seed}")
-    digest = hashlib.blake2b(f"moss-tts:{public_seed}".encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 # ---- MurmurHash3_x86_32 on int64 tensors holding uint32 values ---------------

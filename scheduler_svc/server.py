@@ -31,7 +31,8 @@ from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
 from scheduler_svc import frontend, metrics
 from scheduler_svc.frontend_link import FrontendLink
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.validation import MAX_CHUNK_FRAMES
 from scheduler_svc.worker_client import WorkerClient
 

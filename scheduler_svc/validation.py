@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from chorus.v1 import tts_pb2, worker_pb2
-from gpu_worker.sampler import derive_sampling_seed
+from chorus.seeds import derive_sampling_seed
 
 # Model defaults (spec moss_tts_local.md §4.2: the app's recommended values).
 AUDIO_DEFAULTS = dict(temperature=1.7, top_p=0.8, top_k=25, repetition_penalty=1.0)

@@ -10,7 +10,9 @@ from chorus.v1 import worker_pb2
 from gpu_worker.attention import page_table
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, rows_matrix
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.config import SchedulerConfig
+from chorus.wire import rows_matrix
 from scheduler_svc.validation import resolve_sampling
 from chorus.v1 import tts_pb2
 

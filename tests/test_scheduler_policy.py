@@ -6,7 +6,8 @@ import re
 import pytest
 
 from chorus.v1 import worker_pb2
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.config import SchedulerConfig
 
 
 def due_pattern(config: SchedulerConfig, decoding: int, steps: int = 7) -> list[bool]:

@@ -8,7 +8,7 @@ from chorus.tokenizer import load_tokenizer
 from chorus.v1 import worker_pb2
 from gpu_worker.engine import Engine, StepError
 from gpu_worker.loader import build_model
-from scheduler_svc.scheduler import rows_matrix
+from chorus.wire import rows_matrix
 from scheduler_svc.validation import resolve_sampling
 from chorus.v1 import tts_pb2
 
