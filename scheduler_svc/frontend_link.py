@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 
 from chorus.v1 import frontend_pb2
+from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc import metrics
-from scheduler_svc.scheduler import (ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request,
-                                     Scheduler, matrix_array, rows_matrix)
+from scheduler_svc.scheduler import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request, Scheduler
 
 log = logging.getLogger("chorus.scheduler")
 
