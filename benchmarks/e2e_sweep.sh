@@ -60,19 +60,19 @@ run() {  # name, then chorus bench flags
   local name=$1; shift
   echo "=== $name: $*"
   # How busy each GPU was (nvidia-smi: the share of time any kernel ran), sampled every 200 ms;
-  # benchmarks/gpu_busy.py prints the mean over each level's measured window.
+  # chorus.bench.gpu_busy prints the mean over each level's measured window.
   nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 \
     > "$OUT/$name.gpu.csv" 2>/dev/null &
   local smi=$!
   timeout ${RUN_TIMEOUT:-420} python -m chorus.cli bench "${COMMON[@]}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?; kill $smi 2>/dev/null
   echo "rc=$rc"; grep -E " (c|r)=[0-9]|server CPU" "$OUT/$name.log"; grep -iE "error|traceback" "$OUT/$name.log" | head -5
-  [ -f "$OUT/$name.json" ] && python benchmarks/gpu_busy.py "$OUT/$name.gpu.csv" "$OUT/$name.json"
+  [ -f "$OUT/$name.json" ] && python -m chorus.bench.gpu_busy "$OUT/$name.gpu.csv" "$OUT/$name.json"
   # A run cut off by the timeout leaves its services (own sessions) running: stop them before the next one.
   pkill -9 -f "gpu_worker.server|vocoder_svc.server|vocoder_svc.decode_process|scheduler_svc.server" 2>/dev/null; sleep 1
   tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .  # after every run: a call cut short keeps what finished
 }
-python -m gpu_worker.bench --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
+python -m chorus.bench.worker --batches 1 --contexts 32 --steps 2 > /dev/null 2>&1  # flashinfer JIT warm-up
 if [ "${TWO_GPU:-1}" = 1 ]; then
 run e2e_w1_x2 --server-logs --workload W1 --concurrency ${LEVELS:-1,16,64,256} --plot "$OUT/e2e_w1_x2.png"
 fi
@@ -161,7 +161,7 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
       --vocoders 1 --vocoder-arg=--slots=64 --colocate-vocoder=off --device-note "1x H200: worker and vocoder on cuda:0, bf16, dummy weights"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
-  python benchmarks/vocoder_profile.py --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
-  python benchmarks/vocoder_profile.py --device cuda:1 --streams 1 --frames 5 --out "$OUT/vocoder_profile_first_chunk.json" | head -12
+  python -m chorus.bench.vocoder_profile --device cuda:1 --streams 64 --frames 25 --out "$OUT/vocoder_profile.json"
+  python -m chorus.bench.vocoder_profile --device cuda:1 --streams 1 --frames 5 --out "$OUT/vocoder_profile_first_chunk.json" | head -12
 fi
 tar -czf "$FINAL/e2e_sweep.tgz" -C "$OUT" .

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.profile_step import kernel_ms
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec_config import PRESETS
 

@@ -51,16 +51,12 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from chorus import provenance  # noqa: E402
-from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
-from vocoder_svc import window_attention as wa  # noqa: E402
-from vocoder_svc.session import CodecSession  # noqa: E402
+from chorus import provenance
+from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec
+from vocoder_svc import window_attention as wa
+from vocoder_svc.session import CodecSession
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}

@@ -29,7 +29,7 @@ import time
 import grpc
 import numpy as np
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 from scheduler_svc.audio_relay import AudioRelay
 from scheduler_svc.output import AudioOutput

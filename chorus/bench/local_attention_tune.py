@@ -17,7 +17,7 @@ import json
 import torch
 
 from gpu_worker import kernels
-from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.profile_step import kernel_ms
 from chorus.moss_config import PRESETS
 
 

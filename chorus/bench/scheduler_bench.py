@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
 from chorus.v1 import common_pb2, worker_pb2
 from scheduler_svc.scheduler import FinishEvent, Request, Scheduler
 from scheduler_svc.config import SchedulerConfig

@@ -32,7 +32,7 @@ from chorus.provenance import git_revision
 from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-from profile_step import graph_time, replay_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.profile_step import graph_time, replay_ms
 
 
 CATEGORIES = (("gemm", r"gemm|sm90|sm80|cutlass|nvjet|cublas|xmma"),

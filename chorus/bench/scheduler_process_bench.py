@@ -23,11 +23,11 @@ import subprocess
 import sys
 import tempfile
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
 from chorus.launcher import Service, free_port, read_metrics
 from gpu_worker.loader import PRESETS
-from relay_bench import _serve as instant_vocoder
-from scheduler_bench import _instant_worker as instant_worker
+from chorus.bench.relay_bench import _serve as instant_vocoder
+from chorus.bench.scheduler_bench import _instant_worker as instant_worker
 
 
 def counters(metrics_port: int) -> tuple[float, float]:

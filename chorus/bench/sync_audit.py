@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from chorus.v1 import worker_pb2
-from gpu_worker.bench import Bench, add_arguments
+from chorus.bench.worker import Bench, add_arguments
 from chorus.wire import rows_matrix
 from vocoder_svc.codec import build_codec, full_v2, tiny_v2
 from vocoder_svc.session import CodecSession

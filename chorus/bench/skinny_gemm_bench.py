@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from chorus.moss_config import MossTTSLocalConfig
-from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.profile_step import kernel_ms
 
 
 @triton.jit

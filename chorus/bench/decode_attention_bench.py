@@ -22,7 +22,7 @@ import torch
 
 from chorus.provenance import git_revision
 from gpu_worker.decode_attention import paged_decode_attention
-from profile_step import replay_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.profile_step import replay_ms
 
 
 def main() -> None:
