@@ -5,10 +5,11 @@ own), the common flags, and the JSON result."""
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
+
+from chorus.bench.common import write_json
 
 
 def spawn(target, *args) -> tuple[mp.Process, int]:
@@ -38,7 +39,5 @@ def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
 def save(name: str, args: argparse.Namespace, levels: list[dict]) -> dict:
     result = {"benchmark": name, "host": platform.node(), "cpus": os.cpu_count(),
               "python": platform.python_version(), "config": vars(args), "levels": levels}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result

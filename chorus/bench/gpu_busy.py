@@ -2,7 +2,7 @@
 
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 > gpu.csv &
     chorus bench --launch ... --out bench.json; kill %1
-    python benchmarks/gpu_busy.py gpu.csv bench.json
+    python -m chorus.bench.gpu_busy gpu.csv bench.json
 
 nvidia-smi's utilization is the share of time any kernel ran, so a GPU at 100% may still have idle
 SMs, but one well under 100% is waiting for its host or for work. The bench JSON's `window_unix`
@@ -46,7 +46,7 @@ def busy_by_level(samples: list[tuple[float, str, float]], levels: list[dict]) -
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
-        raise SystemExit("usage: python benchmarks/gpu_busy.py GPU_CSV BENCH_JSON[.gz]")
+        raise SystemExit("usage: python -m chorus.bench.gpu_busy GPU_CSV BENCH_JSON[.gz]")
     opener = gzip.open if argv[1].endswith(".gz") else open
     with opener(argv[1], "rt") as f:
         levels = json.load(f)["levels"]

@@ -6,7 +6,7 @@ benchmarks/results/). Not a CI test: CI has no GPU.
 2. Graphed vs eager decode (flashinfer both): the same seeded requests give
    identical frames at equal batch size.
 
-    python benchmarks/gpu_checks.py --out results/gpu_checks.json
+    python -m chorus.bench.gpu_checks --out results/gpu_checks.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 import torch
+
+from chorus.bench.common import write_json
 
 from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch, SequenceSpan, FlashInferPagedAttention, TorchPagedAttention
@@ -252,9 +254,7 @@ def main() -> None:
         with torch.inference_mode():
             report["backend_parity"] = backend_parity(model, device)
         report["graph_parity"] = graph_parity(model)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
     print(json.dumps(report, indent=2))
 
 

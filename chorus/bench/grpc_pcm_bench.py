@@ -3,15 +3,14 @@ of 48 kHz stereo PCM16, the vocoder's steady chunk) to 16 concurrent Decode call
 loopback; reports CPU per message on each side. Both the vocoder and the scheduler's
 frontends move every chunk through this path, so it bounds their audio-s/s per core.
 
-    python benchmarks/grpc_pcm_bench.py --out results/grpc_pcm_bench_cpu.json
-    python benchmarks/grpc_pcm_bench.py --client-option grpc.http2.max_frame_size=4194304
+    python -m chorus.bench.grpc_pcm_bench --out results/grpc_pcm_bench_cpu.json
+    python -m chorus.bench.grpc_pcm_bench --client-option grpc.http2.max_frame_size=4194304
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -19,6 +18,7 @@ import time
 
 import grpc
 
+from chorus.bench.common import write_json
 from chorus.launcher import process_cpu_seconds
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 
@@ -98,10 +98,8 @@ def main() -> None:
                   f"per message", flush=True)
     finally:
         server.terminate()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "grpc_pcm", "grpc": grpc.__version__, "cpus": os.cpu_count(),
-                       "config": vars(args), "runs": runs}, f, indent=2)
+    write_json(args.out, {"benchmark": "grpc_pcm", "grpc": grpc.__version__, "cpus": os.cpu_count(),
+                          "config": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

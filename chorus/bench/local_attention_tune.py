@@ -3,7 +3,7 @@ frame's 12 calls (local positions 0..11) at the real shapes (32 heads x 80), in 
 num_warps candidate, and optionally another tree's kernel beside them.
 
     git show REV:gpu_worker/kernels.py > kernels_old.py
-    python benchmarks/local_attention_tune.py --batches 64,180,256 --baseline kernels_old.py --out tune.json
+    python -m chorus.bench.local_attention_tune --batches 64,180,256 --baseline kernels_old.py --out tune.json
 
 The winner goes into kernels.LOCAL_ATTENTION_WARPS by hand.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 
 import torch
 
 from gpu_worker import kernels
-from chorus.bench.profile_step import kernel_ms
+from chorus.bench.common import kernel_ms, write_json
 from chorus.moss_config import PRESETS
 
 
@@ -64,9 +63,7 @@ def main() -> None:
             print(f"batch {b} {key}: {us:7.1f} us a frame (12 calls), max |diff| vs current {worst:.2e}", flush=True)
         report["points"].append(point)
     report["default_warps"] = kernels.LOCAL_ATTENTION_WARPS
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ chunk, then steady chunks, then the tail): a real codec would hide the relay's
 own cost, which is what is measured here. It is a benchmark fixture, not a
 stand-in for the service in tests.
 
-    python benchmarks/relay_bench.py --streams 16,64,256 --frames 75 --out results/relay_bench.json
+    python -m chorus.bench.relay_bench --streams 16,64,256 --frames 75 --out results/relay_bench.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ random codes, and consumes each request's frame events as the relay would.
 The instant worker is a benchmark fixture: a real worker's step time would
 hide the scheduler's own cost, which is what is measured here.
 
-    python benchmarks/scheduler_bench.py --streams 16,64,256 --frames 75 --out results/scheduler_bench.json
+    python -m chorus.bench.scheduler_bench --streams 16,64,256 --frames 75 --out results/scheduler_bench.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Why: at c256 on the two-GPU H200 machine the scheduler process spent ~120 us of 
 cost can be found and cut here. The instant services are benchmark fixtures (a real worker or
 codec would hide the scheduler's own cost).
 
-    python benchmarks/scheduler_process_bench.py --concurrency 16,64,256 --duration 10 \\
+    python -m chorus.bench.scheduler_process_bench --concurrency 16,64,256 --duration 10 \\
         --out results/scheduler_process_bench_cpu.json
 """
 
@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 from chorus.bench import cpu_fixture
+from chorus.bench.common import write_json
 from chorus.launcher import Service, free_port, read_metrics
 from gpu_worker.loader import PRESETS
 from chorus.bench.relay_bench import _serve as instant_vocoder
@@ -90,10 +91,8 @@ def main() -> None:
         sched.stop()
         worker.terminate()
         vocoder.terminate()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "scheduler_process", "cpus": os.cpu_count(), "config": vars(args),
-                       "levels": results}, f, indent=2)
+    write_json(args.out, {"benchmark": "scheduler_process", "cpus": os.cpu_count(), "config": vars(args),
+                          "levels": results})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Summarise an e2e_profile.sh archive: per process, the busy threads (CPU from /proc over the
 sampling window) and the lines where py-spy found each thread most often (raw stacks, leaf frame).
 
-    python benchmarks/spy_summary.py DIR [--top 12] [--window-s 10] > summary.txt
+    python -m chorus.bench.spy_summary DIR [--top 12] [--window-s 10] > summary.txt
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 """Vocoder (MOSS-Audio-Tokenizer decode) benchmark: CodecSession streaming,
 first-chunk latency and offline decode, against the physical floor.
 
-    python benchmarks/vocoder_bench.py --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
-    python benchmarks/vocoder_bench.py --preset tiny --device cpu                      # smoke test
+    python -m chorus.bench.vocoder_bench --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
+    python -m chorus.bench.vocoder_bench --preset tiny --device cpu                      # smoke test
 
 Weights are random (build_codec), which costs exactly what real ones do.
 Measures, each as the median of N timed runs after warm-up, with
@@ -42,17 +42,16 @@ section, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
+from chorus.bench.common import device_name, write_json
 from chorus import provenance
 from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec
 from vocoder_svc import window_attention as wa
@@ -124,18 +123,6 @@ def git_revision(override: str | None = None) -> dict:
     if override:
         return {"revision": override, "dirty": None, "source": "flag"}
     return provenance.git_revision()
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cpus)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ---- the window-attention kernel ---------------------------------------------------------------------
@@ -227,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         res["elapsed_s"] = round(time.perf_counter() - t_start, 2)
         if cuda:
             res["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+        write_json(args.out, res)
 
     def section(name: str, fn) -> None:
         log(f"--- {name}")

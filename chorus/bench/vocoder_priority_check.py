@@ -8,18 +8,19 @@ whether every stream's PCM is byte-identical between the two sessions and the fi
 from launch to PCM on the host (p50, p90) in each: without priority it queues behind the steady
 step, with priority it should not.
 
-    python benchmarks/vocoder_priority_check.py --device cuda --streams 32 --rounds 20 \\
+    python -m chorus.bench.vocoder_priority_check --device cuda --streams 32 --rounds 20 \\
         --out results/vocoder_priority_check_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
+
+from chorus.bench.common import write_json
 
 from vocoder_svc.codec import build_codec, full_v2, tiny_v2
 from vocoder_svc.session import CodecSession
@@ -79,9 +80,7 @@ def main() -> None:
     print(f"bytes identical for {same}/{len(plain)} streams; first chunk beside a {args.streams}-stream steady "
           f"step: shared stream p50 {result['first_chunk_ms_shared']['p50']:.1f} ms, priority stream p50 "
           f"{result['first_chunk_ms_priority']['p50']:.1f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Issue #5's target is ">= 2,000 s of audio per second per GPU at 64 concurrent st
 25-frame chunks), through the real service"; benchmarks/vocoder_bench.py measures the session
 alone, this one adds the service: gRPC, the session worker's grouping, PCM16 conversion.
 
-    python benchmarks/vocoder_service_bench.py --device cuda --dtype bfloat16 --streams 64 \\
+    python -m chorus.bench.vocoder_service_bench --device cuda --dtype bfloat16 --streams 64 \\
         --frames 250 --out results/vocoder_service_bench.json
 """
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 
 import grpc
 import numpy as np
+
+from chorus.bench.common import write_json
 
 from chorus.launcher import Service, free_port, read_metrics
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
@@ -144,9 +145,7 @@ def main() -> None:
     finally:
         for svc in services:
             svc.stop()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

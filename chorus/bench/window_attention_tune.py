@@ -3,7 +3,7 @@ num_warps, num_stages) candidate on the attention shapes of one steady streaming
 v2 codec (every Transformer stage, weighted by its layer count; kernel time inside a CUDA graph)
 and check each against the default.
 
-    python benchmarks/window_attention_tune.py --streams 64 --frames 25 --out tune.json
+    python -m chorus.bench.window_attention_tune --streams 64 --frames 25 --out tune.json
 
 The winner goes into vocoder_svc/window_attention.py's KERNEL_CONFIG by hand (one config for all
 shapes keeps CUDA-graph capture and the bitwise graph == eager property simple).
@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import json
 
 import torch
 
-from chorus.bench.profile_step import kernel_ms
+from chorus.bench.common import kernel_ms, write_json
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec_config import PRESETS
 
@@ -93,11 +92,9 @@ def main() -> None:
               f"per stage {[round(x, 3) for x in per_stage]}", flush=True)
     results.sort(key=lambda r: r["step_ms"])
     print(f"default {wa.KERNEL_CONFIG}; best {results[0]['config']} at {results[0]['step_ms']:.2f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"shapes": [sh for sh, _ in cases], "streams": args.streams, "frames": args.frames,
-                       "default": wa.KERNEL_CONFIG, "baseline": baseline, "results": results,
-                       "device": torch.cuda.get_device_name()}, f, indent=2)
+    write_json(args.out, {"shapes": [sh for sh, _ in cases], "streams": args.streams, "frames": args.frames,
+                          "default": wa.KERNEL_CONFIG, "baseline": baseline, "results": results,
+                          "device": torch.cuda.get_device_name()})
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from chorus.v1 import worker_pb2
+from chorus.bench.common import device_name, write_json
 from chorus.provenance import git_revision
 from gpu_worker.engine import Engine, PendingStep, sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
@@ -440,7 +439,7 @@ class Bench:
 def run(args: argparse.Namespace) -> None:
     bench = Bench(args)
     results = bench.run()
-    device = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else platform.processor()
+    device = device_name(bench.device)
     report = {"benchmark": "worker", "command": " ".join(sys.argv),
               "git_revision": git_revision()["revision"] or "unknown",
               "device": device, "torch": torch.__version__, "dtype": args.dtype,
@@ -450,8 +449,7 @@ def run(args: argparse.Namespace) -> None:
                         "weight_bytes_per_step": bench.weight_bytes()},
               **results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.out, report)
         print(f"wrote {args.out}", flush=True)
 
 
