@@ -1,6 +1,5 @@
-"""What benchmarks/relay_bench.py and benchmarks/scheduler_bench.py share: an
-instant service in a spawned process (so the measured process's CPU is its
-own), the common flags, and the JSON result."""
+"""What relay_bench and scheduler_bench share: an instant service in a spawned process (so the
+measured process's CPU is its own), the common flags, and the JSON result."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""What one PCM chunk costs gRPC Python: a server streams 384 KB DecodeResponses (25 frames
-of 48 kHz stereo PCM16, the vocoder's steady chunk) to 16 concurrent Decode calls on
-loopback; reports CPU per message on each side. Both the vocoder and the scheduler's
-frontends move every chunk through this path, so it bounds their audio-s/s per core.
+"""What one PCM chunk costs gRPC Python: a server streams 384 KB DecodeResponses (25 frames of
+48 kHz stereo PCM16, the vocoder's steady chunk) to concurrent Decode calls on loopback; reports
+CPU per message on each side.
 
-    python -m chorus.bench.grpc_pcm_bench --out results/grpc_pcm_bench_cpu.json
+Both the vocoder and the scheduler's frontends move every chunk through this path, so it bounds
+their audio-s/s per core.
+
+    python -m chorus.bench.grpc_pcm_bench --out grpc_pcm_bench_cpu.json
     python -m chorus.bench.grpc_pcm_bench --client-option grpc.http2.max_frame_size=4194304
 """
 
@@ -71,12 +73,12 @@ def _option(text: str) -> tuple[str, int | str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--messages", type=int, default=1500, help="in all")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=16, help="concurrent Decode calls")
+    ap.add_argument("--messages", type=int, default=1500, help="messages in all, over the streams")
+    ap.add_argument("--repeats", type=int, default=3, help="runs, each timed on its own")
     ap.add_argument("--client-option", action="append", default=[], metavar="NAME=VALUE",
                     help="gRPC channel option of the receiving side")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     options = [_option(o) for o in args.client_option]
     q: mp.Queue = mp.Queue()

@@ -3,7 +3,7 @@ path on realistic decode shapes, then µs per call (eager and inside a CUDA
 graph). Not a CI test: CI has no GPU (tests/test_kernels.py covers the same
 math through the Triton interpreter on the CPU).
 
-    python -m chorus.bench.kernel_checks --out benchmarks/results/kernel_checks.json [--quick]
+    python -m chorus.bench.kernel_checks --out kernel_checks.json [--quick]
 
 Exactness is reported, not asserted, so one run gives the whole picture:
 - fused_sample vs sampler.sample (+ apply_repetition_penalty) on CUDA: rows

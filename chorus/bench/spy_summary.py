@@ -42,7 +42,7 @@ def leaves(path: Path, top: int) -> tuple[int, list[tuple[int, str]]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, help="an extracted e2e_profile.tgz")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--top", type=int, default=12, help="lines shown per thread")
     p.add_argument("--window-s", type=float, default=10.0, help="seconds between the two /proc reads")
     args = p.parse_args()
     names = (args.dir / "pids.txt").read_text().split()

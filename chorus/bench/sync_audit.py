@@ -1,15 +1,13 @@
 """Host syncs on the launch paths, found on the GPU: with torch's sync debug mode on, launch the
-worker's steps (decode, prefill + decode, release) and the vocoder session's steps while the step
-before each is still queued, and report every synchronizing call with the Python stack that made it.
+worker's steps and the vocoder's decode steps while the step before each is still queued, and
+report every synchronizing call with the Python stack that made it.
 
-Why: a launch that syncs waits for the step launched before it, and the GPU then idles while the
-host launches this one. Two such copies (`tensor[r] = number` in the worker's decode-state pool, a
-blocking `copy_` of the vocoder graphs' inputs) cost 9% of c256 throughput on the H200 until
-session 8. The worker's `finish` and the vocoder's `result()` wait on purpose and are not audited.
+A launch that syncs waits for the step launched before it, and the GPU then idles while the host
+launches this one. The worker's `finish` and the vocoder's `result()` wait on purpose and are not
+audited. On the CPU (tiny presets) it runs the same steps and finds nothing: torch's debug mode is
+CUDA-only.
 
-    python -m chorus.bench.sync_audit --device cuda --out results/sync_audit_h200.json
-
-On CPU (tiny presets) it runs the same steps and finds nothing: torch's debug mode is CUDA-only.
+    python -m chorus.bench.sync_audit --device cuda --out sync_audit.json
 """
 
 from __future__ import annotations

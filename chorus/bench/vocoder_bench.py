@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Vocoder (MOSS-Audio-Tokenizer decode) benchmark: CodecSession streaming,
 first-chunk latency and offline decode, against the physical floor.
 
@@ -166,8 +165,8 @@ def window_attention_check(device: torch.device, dtype: torch.dtype = torch.bflo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="codec shapes (random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                     help="compute dtype (weights are built in it; the quantizer stays fp32)")
     ap.add_argument("--n-q", type=int, default=12, help="codebooks per frame (MOSS-TTS Local: 12)")
@@ -178,15 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-frames", type=int, default=None, help="default 100 (CPU 20)")
     ap.add_argument("--iters", type=int, default=None, help="timed runs per case (default 10 GPU, 2 CPU)")
     ap.add_argument("--latency-iters", type=int, default=None, help="timed first-chunk runs (default 30 GPU, 3 CPU)")
-    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="streaming steps eager only, no CUDA graphs")
     ap.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
                     help="CodecSession window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
     ap.add_argument("--glue", default="auto", choices=["auto", "triton", "torch"],
                     help="CodecSession elementwise glue: fused Triton kernels (auto: on CUDA, self-tested) or torch")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and codes")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
     ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
-    ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--out", default=None, metavar="JSON", help="write the results here")
     ap.add_argument("--git-rev", default=os.environ.get("CHORUS_GIT_REV"),
                     help="revision to record when the tree has no .git (env CHORUS_GIT_REV)")
     args = ap.parse_args(argv)

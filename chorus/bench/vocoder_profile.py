@@ -1,5 +1,5 @@
-"""Where a streaming vocoder step's GPU time goes: one eager CodecSession step under the
-torch profiler, kernels grouped by name and sorted by total time.
+"""Where a streaming vocoder step's GPU time goes: one eager CodecSession step under the torch
+profiler, kernels grouped by name and sorted by total time.
 
     python -m chorus.bench.vocoder_profile --streams 64 --frames 25 --out vocoder_profile.json
 """

@@ -1,7 +1,9 @@
 """Pick the vocoder's windowed-attention kernel config on the GPU: time every (BLOCK_M, BLOCK_N,
-num_warps, num_stages) candidate on the attention shapes of one steady streaming step of the full
-v2 codec (every Transformer stage, weighted by its layer count; kernel time inside a CUDA graph)
-and check each against the default.
+num_warps, num_stages) candidate on the attention shapes of one steady streaming step, and check
+each against the default.
+
+The shapes are those of the full v2 codec (every Transformer stage, weighted by its layer count;
+kernel time inside a CUDA graph).
 
     python -m chorus.bench.window_attention_tune --streams 64 --frames 25 --out tune.json
 
@@ -39,14 +41,14 @@ def stage_shapes(preset: str, frames: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="full_v2")
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--frames", type=int, default=25)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--preset", default="full_v2", help="codec shapes")
+    ap.add_argument("--streams", type=int, default=64, help="streams in the step")
+    ap.add_argument("--frames", type=int, default=25, help="frames of each stream in the step")
+    ap.add_argument("--iters", type=int, default=20, help="calls captured in each timed graph")
     ap.add_argument("--baseline", metavar="FILE",
                     help="a window_attention.py of another tree (git show REV:vocoder_svc/window_attention.py > "
                          "FILE): its kernel at its own default config is timed first, as 'baseline'")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -5,9 +5,9 @@ row, then decode-step time (backbone + frame decode, graphed on CUDA) against
 batch size and context length, and frame decode alone. Step time is measured
 pipelined, as the worker serves under the scheduler's lookahead (step N+1
 launched before step N's journal is read), and also synchronously (one step,
-plan in to journal out). Each point is printed
-beside its physical floor on the device: bytes moved over memory bandwidth
-and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
+plan in to journal out). Each point is printed beside its physical floor on
+the device: bytes moved over memory bandwidth and FLOPs over tensor
+throughput (defaults: an H200's 4.3 TB/s and 790 TFLOP/s).
 
     chorus bench worker --device cuda --preset full --batches 1,32,64,256 --contexts 300,1000
     chorus bench worker --preset tiny --device cpu --batches 1,4 --contexts 64 --steps 5   # smoke run
@@ -36,10 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="full", choices=["tiny", "full"], help="shapes when --model is not given")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"], help="dummy = random weights")
     p.add_argument("--device", default="cuda", help="torch device")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="as gpu_worker --attention")
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run every step eagerly")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
     p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
@@ -57,9 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in requests of --mixed-request-rows: what gathering prefill into fewer steps buys "
                         "(0 = off)")
     p.add_argument("--mixed-intervals", default="1,2,4", help="prefill every k-th step, comma-separated")
-    p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average (W1 at c256: ~100)")
-    p.add_argument("--mixed-request-rows", type=int, default=40, help="rows of each prefilled request (W1: ~40 "
-                   "uncached)")
+    p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average")
+    p.add_argument("--mixed-request-rows", type=int, default=40, help="new rows of each prefilled request")
     p.add_argument("--launch-phases", action="store_true",
                    help="with --mixed-batch: time the host's parts of each launch (prefill, decode graph, "
                         "attention plans, journal copy), for prefill steps and the others apart")
