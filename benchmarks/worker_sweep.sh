@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One H200 call: kernel checks, parity checks, the worker sweep and step profiles,
-# all written under $OUT (see benchmarks/README.md for the device prefix).
+# Worker on one GPU: kernel checks, parity checks, the `chorus bench worker` sweep and decode step
+# profiles (PROFILE_BATCHES, default "1 256"), all written under $OUT.
 set -x
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
