@@ -241,8 +241,8 @@ def main() -> None:
     p.add_argument("--preset", default="full", help="model shapes (random weights)")
     p.add_argument("--out", default=None, metavar="JSON", help="write the results here")
     p.add_argument("--quick", action="store_true",
-                   help="only graphed vs eager for requests prefilled together and one prefilled beside "
-                        "decodes, prompts under 64 rows (flashinfer builds its FA2 prefill only)")
+                   help="only graphed vs eager, for requests prefilled together and one beside decodes, "
+                        "prompts under 64 rows")
     args = p.parse_args()
     device = torch.device("cuda")
     model = build_model(preset=args.preset, load_format="dummy", dtype="bfloat16", device="cuda")

@@ -53,16 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per point")
     p.add_argument("--prefill-requests", type=int, default=16, help="requests per prefill step")
     p.add_argument("--mixed-batch", type=int, default=0, metavar="B",
-                   help="also time decode steps of B requests (first context) that carry new requests' prefill "
-                        "every k-th step (k in --mixed-intervals), --mixed-rows prompt rows a step on average, "
-                        "in requests of --mixed-request-rows: what gathering prefill into fewer steps buys "
+                   help="also time B requests' decode steps carrying new requests' prefill every k-th step "
                         "(0 = off)")
-    p.add_argument("--mixed-intervals", default="1,2,4", help="prefill every k-th step, comma-separated")
+    p.add_argument("--mixed-intervals", default="1,2,4", help="the k of --mixed-batch, comma-separated")
     p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average")
     p.add_argument("--mixed-request-rows", type=int, default=40, help="new rows of each prefilled request")
     p.add_argument("--launch-phases", action="store_true",
-                   help="with --mixed-batch: time the host's parts of each launch (prefill, decode graph, "
-                        "attention plans, journal copy), for prefill steps and the others apart")
+                   help="with --mixed-batch: host time of each part of a launch, prefill steps and others apart")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
     p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
     p.add_argument("--out", metavar="JSON", help="write the results here")
