@@ -79,7 +79,6 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
     chunk10_loaded_shared) run e2e_w1_c256_chunk10_loaded_shared "${LOADED10[@]}" --vocoders 2 --vocoder-arg=--slots=256 --shared-vocoder-decoder ;;
     chunk10_loaded_fine) run e2e_w1_c256_chunk10_loaded_fine "${LOADED10[@]}" --vocoder-arg=--buckets=1,2,4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,72,80,88,96,104,112,120,128 ;;
     chunk10_loaded_v1) run e2e_w1_c256_chunk10_loaded_v1 "${LOADED10[@]}" "${V1[@]}" ;;
-    chunk10_loaded_v1_no_fold) run e2e_w1_c256_chunk10_loaded_v1_no_fold "${LOADED10[@]}" "${V1[@]}" --worker-arg=--no-fold-decodes ;;
     chunk10_loaded_v1_every) run e2e_w1_c256_chunk10_loaded_v1_every "${LOADED10[@]}" "${V1[@]}" \
                --scheduler-arg=--prefill-interval-loaded=1 ;;
     chunk10_loaded_no_la) run e2e_w1_c256_chunk10_loaded_no_la "${LOADED10[@]}" --vocoder-arg=--launch-ahead-streams=64 ;;
@@ -116,10 +115,6 @@ for r in ${RATIOS:-no_lookahead eager radix no_radix}; do
                      --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                      --colocate-vocoder --vocoder-arg=--step-frames=5 \
                      --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, bf16, dummy weights" ;;
-    colocated_step5_1gpu_no_fold) run e2e_w1_1gpu_colocated_step5_no_fold --workload W1 --concurrency 1,16 \
-                     --vocoder-device cuda:0 --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
-                     --colocate-vocoder --vocoder-arg=--step-frames=5 --worker-arg=--no-fold-decodes \
-                     --device-note "1x H200: worker and vocoder on cuda:0, the vocoder's decoder in the worker's process, 5-frame vocoder steps, mixed steps not folded, bf16, dummy weights" ;;
     priority1gpu) run e2e_w1_1gpu_priority --workload W1 --concurrency 1,16 --vocoder-device cuda:0 \
                     --worker-arg=--max-batch=64 --vocoders 1 --vocoder-arg=--slots=64 \
                     --vocoder-arg=--priority-first-chunks --colocate-vocoder=off \

@@ -43,8 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run every step eagerly")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
-    p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
-                   help="as gpu_worker --fold-decodes (the mixed points)")
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
                    help="as gpu_worker --decode-kernel")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
@@ -141,7 +139,7 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes,
+                             decode_split_kv=args.decode_split_kv,
                              decode_kernel=args.decode_kernel)
         self.device = self.engine.device
         self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
