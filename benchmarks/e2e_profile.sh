@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Where the time goes at c256 end to end (nvidia-h200-x2): runs W1 at c256 as e2e_sweep.sh
-# does and, in the middle of the measured level, samples the worker, the scheduler core, one
-# scheduler frontend, every vocoder process and every vocoder decode process with py-spy (raw
-# stacks, all threads, 10 s) and reads each one's per-thread CPU before and after. Needs py-spy
-# (in the .gpu bundle). VOCODERS / VOCODER_SLOTS: vocoder replicas on cuda:1 and streams each
-# (default 2 x 128, as e2e_sweep.sh); EXTRA: more chorus bench flags (e.g. 5-frame chunks:
-# EXTRA="--scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5"). Results in
-# $OUT/e2e_profile.tgz (with gpu.csv: nvidia-smi's GPU busy every 200 ms).
+# Where the time goes at c256 end to end on two GPUs: runs W1 at c256 as e2e_sweep.sh does and, in
+# the middle of the measured level, samples the worker, the scheduler core, one scheduler frontend,
+# every vocoder process and every vocoder decode process with py-spy (raw stacks, all threads,
+# 10 s) and reads each one's per-thread CPU before and after. Needs py-spy. Results in
+# $OUT/e2e_profile.tgz (with gpu.csv: nvidia-smi's GPU busy every 200 ms); summarise with
+# python -m chorus.bench.spy_summary.
+#   VOCODERS / VOCODER_SLOTS  vocoder replicas on cuda:1 and streams each (default 2 x 128).
+#   EXTRA      more chorus bench flags (e.g. EXTRA="--scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5").
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)

@@ -183,7 +183,7 @@ class StreamingResampler:
 def encode_pcm16(x: np.ndarray) -> bytes:
     """Interleaved float [N, C] -> int16 LE bytes: clip to [-1, 1], scale by 32767, round."""
     # One temporary, scaled then clipped in place: the same values as clip-then-scale (the
-    # relay runs this on every sample it sends, see benchmarks/relay_bench.py).
+    # relay runs this on every sample it sends, see chorus/bench/relay_bench.py).
     y = np.multiply(x, np.float32(32767.0), dtype=np.float32)
     np.clip(y, -32767.0, 32767.0, out=y)
     np.rint(y, out=y)

@@ -160,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "worker"]:  # the worker microbenchmark has flags of its own
-        from gpu_worker import bench as worker_bench
+        from chorus.bench import worker as worker_bench
         return worker_bench.main(argv[2:])
     parser = argparse.ArgumentParser(prog="chorus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,7 @@ flashinfer page table, attention.page_table). All sync-free with shapes fixed by
 it can be captured in a CUDA graph; the page table is read on the device.
 
 The worker decodes batches above 48 requests with it (attention.TritonDecode); below that,
-flashinfer's split over long contexts wins. benchmarks/decode_attention_bench.py times it beside
+flashinfer's split over long contexts wins. chorus/bench/decode_attention_bench.py times it beside
 flashinfer at several tile configs.
 """
 

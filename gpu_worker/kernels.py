@@ -50,7 +50,7 @@ Exactness (the torch paths are the references):
   Gumbel max (0 of those rows in the simulation). The spec (§4.3) allows this
   for a fused sampler. The hash, the float64 Gumbel draw, top-k with ties,
   greedy and the NaN / +-inf / all -inf rules are exact.
-benchmarks/kernel_checks.py measures all of this on the GPU.
+chorus/bench/kernel_checks.py measures all of this on the GPU.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 (tiny model, CPU), plus its metric arithmetic on hand-made records."""
 
 import json
+import re
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +128,26 @@ def test_a_given_revision_wins_over_git(monkeypatch):
     assert provenance.git_revision() == {"revision": "abc1234", "dirty": None, "source": "env"}
     monkeypatch.delenv("CHORUS_GIT_REV")
     assert provenance.git_revision()["source"] in ("git", None)
+
+
+def _bench_scripts() -> list[str]:
+    """The chorus.bench modules run as `python -m chorus.bench.NAME`."""
+    return sorted(p.stem for p in Path(bench.__file__).parent.glob("*.py")
+                  if 'if __name__ == "__main__":' in p.read_text())
+
+
+def test_the_bench_scripts_live_in_the_package():
+    assert "worker" in _bench_scripts() and len(_bench_scripts()) >= 20
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # a script another imported
+@pytest.mark.parametrize("name", _bench_scripts())
+def test_every_bench_script_says_what_it_measures(name, monkeypatch, capsys):
+    """--help runs on the CPU without triton and describes the script, with no history in it."""
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(f"chorus.bench.{name}", run_name="__main__")
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage:") and len(text.split("\n\n")[1]) > 40  # the description
+    assert not re.search(r"[Ss]ession \d|_s\d+_|benchmarks/\w+\.py", text)

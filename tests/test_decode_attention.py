@@ -1,6 +1,6 @@
 """gpu_worker/decode_attention.py: the Triton paged decode kernel against its torch reference, through
 the Triton interpreter on the CPU (fp32), and the reference against dense attention. Kernel tests skip
-without triton (CI); benchmarks/decode_attention_bench.py runs it compiled on the GPU (bf16)."""
+without triton (CI); chorus/bench/decode_attention_bench.py runs it compiled on the GPU (bf16)."""
 
 import math
 

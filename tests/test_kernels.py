@@ -1,6 +1,6 @@
 """gpu_worker/kernels.py: the Triton kernels against the torch reference code,
 run on the CPU through the Triton interpreter (TRITON_INTERPRET=1). Skipped
-when triton is not installed (CI). benchmarks/kernel_checks.py runs the same
+when triton is not installed (CI). chorus/bench/kernel_checks.py runs the same
 comparisons compiled on a GPU.
 
 Interpreter caveat: its transcendentals are numpy's, torch-CPU's are SLEEF's,

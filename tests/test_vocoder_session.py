@@ -277,7 +277,7 @@ def test_api_errors_and_facts(v2_64):
 
 def test_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocoder_bench.py"), "--preset", "tiny",
+    proc = subprocess.run([sys.executable, "-m", "chorus.bench.vocoder_bench", "--preset", "tiny",
                            "--device", "cpu", "--dtype", "float32", "--streams", "1,2", "--iters", "1",
                            "--offline-frames", "8", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

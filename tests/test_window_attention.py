@@ -3,7 +3,7 @@
 The kernel runs on the CPU through the Triton interpreter (TRITON_INTERPRET=1), in float32, and is
 compared with the torch path (chronological gather + dense masked SDPA), which is itself checked
 against a dense reference over the stream's whole history. Kernel tests skip when triton is not
-installed (CI); the torch-path ring tests always run. benchmarks/vocoder_bench.py runs the kernel
+installed (CI); the torch-path ring tests always run. chorus/bench/vocoder_bench.py runs the kernel
 compiled on a GPU (bf16, a realistic shape).
 """
 

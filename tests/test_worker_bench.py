@@ -3,7 +3,6 @@
 import json
 import runpy
 import sys
-from pathlib import Path
 
 from chorus import cli
 
@@ -33,12 +32,12 @@ def test_worker_bench_smoke(tmp_path):
 
 
 def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
-    """benchmarks/sync_audit.py (run on the H200) drives the worker's and the vocoder session's steps;
+    """chorus.bench.sync_audit (run on the H200) drives the worker's and the vocoder session's steps;
     on the CPU it finds nothing (torch's sync debug mode is CUDA-only) but every step must run."""
     out = tmp_path / "sync.json"
     argv, sys.argv = sys.argv, ["sync_audit.py", "--device", "cpu", "--out", str(out)]
     try:
-        runpy.run_path(str(Path(__file__).parent.parent / "benchmarks" / "sync_audit.py"), run_name="__main__")
+        runpy.run_module("chorus.bench.sync_audit", run_name="__main__", alter_sys=True)
     finally:
         sys.argv = argv
     assert json.loads(out.read_text()) == {"device": "cpu", "syncs": []}

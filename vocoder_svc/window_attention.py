@@ -203,7 +203,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         (shared by all layers of a stage); ignored by the kernel.
     Returns [B, H, Tk, D] in q's dtype (from the kernel: a transposed view of a [B, Tk, H, D] buffer).
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) for the kernel instead of KERNEL_CONFIG
-        (benchmarks/window_attention_tune.py).
+        (chorus/bench/window_attention_tune.py).
     Does not write the ring: call ring_write_kv afterwards."""
     supported = _supported(q, k, v, k_cache, v_cache, rows, offset, window)
     if not use_triton(impl, supported, q, k, v, k_cache, v_cache, rows, offset):

@@ -40,14 +40,13 @@ import os
 import platform
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from chorus.bench.load import _Level, _Progress, _Runner
+from chorus.bench.sweep import run_levels
 from chorus.launcher import Cluster, add_service_flags, colocation, free_port, read_metrics, service_args
 from chorus.provenance import cpu_model, git_revision
-from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row, ttfa_breakdown
+from chorus.bench.report import level_metrics, percentile, plot
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 
 __all__ = ["SCHEMA", "WORKLOADS", "VOICE_FRAMES", "Workload", "make_text", "level_metrics", "percentile", "plot",
@@ -186,178 +185,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _service_cpu(services: list) -> dict[str, float | None]:
-    return {s.name: s.cpu_seconds() for s in services}
-
-
-_STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum": "step_seconds",
-                  "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames",
-                  "chorus_worker_decode_step_ms_count": "decode_steps", "chorus_worker_decode_step_ms_sum": "decode_ms",
-                  "chorus_worker_prefill_step_ms_count": "prefill_steps",
-                  "chorus_worker_prefill_step_ms_sum": "prefill_ms", "chorus_prefill_rows_total": "prefill_rows",
-                  "chorus_scheduler_turnaround_ms_count": "turnarounds",
-                  "chorus_scheduler_turnaround_ms_sum": "turnaround_ms"}
-
-
-def _scheduler_counters(port: int | None) -> dict[str, float] | None:
-    """The scheduler's step counters from its Prometheus endpoint (None when there is none)."""
-    if port is None:
-        return None
-    try:
-        samples = read_metrics(port, timeout=2)
-    except OSError:
-        return None
-    return {key: samples[name] for name, key in _STEP_COUNTERS.items() if name in samples}
-
-
-_VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_vocoder_decode_step_ms_sum": "step_ms",
-                     "chorus_vocoder_decode_batch_streams_sum": "streams",
-                     "chorus_vocoder_audio_seconds_total": "audio_s",
-                     "chorus_vocoder_decode_step_frames_sum": "frames",
-                     "chorus_vocoder_queue_wait_ms_sum": "queue_wait_ms",
-                     "chorus_vocoder_steps_launched_ahead_total": "launched_ahead"}
-
-
-def _vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
-    """The vocoders' step counters, summed over the replicas (None when there are none)."""
-    if not ports:
-        return None
-    out = dict.fromkeys(_VOCODER_COUNTERS.values(), 0.0)
-    for port in ports:
-        try:
-            samples = read_metrics(port, timeout=2)
-        except OSError:
-            return None
-        for name, key in _VOCODER_COUNTERS.items():
-            out[key] += samples.get(name, 0.0)
-    return out
-
-
-def _vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
-    """What the vocoders' decode steps did over a level, all replicas together: steps per second,
-    streams per step and the mean step time from launch to PCM (a step launched while the previous
-    one runs includes that wait)."""
-    if not before or not after or wall <= 0:
-        return None
-    d = {k: after[k] - before[k] for k in _VOCODER_COUNTERS.values()}
-    steps = d["steps"]
-    return {"steps_per_s": steps / wall, "streams_per_step": d["streams"] / steps if steps else None,
-            "step_ms": d["step_ms"] / steps if steps else None, "audio_s_per_s": d["audio_s"] / wall,
-            # frames per stream in a step, and how long a step's oldest chunk waited for it (0 from
-            # vocoders that predate these metrics)
-            "frames_per_step": d["frames"] / steps if steps else None,
-            "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None,
-            # the share of steps launched while the one before still ran (0 before this metric existed)
-            "launched_ahead_share": d["launched_ahead"] / steps if steps else None}
-
-
-def _step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
-    """What the scheduler's steps did over a level: how many per second, the mean time the core
-    waited for the oldest journal in flight ("round trip"; with lookahead less than a plan's whole
-    round trip), the core's mean turnaround (a journal in to the next plan out), frames per step
-    and the share sent by lookahead."""
-    if not before or not after or wall <= 0:
-        return None
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _STEP_COUNTERS.values()}
-    steps = d["steps"]
-    per = lambda a, b: d[a] / d[b] if d[b] else None  # noqa: E731
-    return {"steps_per_s": steps / wall, "round_trip_ms": 1e3 * d["step_seconds"] / steps if steps else None,
-            "frames_per_step": d["frames"] / steps if steps else None,
-            "lookahead_share": d["lookahead_steps"] / steps if steps else None,
-            "core_turnaround_ms": per("turnaround_ms", "turnarounds"),
-            # the worker's own time per step (launch to journal), decode-only steps and steps with prefill
-            "worker_decode_step_ms": per("decode_ms", "decode_steps"),
-            "worker_prefill_step_ms": per("prefill_ms", "prefill_steps"),
-            "prefill_step_share": d["prefill_steps"] / steps if steps else None,
-            "prefill_rows_per_prefill_step": per("prefill_rows", "prefill_steps")}
-
-
-async def _run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
-                      services: list | None = None, metrics_port: int | None = None,
-                      vocoder_metrics_ports: list[int] | None = None) -> None:
-    """services: the launched processes (chorus.launcher.Service), whose CPU use each level records;
-    metrics_port: the scheduler's Prometheus port, whose step counters each level records;
-    vocoder_metrics_ports: the vocoders' ones, whose decode-step counters each level records."""
-    services = services or []
-    runner = _Runner(args, address, seed)
-    progress = _Progress(not args.no_progress)
-    await runner.connect()
-    results["server"]["models"] = runner.models
-    print(table_header(), flush=True)
-    mode = "open" if args.rate else "closed"
-    values = args.rate if args.rate else args.concurrency
-    try:
-        for wname in args.workload:
-            wl = WORKLOADS[wname]
-            for value in values:
-                level = _Level(wl, mode, value, runner.now(), max(0.0, args.warmup), args.duration, args.requests)
-                cpu0, wall0, server_cpu0 = time.process_time(), runner.now(), _service_cpu(services)
-                steps0 = _scheduler_counters(metrics_port)
-                vsteps0 = _vocoder_counters(vocoder_metrics_ports)
-                bar = asyncio.create_task(progress.run(runner, level))
-                try:
-                    await (runner.closed_level(level) if mode == "closed" else runner.open_level(level))
-                finally:
-                    bar.cancel()
-                    try:
-                        await bar
-                    except asyncio.CancelledError:
-                        pass
-                wall = runner.now() - wall0
-                if args.requests is not None:
-                    ends = [r["t_end_s"] for r in level.records if r["measured"]]
-                    window = (level.t_warm, max(ends) if ends else level.t_warm)
-                else:
-                    window = (level.t_warm, level.t_warm + args.duration)
-                idx = len(results["levels"])
-                lv = {"workload": wl.name, "mode": mode,
-                      "concurrency": int(value) if mode == "closed" else None,
-                      "rate": value if mode == "open" else None,
-                      "frames_per_request": args.frames or wl.frames,
-                      **level_metrics(level.records, window),
-                      # the measured window on the wall clock, to line up samples taken outside (nvidia-smi)
-                      "window_unix": [time.time() - runner.now() + t for t in window],
-                      "wall_s": wall, "client_cpu": (time.process_time() - cpu0) / wall if wall > 0 else None,
-                      # cores each launched service kept busy over the level (warm-up and drain included)
-                      "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
-                                     and server_cpu0[name] is not None else None
-                                     for name, t in _service_cpu(services).items()},
-                      "scheduler_steps": _step_stats(steps0, _scheduler_counters(metrics_port), wall),
-                      "vocoder_steps": _vocoder_stats(vsteps0, _vocoder_counters(vocoder_metrics_ports), wall)}
-                results["levels"].append(lv)
-                for r in level.records:
-                    r["level"] = idx
-                    del r["_chunks"]
-                results["records"].extend(level.records)
-                print(table_row(lv), flush=True)
-                if (breakdown := ttfa_breakdown(lv)) is not None:
-                    print("           " + breakdown, flush=True)
-                if any(v is not None for v in lv["server_cpu"].values()):
-                    print("           server CPU (cores busy): " + ", ".join(
-                        f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None), flush=True)
-                st = lv["scheduler_steps"]
-                if st and st["round_trip_ms"] is not None:
-                    turnaround = st.get("core_turnaround_ms")
-                    print(f"           scheduler steps: {st['steps_per_s']:.0f}/s, round trip {st['round_trip_ms']:.1f} ms, "
-                          f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%"
-                          + (f", core turnaround {turnaround:.1f} ms" if turnaround is not None else ""), flush=True)
-                    if st.get("worker_prefill_step_ms") is not None and st.get("worker_decode_step_ms") is not None:
-                        print(f"           worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
-                              f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
-                              f"{st['prefill_rows_per_prefill_step']:.0f} rows each)", flush=True)
-                vs = lv["vocoder_steps"]
-                if vs and vs["step_ms"] is not None:
-                    print(f"           vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "
-                          f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s"
-                          + (f"; {vs['frames_per_step']:.1f} frames a stream, oldest chunk waited "
-                             f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else "")
-                          + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
-                             if vs.get("launched_ahead_share") is not None else ""),
-                          flush=True)
-    finally:
-        await runner.close()
-
-
 # ---- run, JSON, plot --------------------------------------------------------------------
 
 def _host() -> dict[str, Any]:
@@ -429,8 +256,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
-        asyncio.run(_run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
-                                metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None))
+        asyncio.run(run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
+                               metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)

@@ -14,7 +14,7 @@ from typing import Any
 from chorus.bench.workloads import Workload, make_text
 
 @dataclass
-class _Level:
+class Level:
     workload: Workload
     mode: str                 # "closed" | "open"
     value: float              # concurrency or rate
@@ -39,7 +39,7 @@ class _Level:
         return now < self.t_warm + self.duration
 
 
-class _Runner:
+class Runner:
     def __init__(self, args: argparse.Namespace, address: str, seed: int):
         self.args = args
         self.address = address
@@ -97,7 +97,7 @@ class _Runner:
             req.references.append(self.voices[voice])
         return req, voice
 
-    async def one(self, level: _Level, measured: bool) -> None:
+    async def one(self, level: Level, measured: bool) -> None:
         import grpc
 
         k = self.counter
@@ -167,7 +167,7 @@ class _Runner:
         })
         level.records.append(rec)
 
-    async def closed_level(self, level: _Level) -> None:
+    async def closed_level(self, level: Level) -> None:
         async def stream() -> None:
             while True:
                 now = self.now()
@@ -179,7 +179,7 @@ class _Runner:
 
         await asyncio.gather(*(stream() for _ in range(int(level.value))))
 
-    async def open_level(self, level: _Level) -> None:
+    async def open_level(self, level: Level) -> None:
         rng = random.Random(f"{self.seed}/arrivals/{level.value}/{level.t0}")
         tasks: set[asyncio.Task] = set()
         t = level.t0
@@ -201,7 +201,7 @@ class _Runner:
             await asyncio.gather(*list(tasks))
 
 
-class _Progress:
+class Progress:
     """A one-line text progress bar on stderr."""
 
     WIDTH = 28
@@ -211,7 +211,7 @@ class _Progress:
         self.tty = sys.stderr.isatty()
         self.last_plain = 0.0
 
-    def draw(self, runner: _Runner, level: _Level, final: bool = False) -> None:
+    def draw(self, runner: Runner, level: Level, final: bool = False) -> None:
         if not self.enabled:
             return
         now = runner.now()
@@ -234,7 +234,7 @@ class _Progress:
             self.last_plain = now
             print(line, file=sys.stderr, flush=True)
 
-    async def run(self, runner: _Runner, level: _Level) -> None:
+    async def run(self, runner: Runner, level: Level) -> None:
         try:
             while True:
                 self.draw(runner, level)

@@ -62,7 +62,7 @@ def level_metrics(records: list[dict], window: tuple[float, float]) -> dict[str,
         "max_gap_ms": _stats(max_gaps),
         "server_queue_ms": _stats([r["server_queue_ms"] for r in ok]),
         "server_first_audio_ms": _stats([r["server_first_audio_ms"] for r in ok]),
-        # records from servers that predate these summary fields have none
+        # a server may leave these summary fields out
         "server_first_frame_ms": _stats([r["server_first_frame_ms"] for r in ok
                                          if r.get("server_first_frame_ms") is not None]),
         "server_first_chunk_frames_ms": _stats([r["server_first_chunk_frames_ms"] for r in ok
@@ -120,6 +120,34 @@ def ttfa_breakdown(lv: dict) -> str | None:
         line += (f"\n           end p50: last frame {last:.0f}, then last audio {_fmt(tail, '.0f')} ms later; "
                  f"a chunk's longest wait for its audio {_fmt(lag, '.0f')} ms")
     return line
+
+
+def server_lines(lv: dict) -> list[str]:
+    """What the launched services did over a level, as console lines: cores each kept busy, the
+    scheduler's steps, the worker's step times, the vocoders' decode steps (each only when known)."""
+    lines = []
+    if any(v is not None for v in lv["server_cpu"].values()):
+        lines.append("server CPU (cores busy): " + ", ".join(
+            f"{name} {v:.2f}" for name, v in lv["server_cpu"].items() if v is not None))
+    st = lv["scheduler_steps"]
+    if st and st["round_trip_ms"] is not None:
+        turnaround = st.get("core_turnaround_ms")
+        lines.append(f"scheduler steps: {st['steps_per_s']:.0f}/s, round trip {st['round_trip_ms']:.1f} ms, "
+                     f"{st['frames_per_step']:.1f} frames/step, lookahead {100 * st['lookahead_share']:.0f}%"
+                     + (f", core turnaround {turnaround:.1f} ms" if turnaround is not None else ""))
+        if st.get("worker_prefill_step_ms") is not None and st.get("worker_decode_step_ms") is not None:
+            lines.append(f"worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
+                         f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
+                         f"{st['prefill_rows_per_prefill_step']:.0f} rows each)")
+    vs = lv["vocoder_steps"]
+    if vs and vs["step_ms"] is not None:
+        lines.append(f"vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "
+                     f"{vs['step_ms']:.1f} ms launch to PCM, {vs['audio_s_per_s']:.0f} s of audio per s"
+                     + (f"; {vs['frames_per_step']:.1f} frames a stream, oldest chunk waited "
+                        f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else "")
+                     + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
+                        if vs.get("launched_ahead_share") is not None else ""))
+    return lines
 
 
 def plot(results: dict[str, Any], path: str) -> bool:

@@ -2,7 +2,7 @@
 
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 > gpu.csv &
     chorus bench --launch ... --out bench.json; kill %1
-    python benchmarks/gpu_busy.py gpu.csv bench.json
+    python -m chorus.bench.gpu_busy gpu.csv bench.json
 
 nvidia-smi's utilization is the share of time any kernel ran, so a GPU at 100% may still have idle
 SMs, but one well under 100% is waiting for its host or for work. The bench JSON's `window_unix`
@@ -11,11 +11,11 @@ SMs, but one well under 100% is waiting for its host or for work. The bench JSON
 
 from __future__ import annotations
 
+import argparse
 import collections
 import datetime
 import gzip
 import json
-import sys
 
 
 def read_samples(path: str) -> list[tuple[float, str, float]]:
@@ -44,15 +44,17 @@ def busy_by_level(samples: list[tuple[float, str, float]], levels: list[dict]) -
     return out
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: python benchmarks/gpu_busy.py GPU_CSV BENCH_JSON[.gz]")
-    opener = gzip.open if argv[1].endswith(".gz") else open
-    with opener(argv[1], "rt") as f:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gpu_csv", help="nvidia-smi samples: timestamp, index, utilization.gpu (csv, no header)")
+    ap.add_argument("bench_json", help="the chorus bench --out file (.gz read too)")
+    args = ap.parse_args(argv)
+    opener = gzip.open if args.bench_json.endswith(".gz") else open
+    with opener(args.bench_json, "rt") as f:
         levels = json.load(f)["levels"]
-    for lv, busy in zip(levels, busy_by_level(read_samples(argv[0]), levels)):
+    for lv, busy in zip(levels, busy_by_level(read_samples(args.gpu_csv), levels)):
         print(f"  c={lv['concurrency']} GPU busy: " + ", ".join(f"cuda:{i} {u:.0f}%" for i, u in busy.items()))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

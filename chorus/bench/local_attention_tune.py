@@ -1,9 +1,9 @@
 """Time the local transformer's attention kernel (gpu_worker/kernels.local_attention) on the GPU: one
-frame's 12 calls (local positions 0..11) at the real shapes (32 heads x 80), in a CUDA graph, at each
-num_warps candidate, and optionally another tree's kernel beside them.
+frame's 12 calls at the real shapes, in a CUDA graph, at each num_warps candidate, and optionally
+another tree's kernel beside them.
 
     git show REV:gpu_worker/kernels.py > kernels_old.py
-    python benchmarks/local_attention_tune.py --batches 64,180,256 --baseline kernels_old.py --out tune.json
+    python -m chorus.bench.local_attention_tune --batches 64,180,256 --baseline kernels_old.py --out tune.json
 
 The winner goes into kernels.LOCAL_ATTENTION_WARPS by hand.
 """
@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 
 import torch
 
 from gpu_worker import kernels
-from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.common import kernel_ms, write_json
 from chorus.moss_config import PRESETS
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="64,180,256")
-    ap.add_argument("--warps", default="1,2,4,8")
+    ap.add_argument("--batches", default="64,180,256", help="decode batch sizes, comma-separated")
+    ap.add_argument("--warps", default="1,2,4,8", help="num_warps candidates, comma-separated")
     ap.add_argument("--baseline", metavar="FILE",
                     help="a kernels.py of another tree (git show REV:gpu_worker/kernels.py > FILE), timed first")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     cfg = PRESETS["full"]().local
     heads, d, positions = cfg.n_head, cfg.n_embd // cfg.n_head, 13
@@ -64,9 +63,7 @@ def main() -> None:
             print(f"batch {b} {key}: {us:7.1f} us a frame (12 calls), max |diff| vs current {worst:.2e}", flush=True)
         report["points"].append(point)
     report["default_warps"] = kernels.LOCAL_ATTENTION_WARPS
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

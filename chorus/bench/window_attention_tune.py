@@ -1,9 +1,11 @@
 """Pick the vocoder's windowed-attention kernel config on the GPU: time every (BLOCK_M, BLOCK_N,
-num_warps, num_stages) candidate on the attention shapes of one steady streaming step of the full
-v2 codec (every Transformer stage, weighted by its layer count; kernel time inside a CUDA graph)
-and check each against the default.
+num_warps, num_stages) candidate on the attention shapes of one steady streaming step, and check
+each against the default.
 
-    python benchmarks/window_attention_tune.py --streams 64 --frames 25 --out tune.json
+The shapes are those of the full v2 codec (every Transformer stage, weighted by its layer count;
+kernel time inside a CUDA graph).
+
+    python -m chorus.bench.window_attention_tune --streams 64 --frames 25 --out tune.json
 
 The winner goes into vocoder_svc/window_attention.py's KERNEL_CONFIG by hand (one config for all
 shapes keeps CUDA-graph capture and the bitwise graph == eager property simple).
@@ -14,11 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import json
 
 import torch
 
-from profile_step import kernel_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.common import kernel_ms, write_json
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec_config import PRESETS
 
@@ -40,14 +41,14 @@ def stage_shapes(preset: str, frames: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="full_v2")
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--frames", type=int, default=25)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--preset", default="full_v2", help="codec shapes")
+    ap.add_argument("--streams", type=int, default=64, help="streams in the step")
+    ap.add_argument("--frames", type=int, default=25, help="frames of each stream in the step")
+    ap.add_argument("--iters", type=int, default=20, help="calls captured in each timed graph")
     ap.add_argument("--baseline", metavar="FILE",
                     help="a window_attention.py of another tree (git show REV:vocoder_svc/window_attention.py > "
                          "FILE): its kernel at its own default config is timed first, as 'baseline'")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -93,11 +94,9 @@ def main() -> None:
               f"per stage {[round(x, 3) for x in per_stage]}", flush=True)
     results.sort(key=lambda r: r["step_ms"])
     print(f"default {wa.KERNEL_CONFIG}; best {results[0]['config']} at {results[0]['step_ms']:.2f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"shapes": [sh for sh, _ in cases], "streams": args.streams, "frames": args.frames,
-                       "default": wa.KERNEL_CONFIG, "baseline": baseline, "results": results,
-                       "device": torch.cuda.get_device_name()}, f, indent=2)
+    write_json(args.out, {"shapes": [sh for sh, _ in cases], "streams": args.streams, "frames": args.frames,
+                          "default": wa.KERNEL_CONFIG, "baseline": baseline, "results": results,
+                          "device": torch.cuda.get_device_name()})
 
 
 if __name__ == "__main__":

@@ -1,25 +1,27 @@
-"""--priority-first-chunks on the GPU: same bytes, shorter first chunks under load.
+"""--priority-first-chunks on the GPU: checks that the PCM is byte-identical with and without it, and
+times a first chunk launched beside a steady step in each.
 
-Two sessions of the same codec, one with first-chunk steps on the high-priority stream
+Two decoders of the same codec, one with first-chunk steps on the high-priority stream
 (CodecSession(priority_frames=[5])), one without. In each round a steady 25-frame step of the
 long-running streams is launched and, while it runs, a new stream's 5-frame first chunk (on a slot
 released by the previous round's new stream, so the fresh-slot path is exercised too). Reports
-whether every stream's PCM is byte-identical between the two sessions and the first chunk's time
-from launch to PCM on the host (p50, p90) in each: without priority it queues behind the steady
-step, with priority it should not.
+whether every stream's PCM is byte-identical between the two and the first chunk's time from
+launch to PCM on the host (p50, p90) in each: without priority it queues behind the steady step,
+with priority it should not.
 
-    python benchmarks/vocoder_priority_check.py --device cuda --streams 32 --rounds 20 \\
-        --out results/vocoder_priority_check_h200.json
+    python -m chorus.bench.vocoder_priority_check --device cuda --streams 32 --rounds 20 \\
+        --out vocoder_priority_check.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
+
+from chorus.bench.common import write_json
 
 from vocoder_svc.codec import build_codec, full_v2, tiny_v2
 from vocoder_svc.session import CodecSession
@@ -56,11 +58,11 @@ def run(codec, priority: bool, streams: int, rounds: int, dtype) -> tuple[dict[i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--preset", default=None, help="default full on CUDA, tiny on CPU")
     ap.add_argument("--streams", type=int, default=32, help="long-running streams in each steady step")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--out")
+    ap.add_argument("--rounds", type=int, default=20, help="first chunks timed, one a round")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     config = (full_v2() if (args.preset or ("full" if cuda else "tiny")) == "full" else tiny_v2())
@@ -79,9 +81,7 @@ def main() -> None:
     print(f"bytes identical for {same}/{len(plain)} streams; first chunk beside a {args.streams}-stream steady "
           f"step: shared stream p50 {result['first_chunk_ms_shared']['p50']:.1f} ms, priority stream p50 "
           f"{result['first_chunk_ms_priority']['p50']:.1f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,13 @@
-"""The scheduler's loop on its own: frames per second, and CPU per frame, that
-one scheduler process can plan, send, receive and hand to its requests.
+"""The scheduler's loop on its own: frames per second, and CPU per frame, that one scheduler
+process can plan, send, receive and hand to its requests.
 
-At the two-GPU target (1,500 s of audio per second) the scheduler must turn
-~18,750 frames per second through a single asyncio thread, next to the audio
-relay (benchmarks/relay_bench.py). This bench runs the real Scheduler (radix
-cache, KV allocator, lookahead, prefill, journals over ZeroMQ) against an
-instant worker in another process that answers every StepPlan at once with
-random codes, and consumes each request's frame events as the relay would.
-The instant worker is a benchmark fixture: a real worker's step time would
-hide the scheduler's own cost, which is what is measured here.
+It runs the real Scheduler (radix cache, KV allocator, lookahead, prefill, journals over ZeroMQ)
+against an instant worker in another process that answers every StepPlan at once with random
+codes, and consumes each request's frame events as the relay would. The instant worker is a
+benchmark fixture: a real worker's step time would hide the scheduler's own cost, which is what is
+measured here.
 
-    python benchmarks/scheduler_bench.py --streams 16,64,256 --frames 75 --out results/scheduler_bench.json
+    python -m chorus.bench.scheduler_bench --streams 16,64,256 --frames 75 --out scheduler_bench.json
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import time
 
 import numpy as np
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
 from chorus.v1 import common_pb2, worker_pb2
 from scheduler_svc.scheduler import FinishEvent, Request, Scheduler
 from scheduler_svc.config import SchedulerConfig
@@ -133,7 +130,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     ap = cpu_fixture.parser(__doc__, "2x --streams")
-    ap.add_argument("--no-lookahead", action="store_true")
+    ap.add_argument("--no-lookahead", action="store_true", help="wait for each step's journal before planning the next")
     args = cpu_fixture.parse(ap)
     cpu_fixture.save("scheduler", args, asyncio.run(run(args)))
 

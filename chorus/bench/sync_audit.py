@@ -1,22 +1,19 @@
 """Host syncs on the launch paths, found on the GPU: with torch's sync debug mode on, launch the
-worker's steps (decode, prefill + decode, release) and the vocoder session's steps while the step
-before each is still queued, and report every synchronizing call with the Python stack that made it.
+worker's steps and the vocoder's decode steps while the step before each is still queued, and
+report every synchronizing call with the Python stack that made it.
 
-Why: a launch that syncs waits for the step launched before it, and the GPU then idles while the
-host launches this one. Two such copies (`tensor[r] = number` in the worker's decode-state pool, a
-blocking `copy_` of the vocoder graphs' inputs) cost 9% of c256 throughput on the H200 until
-session 8. The worker's `finish` and the vocoder's `result()` wait on purpose and are not audited.
+A launch that syncs waits for the step launched before it, and the GPU then idles while the host
+launches this one. The worker's `finish` and the vocoder's `result()` wait on purpose and are not
+audited. On the CPU (tiny presets) it runs the same steps and finds nothing: torch's debug mode is
+CUDA-only.
 
-    python benchmarks/sync_audit.py --device cuda --out results/sync_audit_h200.json
-
-On CPU (tiny presets) it runs the same steps and finds nothing: torch's debug mode is CUDA-only.
+    python -m chorus.bench.sync_audit --device cuda --out sync_audit.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import traceback
 import warnings
 
@@ -24,7 +21,8 @@ import numpy as np
 import torch
 
 from chorus.v1 import worker_pb2
-from gpu_worker.bench import Bench, add_arguments
+from chorus.bench.common import write_json
+from chorus.bench.worker import Bench, add_arguments
 from chorus.wire import rows_matrix
 from vocoder_svc.codec import build_codec, full_v2, tiny_v2
 from vocoder_svc.session import CodecSession
@@ -132,10 +130,8 @@ def main() -> None:
     print(f"{len(found)} synchronizing calls on the launch paths" + (":" if found else ""))
     for f in found:
         print(f"- {f['step']}: {f['message']}\n    " + "\n    ".join(f["stack"][-4:]))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "syncs": found}, fh, indent=1)
+    write_json(args.out, {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                          "syncs": found}, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,31 @@
 """Paged decode attention at the worker's shapes (32 q heads, 8 KV heads, head dim 128, bf16):
-flashinfer's tensor-core path (the worker's), its CUDA-core path and the Triton kernel of
-gpu_worker/decode_attention.py at each --triton-configs entry, over page sizes, each against the
-KV-bytes floor. The KV is laid out as the worker's slot cache (K and V apart, [slots, Hkv, D]). At W1 c256 a decode step at bs 180 and ~150-row contexts spends 2.15 of its 7.4 ms
-in the 36 attention calls (profile_step_bs180_ctx150_s10_h200.json), ~2.3x the bytes floor.
+flashinfer's tensor-core and CUDA-core paths and the Triton kernel of gpu_worker/decode_attention.py,
+over page sizes, contexts and batches, each against the KV-bytes floor.
 
-Each of a graph's 36 calls reads its own layer's KV, as in the model. The session-10 results
-(decode_attention_*_s10_h200.json) came from a first version whose 36 calls read one layer's KV,
-which the 50 MB L2 partly kept between calls: there the CUDA-core path looked up to 27% faster,
-and inside the worker it gained nothing (worker_{cuda,tensor}_core_s10_h200.json).
+The KV is laid out as the worker's slot cache (K and V apart, [slots, Hkv, D]). Each of a graph's
+36 calls reads its own layer's KV, as in the model: one layer's KV read 36 times would partly stay
+in L2 and flatter the kernels.
 
-    python benchmarks/decode_attention_bench.py --out benchmarks/results/decode_attention_s10_h200.json
+    python -m chorus.bench.decode_attention_bench --out decode_attention.json
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 
 import torch
 
+from chorus.bench.common import replay_ms, write_json
 from chorus.provenance import git_revision
 from gpu_worker.decode_attention import paged_decode_attention
-from profile_step import replay_ms  # benchmarks/: run as a script, its folder is on the path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="64,180,256")
-    ap.add_argument("--contexts", default="150,300,1000")
-    ap.add_argument("--page-sizes", default="16,32,64")
+    ap.add_argument("--batches", default="64,180,256", help="decode batch sizes, comma-separated")
+    ap.add_argument("--contexts", default="150,300,1000", help="context rows of each request, comma-separated")
+    ap.add_argument("--page-sizes", default="16,32,64", help="KV rows per page, comma-separated")
     ap.add_argument("--layout", default="random", choices=["random", "contiguous"],
                     help="requests' pages scattered over the pool, or each request's pages in one run (as "
                          "chorus bench worker lays them out)")
@@ -39,8 +35,8 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="FILE",
                     help="a decode_attention.py of another tree (git show REV:gpu_worker/decode_attention.py > "
                          "FILE): its kernel at its default config is timed too, as 'baseline_us'")
-    ap.add_argument("--bandwidth", type=float, default=4.3e12)
-    ap.add_argument("--out")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     import flashinfer
 
@@ -117,9 +113,7 @@ def main() -> None:
                 print(f"page {page:3d} ctx {ctx:5d} bs {bs:4d}: tensor cores {point['tensor_cores_us']:7.1f} us, "
                       f"CUDA cores {point['cuda_cores_us']:7.1f} us, triton {best[1]:7.1f} us {best[0]}, "
                       f"bytes floor {floor_us:6.1f} us", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
-"""What one PCM chunk costs gRPC Python: a server streams 384 KB DecodeResponses (25 frames
-of 48 kHz stereo PCM16, the vocoder's steady chunk) to 16 concurrent Decode calls on
-loopback; reports CPU per message on each side. Both the vocoder and the scheduler's
-frontends move every chunk through this path, so it bounds their audio-s/s per core.
+"""What one PCM chunk costs gRPC Python: a server streams 384 KB DecodeResponses (25 frames of
+48 kHz stereo PCM16, the vocoder's steady chunk) to concurrent Decode calls on loopback; reports
+CPU per message on each side.
 
-    python benchmarks/grpc_pcm_bench.py --out results/grpc_pcm_bench_cpu.json
-    python benchmarks/grpc_pcm_bench.py --client-option grpc.http2.max_frame_size=4194304
+Both the vocoder and the scheduler's frontends move every chunk through this path, so it bounds
+their audio-s/s per core.
+
+    python -m chorus.bench.grpc_pcm_bench --out grpc_pcm_bench_cpu.json
+    python -m chorus.bench.grpc_pcm_bench --client-option grpc.http2.max_frame_size=4194304
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -19,6 +20,7 @@ import time
 
 import grpc
 
+from chorus.bench.common import write_json
 from chorus.launcher import process_cpu_seconds
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 
@@ -71,12 +73,12 @@ def _option(text: str) -> tuple[str, int | str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--messages", type=int, default=1500, help="in all")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=16, help="concurrent Decode calls")
+    ap.add_argument("--messages", type=int, default=1500, help="messages in all, over the streams")
+    ap.add_argument("--repeats", type=int, default=3, help="runs, each timed on its own")
     ap.add_argument("--client-option", action="append", default=[], metavar="NAME=VALUE",
                     help="gRPC channel option of the receiving side")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     options = [_option(o) for o in args.client_option]
     q: mp.Queue = mp.Queue()
@@ -98,10 +100,8 @@ def main() -> None:
                   f"per message", flush=True)
     finally:
         server.terminate()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "grpc_pcm", "grpc": grpc.__version__, "cpus": os.cpu_count(),
-                       "config": vars(args), "runs": runs}, f, indent=2)
+    write_json(args.out, {"benchmark": "grpc_pcm", "grpc": grpc.__version__, "cpus": os.cpu_count(),
+                          "config": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Vocoder (MOSS-Audio-Tokenizer decode) benchmark: CodecSession streaming,
 first-chunk latency and offline decode, against the physical floor.
 
-    python benchmarks/vocoder_bench.py --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
-    python benchmarks/vocoder_bench.py --preset tiny --device cpu                      # smoke test
+    python -m chorus.bench.vocoder_bench --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
+    python -m chorus.bench.vocoder_bench --preset tiny --device cpu                      # smoke test
 
 Weights are random (build_codec), which costs exactly what real ones do.
 Measures, each as the median of N timed runs after warm-up, with
@@ -42,25 +41,20 @@ section, so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from chorus import provenance  # noqa: E402
-from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
-from vocoder_svc import window_attention as wa  # noqa: E402
-from vocoder_svc.session import CodecSession  # noqa: E402
+from chorus.bench.common import device_name, write_json
+from chorus import provenance
+from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec
+from vocoder_svc import window_attention as wa
+from vocoder_svc.session import CodecSession
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -130,18 +124,6 @@ def git_revision(override: str | None = None) -> dict:
     return provenance.git_revision()
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cpus)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 # ---- the window-attention kernel ---------------------------------------------------------------------
 
 def window_attention_check(device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -183,8 +165,8 @@ def window_attention_check(device: torch.device, dtype: torch.dtype = torch.bflo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="codec shapes (random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                     help="compute dtype (weights are built in it; the quantizer stays fp32)")
     ap.add_argument("--n-q", type=int, default=12, help="codebooks per frame (MOSS-TTS Local: 12)")
@@ -195,15 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-frames", type=int, default=None, help="default 100 (CPU 20)")
     ap.add_argument("--iters", type=int, default=None, help="timed runs per case (default 10 GPU, 2 CPU)")
     ap.add_argument("--latency-iters", type=int, default=None, help="timed first-chunk runs (default 30 GPU, 3 CPU)")
-    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="streaming steps eager only, no CUDA graphs")
     ap.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
                     help="CodecSession window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
     ap.add_argument("--glue", default="auto", choices=["auto", "triton", "torch"],
                     help="CodecSession elementwise glue: fused Triton kernels (auto: on CUDA, self-tested) or torch")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and codes")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
     ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
-    ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--out", default=None, metavar="JSON", help="write the results here")
     ap.add_argument("--git-rev", default=os.environ.get("CHORUS_GIT_REV"),
                     help="revision to record when the tree has no .git (env CHORUS_GIT_REV)")
     args = ap.parse_args(argv)
@@ -231,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         res["elapsed_s"] = round(time.perf_counter() - t_start, 2)
         if cuda:
             res["max_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+        write_json(args.out, res)
 
     def section(name: str, fn) -> None:
         log(f"--- {name}")

@@ -2,25 +2,25 @@
 codes in steady chunks as fast as the service answers, PCM16 back. Reports seconds of audio per
 second delivered to the streams, the service's CPU, and per-step time from its metrics.
 
-Issue #5's target is ">= 2,000 s of audio per second per GPU at 64 concurrent streams (steady
-25-frame chunks), through the real service"; benchmarks/vocoder_bench.py measures the session
-alone, this one adds the service: gRPC, the session worker's grouping, PCM16 conversion.
+vocoder_bench measures the decoder alone; this adds the service around it: gRPC, the worker
+thread's grouping of streams into steps, PCM16 conversion.
 
-    python benchmarks/vocoder_service_bench.py --device cuda --dtype bfloat16 --streams 64 \\
-        --frames 250 --out results/vocoder_service_bench.json
+    python -m chorus.bench.vocoder_service_bench --device cuda --dtype bfloat16 --streams 64 \\
+        --frames 250 --out vocoder_service_bench.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 
 import grpc
 import numpy as np
+
+from chorus.bench.common import write_json
 
 from chorus.launcher import Service, free_port, read_metrics
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
@@ -80,20 +80,19 @@ async def level(addresses: list[str], streams: int, frames: int, chunk: int, n_q
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device of the vocoder")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--preset", default=None, help="default full on CUDA, tiny on CPU")
     ap.add_argument("--streams", default="64", help="comma-separated concurrent streams per level")
     ap.add_argument("--frames", type=int, default=250, help="frames per stream (80 ms each)")
     ap.add_argument("--chunk", type=int, default=25, help="frames per message and per decode step")
-    ap.add_argument("--n-q", type=int, default=12)
+    ap.add_argument("--n-q", type=int, default=12, help="codebooks sent")
     ap.add_argument("--slots", type=int, default=64, help="each replica's --slots")
     ap.add_argument("--replicas", type=int, default=1,
-                    help="vocoder processes on the device, streams dealt round-robin (one process is "
-                         "GIL-bound near 1.05 cores on the H200)")
+                    help="vocoder processes on the device, streams dealt round-robin")
     ap.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
                     help="extra vocoder flag (repeatable; attach with '=', e.g. --vocoder-arg=--switch-interval-ms=5)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -144,9 +143,7 @@ def main() -> None:
     finally:
         for svc in services:
             svc.stop()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

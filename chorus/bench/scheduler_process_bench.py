@@ -1,17 +1,14 @@
-"""The whole scheduler process on the CPU: the real scheduler service (public gRPC server,
-prompt building, radix cache, scheduling, ZeroMQ to the worker, audio relay over gRPC to the
-vocoder) between an instant worker and an instant vocoder, driven by `chorus bench` clients.
-Reports the scheduler's CPU per frame at each concurrency: core and frontend processes together,
-and the core alone (the one process that cannot be multiplied; --scheduler-arg=--frontends=N).
+"""The whole scheduler process on the CPU: the real scheduler service between an instant worker and
+an instant vocoder, driven by `chorus bench` clients; its CPU per frame at each concurrency.
 
-Why: at c256 on the two-GPU H200 machine the scheduler process spent ~120 us of CPU per frame
-(benchmarks/README.md, "What limits c256"), 2.5x its loop (scheduler_bench.py) plus its relay
-(relay_bench.py) measured apart. This bench reproduces the whole process without a GPU, so the
-cost can be found and cut here. The instant services are benchmark fixtures (a real worker or
-codec would hide the scheduler's own cost).
+The scheduler service here is all of it: public gRPC server, prompt building, radix cache,
+scheduling, ZeroMQ to the worker, audio relay over gRPC to the vocoder. CPU per frame is reported
+for core and frontend processes together, and for the core alone (the one process that cannot be
+multiplied; --scheduler-arg=--frontends=N). Without a GPU the scheduler's own cost can be found and
+cut here; the instant services are benchmark fixtures (a real worker or codec would hide it).
 
-    python benchmarks/scheduler_process_bench.py --concurrency 16,64,256 --duration 10 \\
-        --out results/scheduler_process_bench_cpu.json
+    python -m chorus.bench.scheduler_process_bench --concurrency 16,64,256 --duration 10 \\
+        --out scheduler_process_bench_cpu.json
 """
 
 from __future__ import annotations
@@ -23,11 +20,12 @@ import subprocess
 import sys
 import tempfile
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
+from chorus.bench.common import write_json
 from chorus.launcher import Service, free_port, read_metrics
 from gpu_worker.loader import PRESETS
-from relay_bench import _serve as instant_vocoder
-from scheduler_bench import _instant_worker as instant_worker
+from chorus.bench.relay_bench import _serve as instant_vocoder
+from chorus.bench.scheduler_bench import _instant_worker as instant_worker
 
 
 def counters(metrics_port: int) -> tuple[float, float]:
@@ -41,15 +39,15 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="16,64,256", help="closed-loop streams per level")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
-    ap.add_argument("--workload", default="W1")
+    ap.add_argument("--workload", default="W1", help="chorus bench workload (W1, W2, W3)")
     ap.add_argument("--frames", type=int, default=None,
                     help="frames per request instead of the workload's (few frames: per-request costs dominate)")
     ap.add_argument("--step-ms", type=float, default=10.0,
-                    help="the stand-in worker's time per step (an H200 bs-256 step is ~11 ms; 0 = instant, "
-                         "which makes steps tiny and overstates the per-frame cost)")
+                    help="the stand-in worker's time per step, ms (0 = instant, which makes steps tiny and "
+                         "overstates the per-frame cost)")
     ap.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
                     help="extra scheduler flag (repeatable; attach with '=')")
-    ap.add_argument("--out", help="JSON results path")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     worker, wport = cpu_fixture.spawn(instant_worker, 1 << 20, max(levels), PRESETS["tiny"]().to_json(),
@@ -90,10 +88,8 @@ def main() -> None:
         sched.stop()
         worker.terminate()
         vocoder.terminate()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "scheduler_process", "cpus": os.cpu_count(), "config": vars(args),
-                       "levels": results}, f, indent=2)
+    write_json(args.out, {"benchmark": "scheduler_process", "cpus": os.cpu_count(), "config": vars(args),
+                          "levels": results})
 
 
 if __name__ == "__main__":

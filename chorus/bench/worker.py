@@ -5,9 +5,9 @@ row, then decode-step time (backbone + frame decode, graphed on CUDA) against
 batch size and context length, and frame decode alone. Step time is measured
 pipelined, as the worker serves under the scheduler's lookahead (step N+1
 launched before step N's journal is read), and also synchronously (one step,
-plan in to journal out). Each point is printed
-beside its physical floor on the device: bytes moved over memory bandwidth
-and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
+plan in to journal out). Each point is printed beside its physical floor on
+the device: bytes moved over memory bandwidth and FLOPs over tensor
+throughput (defaults: an H200's 4.3 TB/s and 790 TFLOP/s).
 
     chorus bench worker --device cuda --preset full --batches 1,32,64,256 --contexts 300,1000
     chorus bench worker --preset tiny --device cpu --batches 1,4 --contexts 64 --steps 5   # smoke run
@@ -17,8 +17,6 @@ and FLOPs over tensor throughput (defaults: H200, 4.3 TB/s and 790 TFLOP/s).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from chorus.v1 import worker_pb2
+from chorus.bench.common import device_name, write_json
 from chorus.provenance import git_revision
 from gpu_worker.engine import Engine, PendingStep, sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
@@ -37,14 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="full", choices=["tiny", "full"], help="shapes when --model is not given")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"], help="dummy = random weights")
     p.add_argument("--device", default="cuda", help="torch device")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
+    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="as gpu_worker --attention")
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run every step eagerly")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
-    p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
-                   help="as gpu_worker --fold-decodes (the mixed points)")
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
                    help="as gpu_worker --decode-kernel")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
@@ -53,17 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per point")
     p.add_argument("--prefill-requests", type=int, default=16, help="requests per prefill step")
     p.add_argument("--mixed-batch", type=int, default=0, metavar="B",
-                   help="also time decode steps of B requests (first context) that carry new requests' prefill "
-                        "every k-th step (k in --mixed-intervals), --mixed-rows prompt rows a step on average, "
-                        "in requests of --mixed-request-rows: what gathering prefill into fewer steps buys "
+                   help="also time B requests' decode steps carrying new requests' prefill every k-th step "
                         "(0 = off)")
-    p.add_argument("--mixed-intervals", default="1,2,4", help="prefill every k-th step, comma-separated")
-    p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average (W1 at c256: ~100)")
-    p.add_argument("--mixed-request-rows", type=int, default=40, help="rows of each prefilled request (W1: ~40 "
-                   "uncached)")
+    p.add_argument("--mixed-intervals", default="1,2,4", help="the k of --mixed-batch, comma-separated")
+    p.add_argument("--mixed-rows", type=int, default=100, help="prefill rows a step on average")
+    p.add_argument("--mixed-request-rows", type=int, default=40, help="new rows of each prefilled request")
     p.add_argument("--launch-phases", action="store_true",
-                   help="with --mixed-batch: time the host's parts of each launch (prefill, decode graph, "
-                        "attention plans, journal copy), for prefill steps and the others apart")
+                   help="with --mixed-batch: host time of each part of a launch, prefill steps and others apart")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth floor, bytes/s")
     p.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
     p.add_argument("--out", metavar="JSON", help="write the results here")
@@ -145,7 +139,7 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes,
+                             decode_split_kv=args.decode_split_kv,
                              decode_kernel=args.decode_kernel)
         self.device = self.engine.device
         self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
@@ -440,7 +434,7 @@ class Bench:
 def run(args: argparse.Namespace) -> None:
     bench = Bench(args)
     results = bench.run()
-    device = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else platform.processor()
+    device = device_name(bench.device)
     report = {"benchmark": "worker", "command": " ".join(sys.argv),
               "git_revision": git_revision()["revision"] or "unknown",
               "device": device, "torch": torch.__version__, "dtype": args.dtype,
@@ -450,8 +444,7 @@ def run(args: argparse.Namespace) -> None:
                         "weight_bytes_per_step": bench.weight_bytes()},
               **results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.out, report)
         print(f"wrote {args.out}", flush=True)
 
 

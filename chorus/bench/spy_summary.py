@@ -1,7 +1,7 @@
 """Summarise an e2e_profile.sh archive: per process, the busy threads (CPU from /proc over the
 sampling window) and the lines where py-spy found each thread most often (raw stacks, leaf frame).
 
-    python benchmarks/spy_summary.py DIR [--top 12] [--window-s 10] > summary.txt
+    python -m chorus.bench.spy_summary DIR [--top 12] [--window-s 10] > summary.txt
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def leaves(path: Path, top: int) -> tuple[int, list[tuple[int, str]]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, help="an extracted e2e_profile.tgz")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--top", type=int, default=12, help="lines shown per thread")
     p.add_argument("--window-s", type=float, default=10.0, help="seconds between the two /proc reads")
     args = p.parse_args()
     names = (args.dir / "pids.txt").read_text().split()

@@ -1,12 +1,12 @@
-"""GPU parity checks for the worker (run on the H200; output committed under
-benchmarks/results/). Not a CI test: CI has no GPU.
+"""GPU parity checks for the worker: flashinfer against the torch reference backend, and graphed
+against eager decode. Not a CI test: CI has no GPU.
 
 1. flashinfer vs the torch reference backend: backbone hidden states of a
    mixed prefill+decode batch agree to bf16 tolerance.
 2. Graphed vs eager decode (flashinfer both): the same seeded requests give
    identical frames at equal batch size.
 
-    python benchmarks/gpu_checks.py --out results/gpu_checks.json
+    python -m chorus.bench.gpu_checks --out gpu_checks.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 import torch
+
+from chorus.bench.common import write_json
 
 from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch, SequenceSpan, FlashInferPagedAttention, TorchPagedAttention
@@ -187,12 +189,11 @@ def quick_graph_parity(model) -> dict:
       move (informational);
     - together: graphed vs eager engine, 3 requests prefilled together (bucket padding 3 -> 4);
     - late: graphed vs eager with the late request. The eager engine runs that mixed step as one
-      forward (its decode rows through the Triton decode kernel since session 12, the prefill
-      kernel before), the graphed one as eager prefill plus the decode graph (flashinfer's decode at
+      forward (its decode rows through the Triton decode kernel), the graphed one as eager prefill plus the decode graph (flashinfer's decode at
       this batch), so divergence from the late step on is expected in bf16;
     - late_folded: the same with the default graphed engine, which folds the mixed step (one
       prefill-graph pass over prefill and decode rows, the eager layout and kernels): only the
-      bucket's padding differs from the eager forward (43/43 on the H200 in sessions 11 and 12);
+      bucket's padding differs from the eager forward;
     - together_triton_decode: as together, both engines decoding with the Triton kernel (the worker's
       decode attention above 48 requests; --decode-kernel triton here, so small batches take it)."""
     rng = np.random.default_rng(2)
@@ -237,11 +238,11 @@ def quick_graph_parity(model) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="full")
-    p.add_argument("--out", default=None)
+    p.add_argument("--preset", default="full", help="model shapes (random weights)")
+    p.add_argument("--out", default=None, metavar="JSON", help="write the results here")
     p.add_argument("--quick", action="store_true",
-                   help="only graphed vs eager for requests prefilled together and one prefilled beside "
-                        "decodes, prompts under 64 rows (flashinfer builds its FA2 prefill only): ~2 min fresh")
+                   help="only graphed vs eager, for requests prefilled together and one beside decodes, "
+                        "prompts under 64 rows")
     args = p.parse_args()
     device = torch.device("cuda")
     model = build_model(preset=args.preset, load_format="dummy", dtype="bfloat16", device="cuda")
@@ -252,9 +253,7 @@ def main() -> None:
         with torch.inference_mode():
             report["backend_parity"] = backend_parity(model, device)
         report["graph_parity"] = graph_parity(model)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
     print(json.dumps(report, indent=2))
 
 

@@ -3,7 +3,7 @@ path on realistic decode shapes, then µs per call (eager and inside a CUDA
 graph). Not a CI test: CI has no GPU (tests/test_kernels.py covers the same
 math through the Triton interpreter on the CPU).
 
-    python benchmarks/kernel_checks.py --out benchmarks/results/kernel_checks.json [--quick]
+    python -m chorus.bench.kernel_checks --out kernel_checks.json [--quick]
 
 Exactness is reported, not asserted, so one run gives the whole picture:
 - fused_sample vs sampler.sample (+ apply_repetition_penalty) on CUDA: rows
@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import gpu_worker.kernels as K
+
+from chorus.bench.common import write_json
 from gpu_worker.model import RMSNorm, rope_inv_freq, rotate_half_split
 from gpu_worker.sampler import apply_repetition_penalty, sample
 
@@ -480,8 +482,7 @@ def main() -> None:
     print("== summary\n" + json.dumps(result["summary"], indent=1), flush=True)
     result["timings"] = timings(100 if args.quick else 400, only)
     result["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -1,12 +1,8 @@
-"""Where a prefill step's GPU time goes on CUDA, and what running a step's decode rows inside
-its prefill pass (one pass over the weights instead of two) would save.
+"""Where a prefill step's GPU time goes on CUDA, and what running a step's decode rows inside its
+prefill pass (one pass over the weights instead of two) saves.
 
-At W1 c256 a third of the worker's GPU time is prefill: ~24 prefill steps a second of ~450
-rows, each a graph pass of its own beside the decode graph (`chorus bench worker
---mixed-batch`: ~2.8 ms a prefill step plus ~24 us a row). This script measures, with the
-worker's own graphs and kernels:
-
-- prefill graph replay time against rows (W1-like requests: `--request-rows` new rows after a
+With the worker's own graphs and kernels it measures:
+- prefill graph replay time against rows (requests of `--request-rows` new rows after a
   `--prefix`-row cached prefix each) and the FLOP floor of each point;
 - the decode graph (backbone + frame decode) at `--decode-batch`, the frame decode alone, and
   one prefill graph over the prefill rows plus the decode rows (folded, as the worker runs a
@@ -14,13 +10,12 @@ worker's own graphs and kernels:
 - one eager pass of each under the torch profiler, kernels grouped (GEMM, attention, glue);
 - bare GEMMs of the backbone's shapes at the step's row counts, in TFLOP/s.
 
-    python benchmarks/prefill_profile.py --out benchmarks/results/prefill_profile_s10_h200.json
+    python -m chorus.bench.prefill_profile --out prefill_profile.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections import Counter
 
@@ -32,7 +27,7 @@ from chorus.provenance import git_revision
 from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-from profile_step import graph_time, replay_ms  # benchmarks/: run as a script, its folder is on the path
+from chorus.bench.common import cuda_kernels, graph_time, replay_ms, write_json
 
 
 CATEGORIES = (("gemm", r"gemm|sm90|sm80|cutlass|nvjet|cublas|xmma"),
@@ -46,17 +41,13 @@ def kernel_census(fn) -> dict:
     """Kernel time of one eager fn() by category (regexes on the kernel name)."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = cuda_kernels(fn)
     by_cat: Counter = Counter()
     by_name: Counter = Counter()
-    for e in kernels:
-        t = getattr(e, "device_time", None) or e.cuda_time
-        cat = next((c for c, pat in CATEGORIES if re.search(pat, e.name, re.I)), "other")
+    for name, t in kernels:
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, name, re.I)), "other")
         by_cat[cat] += t
-        by_name[e.name[:100]] += t
+        by_name[name[:100]] += t
     return {"kernels": len(kernels), "busy_ms": sum(by_cat.values()) / 1e3,
             "by_category_ms": {c: round(t / 1e3, 3) for c, t in by_cat.most_common()},
             "top": [(n, round(t / 1e3, 3)) for n, t in by_name.most_common(12)]}
@@ -65,17 +56,17 @@ def kernel_census(fn) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="128,256,448,640,1024", help="prefill rows a step, comma-separated")
-    ap.add_argument("--request-rows", type=int, default=45, help="new rows of each prefilled request (W1: ~40-45)")
+    ap.add_argument("--request-rows", type=int, default=45, help="new rows of each prefilled request")
     ap.add_argument("--prefix", type=int, default=51, help="cached prefix rows before each request's new rows")
-    ap.add_argument("--decode-batch", type=int, default=180, help="decode rows of the step (W1 c256: ~180)")
+    ap.add_argument("--decode-batch", type=int, default=180, help="decode rows of the step")
     ap.add_argument("--decode-context", type=int, default=150, help="context rows of each decoding request")
     ap.add_argument("--exact-buckets", action="store_true",
                     help="time each --rows point in a graph of exactly its rows plus one padding sequence (the cost "
                          "curve without the serving buckets' padding) instead of its serving bucket")
     ap.add_argument("--fold-rows", type=int, default=448, help="prefill rows of the folded-step comparison")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--flops", type=float, default=790e12)
-    ap.add_argument("--out")
+    ap.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
+    ap.add_argument("--flops", type=float, default=790e12, help="tensor throughput floor, FLOP/s")
+    ap.add_argument("--out", metavar="JSON", help="write the results here")
     args = ap.parse_args()
     rows_list = [int(x) for x in args.rows.split(",")]
     B, P = args.decode_batch, args.page_size
@@ -154,7 +145,7 @@ def main() -> None:
                 return model.backbone(model.embed_rows(tokens), batch, engine.kv)
             return run
         # folded: as the worker runs it (decodes on the decode kernel); folded_flashinfer: every row through
-        # flashinfer's prefill kernel, as before session 12
+        # flashinfer's prefill kernel
         for name, spans, decodes in (("prefill", prefill_spans(args.fold_rows), 0), ("decode", decode_spans, 0),
                                      ("folded", prefill_spans(args.fold_rows) + decode_spans, B),
                                      ("folded_flashinfer", prefill_spans(args.fold_rows) + decode_spans, 0)):
@@ -181,9 +172,7 @@ def main() -> None:
             report["gemm"].append(point)
             print(f"GEMMs at {m} rows: {total:.2f} ms for 36 layers, {point['tflops']:.0f} TFLOP/s "
                   + " ".join(f"{k} {v['tflops']:.0f}" for k, v in point.items() if isinstance(v, dict)), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

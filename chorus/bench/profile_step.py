@@ -1,7 +1,7 @@
-"""Where a decode step's time goes, on CUDA: each part captured in its own
-CUDA graph and timed, plus the kernel count of one eager step.
+"""Where a decode step's time goes, on CUDA: each part captured in its own CUDA graph and timed,
+plus the kernels of one eager step.
 
-    python benchmarks/profile_step.py --batch 1 --context 300 --out results/profile.json
+    python -m chorus.bench.profile_step --batch 1 --context 300 --out profile.json
 """
 
 from __future__ import annotations
@@ -15,55 +15,20 @@ import torch
 
 from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch
-from gpu_worker.cuda_graphs import capture_graph
 from gpu_worker.engine import Engine, sample_and_commit
 from gpu_worker.loader import build_model
 from gpu_worker.model import fused_linear
 from gpu_worker.sampler import sample
+from chorus.bench.common import cuda_kernels, graph_time, replay_ms, write_json
 from chorus.wire import rows_matrix
 
 
-def replay_ms(graph, iters: int = 50) -> float:
-    """Milliseconds per replay of a captured CUDA graph (after one untimed replay)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def graph_time(fn, iters: int = 50) -> float:
-    """Milliseconds per replay of fn captured in a CUDA graph."""
-    return replay_ms(capture_graph(fn)[0], iters)
-
-
-def kernel_ms(call, iters: int) -> float:
-    """GPU time of one call: `iters` calls captured in a CUDA graph, replayed (as the worker and vocoder run them).
-    Timing eager calls would time their launches: the small stages' kernels take less than that."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (3 * iters)
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=300)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--out")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1, help="requests in the decode step")
+    p.add_argument("--context", type=int, default=300, help="prompt rows of each request")
+    p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
+    p.add_argument("--out", metavar="JSON", help="write the results here")
     args = p.parse_args()
     b, ctx = args.batch, args.context
     stride = -(-(ctx + 200) // args.page_size) * args.page_size  # each request's slots start on a page
@@ -97,13 +62,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         report["engine_step_ms"] = float(np.median(times[5:]) * 1e3)
         g = engine.graphs._get(engine.graphs.bucket(b))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            g.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        report["decode_graph_replay_ms"] = start.elapsed_time(end) / 20
+        report["decode_graph_replay_ms"] = replay_ms(g.graph, 20)
 
         rows = torch.arange(b, device="cuda")
         hidden = torch.randn(b, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -152,23 +111,18 @@ def main() -> None:
         plan = worker_pb2.StepPlan(step_id=999)
         for rid in range(1, b + 1):
             plan.decode.add(request_id=rid, kv_slot=(rid - 1) * stride + ctx + 25)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine_eager.execute(plan)
-            torch.cuda.synchronize()
+        kernels = cuda_kernels(lambda: engine_eager.execute(plan))
         engine.graphs = saved
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         report["eager_step_kernels"] = len(kernels)
-        census = Counter(e.name[:80] for e in kernels)
+        census = Counter(name[:80] for name, _ in kernels)
         report["top_kernels"] = census.most_common(25)
         busy: Counter = Counter()
-        for e in kernels:
-            busy[e.name[:80]] += getattr(e, "device_time", None) or e.cuda_time
+        for name, us in kernels:
+            busy[name[:80]] += us
         report["eager_kernel_busy_ms"] = sum(busy.values()) / 1e3
         report["top_kernels_by_time_us"] = [(n, round(t, 1), census[n]) for n, t in busy.most_common(25)]
     print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

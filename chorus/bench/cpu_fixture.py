@@ -1,14 +1,14 @@
-"""What benchmarks/relay_bench.py and benchmarks/scheduler_bench.py share: an
-instant service in a spawned process (so the measured process's CPU is its
-own), the common flags, and the JSON result."""
+"""What relay_bench and scheduler_bench share: an instant service in a spawned process (so the
+measured process's CPU is its own), the common flags, and the JSON result."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
+
+from chorus.bench.common import write_json
 
 
 def spawn(target, *args) -> tuple[mp.Process, int]:
@@ -38,7 +38,5 @@ def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
 def save(name: str, args: argparse.Namespace, levels: list[dict]) -> dict:
     result = {"benchmark": name, "host": platform.node(), "cpus": os.cpu_count(),
               "python": platform.python_version(), "config": vars(args), "levels": levels}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return result

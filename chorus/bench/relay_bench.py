@@ -1,22 +1,16 @@
-"""The scheduler's audio relay on its own: how many seconds of audio per second
-one scheduler process can move from vocoders to clients, and what it costs in
-CPU.
+"""The scheduler's audio relay on its own: how many seconds of audio per second one scheduler
+process can move from vocoders to clients, and what it costs in CPU.
 
-At the two-GPU target (1,500 s of audio per second of 48 kHz stereo) the
-scheduler receives ~576 MB/s of float32 PCM from the vocoders and sends
-~290 MB/s of PCM16 to its clients, all in one asyncio process. This bench runs
-the real relay (scheduler_svc.audio_relay.AudioRelay: Decode streams over
-gRPC, failover bookkeeping, format conversion) for N concurrent requests whose
-frames are all generated already, and serialises every SynthesizeResponse as
-the public gRPC server would. By default the vocoder sends int16 PCM, as the
-real one does for PCM16 clients at the native rate; --float-pcm measures the
-float32 path (other formats and rates). The vocoder is a separate process that answers
-Decode instantly with a fixed PCM buffer chunked like the real service (first
-chunk, then steady chunks, then the tail): a real codec would hide the relay's
-own cost, which is what is measured here. It is a benchmark fixture, not a
-stand-in for the service in tests.
+It runs the real relay (scheduler_svc.audio_relay.AudioRelay: Decode streams over gRPC, failover
+bookkeeping, format conversion) for N concurrent requests whose frames are all generated already,
+and serialises every SynthesizeResponse as the public gRPC server would. By default the vocoder
+sends int16 PCM, as the real one does for PCM16 clients at the native rate; --float-pcm measures
+the float32 path (other formats and rates). The vocoder is a separate process that answers Decode
+instantly with a fixed PCM buffer chunked like the real service (first chunk, then steady chunks,
+then the tail): a real codec would hide the relay's own cost, which is what is measured here. It
+is a benchmark fixture, not a stand-in for the service in tests.
 
-    python benchmarks/relay_bench.py --streams 16,64,256 --frames 75 --out results/relay_bench.json
+    python -m chorus.bench.relay_bench --streams 16,64,256 --frames 75 --out relay_bench.json
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import time
 import grpc
 import numpy as np
 
-import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
+from chorus.bench import cpu_fixture
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 from scheduler_svc.audio_relay import AudioRelay
 from scheduler_svc.output import AudioOutput
@@ -152,10 +146,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     ap = cpu_fixture.parser(__doc__, "--streams")
-    ap.add_argument("--first-chunk", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=25)
+    ap.add_argument("--first-chunk", type=int, default=5, help="frames in the first audio chunk")
+    ap.add_argument("--chunk", type=int, default=25, help="frames in each later audio chunk")
     ap.add_argument("--float-pcm", action="store_true",
-                    help="the vocoder always sends float32 (as before PcmEncoding): the relay converts to PCM16")
+                    help="the vocoder sends float32 PCM and the relay converts it to PCM16")
     args = cpu_fixture.parse(ap)
     cpu_fixture.save("relay", args, asyncio.run(run(args)))
 
