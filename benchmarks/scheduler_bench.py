@@ -25,7 +25,8 @@ import numpy as np
 
 import cpu_fixture  # benchmarks/cpu_fixture.py (this script's directory is on sys.path)
 from chorus.v1 import common_pb2, worker_pb2
-from scheduler_svc.scheduler import FinishEvent, Request, Scheduler
+from scheduler_svc.request import FinishEvent, Request
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.worker_client import WorkerClient
 
