@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from chorus.v1 import worker_pb2
@@ -238,7 +239,7 @@ class Policy:
             if len(req.frames) >= req.max_frames:
                 self._finish(req, "max_frames")
 
-    def fail(self, request_ids, message: str) -> None:
+    def fail(self, request_ids: Iterable[int], message: str) -> None:
         """End these running requests with an error (their step failed)."""
         for rid in request_ids:
             req = self.running.get(rid)

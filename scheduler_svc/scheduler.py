@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
 # the request names stay importable from here for code written against the driver alone
 from scheduler_svc.request import (  # noqa: F401
@@ -57,7 +58,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
 
     @property
-    def kv(self):
+    def kv(self) -> KVSlotAllocator:
         return self.policy.kv
 
     @property
