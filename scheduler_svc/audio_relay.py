@@ -29,7 +29,7 @@ import numpy as np
 
 from chorus.v1 import tts_pb2, vocoder_pb2
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, Request
+from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, Request
 from chorus.wire import rows_matrix
 from scheduler_svc.vocoder_client import REPLICA_FAILURE_CODES, NoReplica, VocoderPool, VocoderReplica
 

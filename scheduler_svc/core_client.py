@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from chorus.v1 import frontend_pb2, worker_pb2
-from scheduler_svc.scheduler import ErrorEvent, FinishEvent, FrameEvent, QueueFull
+from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, QueueFull
 from chorus.wire import matrix_array, rows_matrix
 
 

@@ -33,7 +33,7 @@ from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_p
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.core_client import CoreClient
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import QueueFull
+from scheduler_svc.request import QueueFull
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; the wrapper below: InvalidRequest
 from scheduler_svc.validation import InvalidRequest, Limits, validate

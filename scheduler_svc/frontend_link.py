@@ -18,7 +18,8 @@ import zmq.asyncio
 from chorus.v1 import frontend_pb2
 from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc import metrics
-from scheduler_svc.scheduler import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request, Scheduler
+from scheduler_svc.request import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request
+from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger("chorus.scheduler")
 

@@ -22,7 +22,7 @@ from chorus.client import channel, synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import FinishEvent, FrameEvent, Request
+from scheduler_svc.request import FinishEvent, FrameEvent, Request
 from scheduler_svc.vocoder_client import VocoderPool, format_address, parse_target, resolve
 from vocoder_svc.codec import build_codec, tiny_v2
 from vocoder_svc.server import VocoderServicer

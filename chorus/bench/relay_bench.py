@@ -27,7 +27,7 @@ from chorus.bench import cpu_fixture
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 from scheduler_svc.audio_relay import AudioRelay
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.scheduler import FinishEvent, FrameEvent, Request
+from scheduler_svc.request import FinishEvent, FrameEvent, Request
 from scheduler_svc.vocoder_client import VocoderPool
 
 RATE, CHANNELS, HOP, N_VQ = 48000, 2, 3840, 12

@@ -22,7 +22,8 @@ import numpy as np
 
 from chorus.bench import cpu_fixture
 from chorus.v1 import common_pb2, worker_pb2
-from scheduler_svc.scheduler import FinishEvent, Request, Scheduler
+from scheduler_svc.request import FinishEvent, Request
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.worker_client import WorkerClient
 
