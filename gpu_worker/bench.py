@@ -27,7 +27,8 @@ import torch
 
 from chorus.v1 import worker_pb2
 from chorus.provenance import git_revision
-from gpu_worker.engine import Engine, PendingStep, sample_and_commit
+from gpu_worker.engine import Engine, PendingStep
+from gpu_worker.state_pool import sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
 from chorus.wire import rows_matrix
 
@@ -43,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="as gpu_worker --decode-split-kv")
-    p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
-                   help="as gpu_worker --fold-decodes (the mixed points)")
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
                    help="as gpu_worker --decode-kernel")
     p.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
@@ -145,8 +144,7 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes,
-                             decode_kernel=args.decode_kernel)
+                             decode_split_kv=args.decode_split_kv, decode_kernel=args.decode_kernel)
         self.device = self.engine.device
         self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
         self.phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
