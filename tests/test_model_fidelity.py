@@ -35,7 +35,8 @@ from chorus.wire import rows_matrix
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
 from gpu_worker.model import (FrameSampling, LocalTransformer, MossTTSLocal, init_random_weights,
-                              precompute_code_qkv, rope_inv_freq, rotate_half_split, rotate_interleaved)
+                              precompute_code_qkv, rope_inv_freq)
+from gpu_worker.torch_ops import rotate_half_split, rotate_interleaved
 from gpu_worker.reference import ContiguousKVAttention, generate_reference
 from gpu_worker.sampler import apply_repetition_penalty, derive_sampling_seed, sample
 from scheduler_svc.validation import resolve_sampling
