@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from chorus.triton_support import HAVE_TRITON, KERNEL_DTYPES, launch_opts, triton, tl, use_kernel
-from gpu_worker.sampler import apply_repetition_penalty, sample
+from gpu_worker import sampler
 
 __all__ = ["MAX_SAMPLE_VOCAB", "fused_sample"]
 
@@ -259,10 +259,10 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     if not use_kernel(impl, supported, logits, *params, *((presence,) if penalise else ()),
                       unsupported="dtype, strides or size"):
         if penalise:
-            logits = apply_repetition_penalty(logits, presence, penalty)
+            logits = sampler.apply_repetition_penalty(logits, presence, penalty)
         if position_offset:
             position = position + position_offset
-        return sample(logits, temperature, top_k, top_p, seed, position)
+        return sampler.sample(logits, temperature, top_k, top_p, seed, position)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if penalise:
         pres = presence.view(torch.uint8) if presence.dtype == torch.bool else presence
