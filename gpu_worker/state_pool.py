@@ -98,9 +98,9 @@ class DecodeStatePool:
         penalty = sampling.audio_repetition_penalty or 1.0
         self.penalised[r] = penalty != 1.0  # host mirror: deciding the penalty path needs no device sync
         # fill_ on a row view: `t[r] = python_number` on CUDA copies a CPU scalar tensor to the device
-        # with a blocking copy, which waits for every kernel queued before it; on the H200 at c256
-        # that stalled the worker's launch of each step with prefill until the step before it was
-        # done (30% of its main thread). fill_ passes the number with the kernel: nothing waits.
+        # with a blocking copy, which waits for every kernel queued before it: the launch of a step
+        # with prefill would wait for the step before it to finish. fill_ passes the number with the
+        # kernel: nothing waits.
         for column, value in ((self.text_temperature, sampling.text_temperature),
                               (self.text_top_p, sampling.text_top_p), (self.text_top_k, sampling.text_top_k),
                               (self.audio_temperature, sampling.audio_temperature),
