@@ -9,8 +9,9 @@ once per step, and then serves every layer's `attend()`.
 - `TorchPagedAttention`: the reference (CPU and GPU), padded batched math.
 - `FlashInferPagedAttention`: CUDA, flashinfer paged decode (tensor cores)
   for pure-decode steps and paged prefill for mixed steps; decode steps of
-  more than 48 requests use the Triton kernel of `decode_attention.py`
-  instead (`TritonDecode`), which reads short contexts ~40% faster.
+  more than TRITON_DECODE_ABOVE requests use the Triton kernel of
+  `decode_attention.py` instead (`TritonDecode`), which reads short contexts
+  faster, and so do a mixed step's decodes (`PrefillWithDecodes`).
 
 Both keep K/V as [layers, slots, kv_heads, head_dim] and take the same slot
 ids. flashinfer reads the cache as pages of `page_size` rows: the scheduler
@@ -29,6 +30,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from gpu_worker.decode_attention import kernel_supports, paged_decode_attention
 
 
 @dataclass
@@ -191,11 +194,10 @@ class TorchPagedAttention(_SlotCache):
         return result
 
 
-# Decode batches above this use the Triton kernel (decode_attention="auto"). A bucket boundary of the
-# decode graphs (cuda_graphs.BUCKETS), so a batch and its graph bucket always pick the same kernel and
-# graphed frames equal eager ones. On the H200 the kernel beats flashinfer at every context from batch
-# 64 on, and loses below it at long contexts (no split over the context: 21.6 against 11.5 us at
-# batch 1, 1,000 rows; decode_attention_s11_h200.json).
+# Decode batches above this use the Triton kernel (decode_attention="auto"): it beats flashinfer at
+# every context for large batches, and loses to flashinfer's split over long contexts for small ones
+# (it does not split a context). A bucket boundary of the decode graphs (cuda_graphs.BUCKETS), so a
+# batch and its graph bucket always pick the same kernel and graphed frames equal eager ones.
 TRITON_DECODE_ABOVE = 48
 
 
@@ -234,8 +236,6 @@ class TritonDecode:
         self.table[:host.numel()].copy_(host, non_blocking=True)
 
     def run(self, q: Tensor, pages: tuple[Tensor, Tensor], out: Tensor | None = None) -> Tensor:
-        from gpu_worker.decode_attention import paged_decode_attention
-
         k, v = (t.view(-1, *t.shape[2:]) for t in pages)  # [pages, P, Hkv, D] -> the slot cache
         return paged_decode_attention(q, k, v, self.indptr, self.indices, self.last, self.page_size,
                                       rows=self.rows, out=out)
@@ -244,9 +244,8 @@ class TritonDecode:
 class PrefillWithDecodes:
     """A mixed step's attention: flashinfer's batch prefill over its prefill sequences (the leading
     ones), then the Triton decode kernel over its decodes (one-row sequences after them, at the last
-    rows of q) into the same output. flashinfer's prefill kernel gives each one-row sequence a whole
-    query tile; at W1 c256's shape (448 prefill rows, 180 decodes) the pass's attention took 2.94 ms on
-    flashinfer alone against 0.48 + 1.22 split (prefill_profile_s12_h200.json, eager).
+    rows of q) into the same output: flashinfer's prefill kernel would give each one-row sequence a
+    whole query tile.
 
     graphed: the wrapper of a CUDA graph of fixed rows. flashinfer then reads every row of q and
     writes the rows its plan covers (its sequences vary in rows from step to step, up to all of
@@ -275,8 +274,6 @@ class FlashInferPagedAttention(_SlotCache):
         model's shapes, else flashinfer), 'flashinfer' or 'triton' (every decode)."""
         import flashinfer  # CUDA-only dependency, imported lazily
 
-        from gpu_worker.decode_attention import kernel_supports
-
         if decode_kernel not in ("auto", "flashinfer", "triton"):
             raise ValueError(f"decode kernel must be auto, flashinfer or triton, got {decode_kernel!r}")
         # Mixed steps attend their decodes with the kernel whenever it takes the model (PrefillWithDecodes);
@@ -291,9 +288,9 @@ class FlashInferPagedAttention(_SlotCache):
         self.decode_kernel = decode_kernel
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         # Split-KV decode cuts each request's context into chunks on several thread blocks, then
-        # merges their partial softmaxes in a second kernel (2.3 us a layer at batch 1); without it,
-        # one block per (request, KV head) reads the whole context, and a row's result no longer
-        # depends on how the planner split it (batch invariant).
+        # merges their partial softmaxes in a second kernel; without it, one block per (request,
+        # KV head) reads the whole context, and a row's result no longer depends on how the planner
+        # split it (batch invariant).
         self.decode_split_kv = decode_split_kv
         # Shared by every wrapper (their runs are serial on one stream). 512 MB: split-KV partials of
         # a 2,112-row prefill graph plan against it too.

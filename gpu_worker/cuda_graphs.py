@@ -1,21 +1,22 @@
-"""One CUDA graph per batch-size bucket for a whole pure-decode step:
-gather feedback embeddings → backbone (paged decode attention) → frame
-decode (12 local steps, 13 seeded samples) → pool commit → journal tensor.
+"""CUDA graphs of the decode step and of the frame decode.
 
+`GraphedDecode.run`: one graph per batch-size bucket for a whole pure-decode
+step: gather feedback embeddings → backbone (paged decode attention) → frame
+decode (12 local steps, 13 seeded samples) → pool commit → journal tensor.
 Launch overhead dominates a decode step (hundreds of small kernels), so the
 graph is what makes small batches fast. Inputs are copied into static
 buffers; the decode kernel of the bucket (attention.py: flashinfer's wrapper,
-or TritonDecode above 48 requests) is re-planned with the step's page table
-before each replay (plan is host work, outside the graph).
+or TritonDecode above TRITON_DECODE_ABOVE requests) is re-planned with the
+step's page table before each replay (plan is host work, outside the graph).
 Padding rows read and write only the pool's spare row and the scratch KV page.
 
-A step's prefill chunks run eagerly (their row counts vary), but the frame
-decode of their last rows (the request's first frame) is the same work as a
-decode step's: `GraphedDecode.sample` replays a frame-decode-only graph per
-bucket for it instead of hundreds of small eager launches. On the H200 a step
-with prefill took 46 ms at c1 against 9 for a decode step, all of it added to
-the request's time to first audio; the eager frame decode is one part, the
-blocking copies then on the same path (engine.to_device) the other.
+`GraphedDecode.sample`: the frame decode alone, one graph per bucket of
+sampled rows. A step with prefill ends with it (prefill_graphs.py holds its
+backbone pass): the rows it samples, its decodes' and its new requests' first
+frames, are the same work as a decode step's frame decode, which run eagerly
+would be hundreds of small launches on the request's time to first audio.
+
+`capture_graph` is the capture every graph of the worker goes through.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import numpy as np
 import torch
 
 from gpu_worker.attention import AttentionBatch, SequenceSpan, page_table
+from gpu_worker.state_pool import sample_and_commit
 
 log = logging.getLogger("chorus.worker")
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# First frames sampled in one step (prefills finishing together); more fall back to eager. Closed-loop
-# load at c256 sends requests in bursts of up to ~60 (they finish together), hence 64.
+# New requests' first frames sampled in one step (prefills finishing together), beyond the decodes:
+# closed-loop load at high concurrency sends requests in bursts (they finish together) of up to ~60.
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -79,14 +81,12 @@ class GraphedDecode:
         self.buckets = [b for b in BUCKETS if b < cap] + [cap]
         self.graphs: dict[int, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
-        if engine.fold_decodes:  # a folded step samples its decodes and its new requests' first frames together
-            top = cap + FRAME_BUCKETS[-1]
-            self.frame_buckets = sorted({b for b in FRAME_BUCKETS + BUCKETS if b < top} | {top})
-        else:
-            self.frame_buckets = [b for b in FRAME_BUCKETS if b < cap] + ([cap] if cap < FRAME_BUCKETS[-1] else [])
+        # A step with prefill samples its decodes and its new requests' first frames together.
+        top = cap + FRAME_BUCKETS[-1]
+        self.frame_buckets = sorted({b for b in FRAME_BUCKETS + BUCKETS if b < top} | {top})
         self.frame_graphs: dict[int, _FrameGraph] = {}
-        # Its own pool: a mixed step replays a frame graph, then a decode graph, and only then
-        # reads the frame graph's output; a shared pool could hand that memory to the other graph.
+        # Its own pool: graphs of one pool may share memory, and a frame graph's output (the step's
+        # journal tensor) must not be any decode graph's.
         self.frame_mempool = torch.cuda.graph_pool_handle()
 
     def fits(self, n: int) -> bool:
@@ -125,8 +125,6 @@ class GraphedDecode:
                                kv_indptr=indptr, kv_indices=torch.zeros(b, dtype=torch.int32))
 
         def body() -> torch.Tensor:
-            from gpu_worker.engine import sample_and_commit
-
             e.kv.active = wrapper
             hidden = e.model.backbone(e.pool.feedback[rows], batch, e.kv)
             # The penalty path is always on in the graph: a penalty of 1 is a bit-exact no-op.
@@ -140,8 +138,6 @@ class GraphedDecode:
     def _frame_graph(self, b: int) -> _FrameGraph:
         g = self.frame_graphs.get(b)
         if g is None:
-            from gpu_worker.engine import sample_and_commit
-
             e = self.engine
             hidden = torch.zeros(b, e.cfg.hidden_size, dtype=e.dtype, device=e.device)
             rows = torch.full((b,), e.pool.spare_row, dtype=torch.int64, device=e.device)

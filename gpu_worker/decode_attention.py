@@ -1,8 +1,8 @@
 """Paged decode attention in Triton: one query row per request over its KV pages, GQA.
 
-Why: at W1 c256's decode shape (bs ~180, ~150-row contexts) flashinfer's decode takes ~58 us a
-layer against a ~26 us KV-bytes floor (decode_attention_s10_h200.json); its cost beyond the
-floor grows with the batch, not the context, which points at fixed work per request.
+Why: at a loaded server's decode shape (batches of ~180, ~150-row contexts) flashinfer's decode
+takes about twice its KV-bytes floor, and its cost beyond the floor grows with the batch, not the
+context, which points at fixed work per request.
 This kernel is the plain design for that regime: one program per (request, KV head) computes
 the GROUP query heads that share the KV head, streaming the request's keys and values once in
 BLOCK_N-row tiles (online softmax, fp32 accumulation). No split over the context, so a row's
@@ -14,9 +14,9 @@ kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last page holding last_page_len[b] 
 flashinfer page table, attention.page_table). All sync-free with shapes fixed by the batch, so
 it can be captured in a CUDA graph; the page table is read on the device.
 
-The worker decodes batches above 48 requests with it (attention.TritonDecode); below that,
-flashinfer's split over long contexts wins. chorus/bench/decode_attention_bench.py times it beside
-flashinfer at several tile configs.
+The worker decodes batches above attention.TRITON_DECODE_ABOVE requests with it
+(attention.TritonDecode); below that, flashinfer's split over long contexts wins.
+chorus/bench/decode_attention_bench.py times it beside flashinfer at several tile configs.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from chorus.triton_support import HAVE_TRITON, INTERPRET, KERNEL_DTYPES, triton,
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_torch", "kernel_supports", "KERNEL_CONFIG"]
 
-# (BLOCK_N, num_warps, num_stages): of the five in decode_attention_s11_h200.json, the fastest at
-# 150-row contexts (W1's) and within 6% of the fastest at 300 and 1,000 rows, from batch 64 on (the
-# batches the worker gives it)
+# (BLOCK_N, num_warps, num_stages): of the configs benchmarks/decode_attention_bench.py times, the
+# fastest at W1's ~150-row contexts and close to it at longer ones, for the batches the worker gives
+# it (above TRITON_DECODE_ABOVE)
 KERNEL_CONFIG = (32, 2, 3)
 
 

@@ -2,8 +2,12 @@
 into a single backbone forward, then one batched frame decode for every
 request that samples this step. Returns the step's Journal.
 
-A pure-decode step on CUDA replays a captured graph (gpu_worker/cuda_graphs);
-everything else runs eagerly through the same functions. The only host sync
+A step runs on one of three paths, chosen in `Engine._run` (CUDA graphs on
+CUDA, gpu_worker/cuda_graphs.py and prefill_graphs.py; eager everywhere):
+a step with prefill replays a prefill graph with its decodes folded in, a
+pure-decode step replays a decode graph, and anything no graph holds runs
+eagerly. The eager path is the reference: every graphed path computes its
+layout with the same kernels, so their frames are equal. The only host sync
 per step is the one copy of the journal tensor.
 
 A step runs in two halves so the server can overlap them: `launch` does the
@@ -25,17 +29,15 @@ import numpy as np
 import torch
 
 from chorus.moss_config import MossTTSLocalConfig
-from chorus.v1 import common_pb2, worker_pb2
+from chorus.v1 import worker_pb2
+from chorus.wire import matrix_array, rows_matrix
 from gpu_worker.attention import AttentionBatch, FlashInferPagedAttention, SequenceSpan, make_backend
+from gpu_worker.cuda_graphs import GraphedDecode
 from gpu_worker.model import MossTTSLocal
-from gpu_worker.prefill_graphs import PrefillBucketUnusable
-from gpu_worker.state_pool import DecodeStatePool, RequestState
+from gpu_worker.prefill_graphs import GraphedPrefill, PrefillBucketUnusable
+from gpu_worker.state_pool import DecodeStatePool, RequestState, sample_and_commit
 
 log = logging.getLogger("chorus.worker")
-
-
-def matrix_to_array(m: common_pb2.IntMatrix) -> np.ndarray:
-    return np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols).astype(np.int64)
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
@@ -47,24 +49,8 @@ def to_device(values, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def tensor_to_matrix(t: torch.Tensor | np.ndarray) -> common_pb2.IntMatrix:
-    arr = np.ascontiguousarray((t.cpu().numpy() if isinstance(t, torch.Tensor) else t).astype("<i4"))
-    return common_pb2.IntMatrix(rows=arr.shape[0], cols=arr.shape[1], data=arr.tobytes())
-
-
 class StepError(RuntimeError):
     """A plan the worker cannot execute (a scheduler bug or a lost message)."""
-
-
-def sample_and_commit(model: MossTTSLocal, pool: DecodeStatePool, hidden: torch.Tensor, rows: torch.Tensor,
-                      with_presence: bool) -> torch.Tensor:
-    """Frame decode for pool rows `rows` from backbone hidden [B, H]; updates the pool.
-    Returns [B, row_width + 2]: the sampled row, the stop flag, and n (frames before)."""
-    sp = pool.sampling(rows, with_presence)
-    codes, stop = model.decode_frame(hidden, sp)
-    frame_rows = model.frame_rows(codes)
-    pool.commit(rows, codes, stop, model.embed_rows(frame_rows))
-    return torch.cat([frame_rows, stop[:, None].to(frame_rows.dtype), sp.generation_step[:, None]], dim=1)
 
 
 @dataclass
@@ -84,11 +70,8 @@ class PendingStep:
 class Engine:
     def __init__(self, model: MossTTSLocal, num_kv_slots: int, max_batch: int, max_context: int,
                  attention: str = "auto", cuda_graphs: bool = True, page_size: int = 1, decode_split_kv: bool = True,
-                 fold_decodes: bool = True, decode_kernel: str = "auto"):
-        """fold_decodes: a step that prefills beside decodes runs them in one graphed backbone pass and
-        samples all its frames in one frame-decode pass (prefill_graphs: folded decodes), instead of a
-        prefill graph, a first-frame graph and the decode graph. decode_kernel: the flashinfer backend's
-        decode attention (attention.FlashInferPagedAttention)."""
+                 decode_kernel: str = "auto"):
+        """decode_kernel: the flashinfer backend's decode attention (attention.FlashInferPagedAttention)."""
         self.model = model
         self.cfg: MossTTSLocalConfig = model.cfg
         p = next(model.parameters())
@@ -110,15 +93,11 @@ class Engine:
                                     max(self.cfg.codebook_sizes), self.dtype, self.device)
         self.max_batch = max_batch
         self.max_context = max_context
-        self.graphs = None
-        self.prefill_graphs = None
-        # Folding needs the Triton decode kernel for the decodes' attention (attention.PrefillWithDecodes).
-        self.fold_decodes = fold_decodes and self.kv.folds_decodes
+        self.graphs: GraphedDecode | None = None
+        self.prefill_graphs: GraphedPrefill | None = None
         if cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, FlashInferPagedAttention):
-            from gpu_worker.cuda_graphs import GraphedDecode
-            from gpu_worker.prefill_graphs import GraphedPrefill
             self.graphs = GraphedDecode(self)
-            self.prefill_graphs = GraphedPrefill(self, self.fold_decodes)
+            self.prefill_graphs = GraphedPrefill(self)
         self.steps = 0
         self.prefill_rows = 0
         self.decode_rows = 0
@@ -153,7 +132,7 @@ class Engine:
         """Run every kernel variant serving uses once, then forget the requests: Triton compiles
         a kernel per specialisation on first use (the fused sampler alone takes seconds per
         variant) and flashinfer JIT-compiles its prefill kernels, which must not land on the first
-        user's request. Steps: a long prefill, a mixed short prefill + graphed decode with a
+        user's request. Steps: a long prefill, a mixed short prefill + decode with a
         repetition penalty, a decode, a release. Uses KV slots [0, warm_up_slots): call before
         serving. Returns seconds."""
         t0 = time.perf_counter()
@@ -165,7 +144,7 @@ class Engine:
             rows[:, 0] = np.arange(n) + 100
             rows[n // 2:, 1:] = np.arange(n - n // 2)[:, None] % min(cfg.codebook_sizes)
             item = plan.prefill.add(request_id=rid, first_chunk=True, last_chunk=True, prompt_length=n)
-            item.rows.CopyFrom(common_pb2.IntMatrix(rows=n, cols=rows.shape[1], data=rows.astype("<i4").tobytes()))
+            item.rows.CopyFrom(rows_matrix(rows))
             item.kv_slots.extend(range(first_slot, first_slot + n))
             item.sampling.CopyFrom(worker_pb2.SamplingConfig(
                 text_temperature=1.0, text_top_k=50, text_top_p=1.0, audio_temperature=1.7, audio_top_k=25,
@@ -217,7 +196,7 @@ class Engine:
                 state.kv_slots.extend(item.prefix_slots)
             else:
                 state = self.pool.get(item.request_id)
-            rows = matrix_to_array(item.rows)
+            rows = matrix_array(item.rows).astype(np.int64)
             if rows.shape[0] != len(item.kv_slots) or rows.shape[0] == 0:
                 raise StepError(f"request {item.request_id}: {rows.shape[0]} rows but {len(item.kv_slots)} kv slots")
             if state.prompt_length > 0:  # re-prefill: rows past the prompt are our own output
@@ -246,58 +225,41 @@ class Engine:
         self.decode_rows += len(decode_rows)
         pending = PendingStep(worker_pb2.Journal(step_id=plan.step_id, skipped=skipped), t0=t0)
         if spans:
-            n_prefill = len(prompt_rows)  # spans[:n_prefill] are prefill chunks, the rest decodes
-            rows_list = [s.row for _, s in samplers]
-            folded = (self._folded(prompt_rows, spans, sample_at, rows_list, decode_rows)
-                      if self.fold_decodes and prompt_rows and decode_rows else None)
-            if folded is not None:
-                out = folded
-            elif self.graphs is not None and (not decode_rows or self.graphs.fits(len(decode_rows))):
-                # Prefill chunks replay their own graph (or run eagerly), decodes theirs: a mixed
-                # step run all eagerly costs ~4x a graphed one.
-                outs = []
-                n_sampling_prefills = len(samplers) - len(decode_rows)
-                if prompt_rows:
-                    out = self._prefill(prompt_rows, spans[:n_prefill], sample_at[:n_sampling_prefills],
-                                        rows_list[:n_sampling_prefills])
-                    if out is not None:
-                        outs.append(out)
-                if decode_rows:
-                    outs.append(self.graphs.run(decode_rows, spans[n_prefill:])[:len(decode_rows)])
-                out = None if not outs else outs[0] if len(outs) == 1 else torch.cat(outs)
-            else:
-                out = self._eager(prompt_rows, spans, sample_at, rows_list, decode_rows)
+            out = self._run(prompt_rows, spans, sample_at, [st.row for _, st in samplers], decode_rows)
             if out is not None:
                 pending.samplers = samplers
                 pending.out, pending.done = self._to_host(out, len(samplers))
         self.steps += 1
         return pending
 
-    def _prefill(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
-                 rows_list: list[int]) -> torch.Tensor | None:
-        """The step's prefill chunks alone (decodes run in their graph): replayed from a prefill
-        graph when they fit a bucket, else eagerly; then their first frames, as in `_eager`."""
-        hidden = self._prefill_graph(prompt_rows, spans)
-        if hidden is None:
-            return self._eager(prompt_rows, spans, sample_at, rows_list, [])
-        return self._first_frames(hidden, spans, sample_at, rows_list)
+    def _run(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
+             rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
+        """The step on one of three paths, chosen here. spans: the prefill chunks (their rows prompt_rows)
+        then the decodes (pool rows decode_rows); the spans in sample_at sample a frame for pool rows
+        rows_list. Returns the sampled rows (sample_and_commit's), None if none samples."""
+        # Decodes fold into a prefill graph only where the Triton decode kernel takes the model.
+        can_fold = self.prefill_graphs is not None and (not decode_rows or self.kv.folds_decodes)
+        if prompt_rows and can_fold:
+            # Folded: eager, a step with prefill is hundreds of launches from Python; graphed, it is one
+            # prefill-graph replay over its chunks and decodes, then one frame-decode replay.
+            hidden = self._folded(prompt_rows, spans, decode_rows)
+            if hidden is not None:
+                return self._sample(hidden, spans, sample_at, rows_list)
+        elif not prompt_rows and self.graphs is not None and self.graphs.fits(len(decode_rows)):
+            # Pure decode: launch overhead dominates a decode step, and one graph replays all of it.
+            return self.graphs.run(decode_rows, spans)[:len(decode_rows)]
+        # Eager: the reference every graphed path equals; also any step no graph holds (too many rows or
+        # sequences for a bucket, a graph that failed, decodes beside prefill that cannot fold).
+        return self._eager(prompt_rows, spans, sample_at, rows_list, decode_rows)
 
-    def _folded(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan], sample_at: list[int],
-                rows_list: list[int], decode_rows: list[int]) -> torch.Tensor | None:
-        """A step's prefill chunks and decodes in one prefill-graph replay (decodes last, one row each),
-        then every sampled row's frame in one frame-decode pass: `_eager`'s layout, graphed. None when
-        no prefill graph holds the step (the caller runs it apart, as without folding)."""
-        hidden = self._prefill_graph(prompt_rows, spans, decode_rows)
-        return None if hidden is None else self._first_frames(hidden, spans, sample_at, rows_list)
-
-    def _prefill_graph(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan],
-                       decode_rows: list[int] = ()) -> torch.Tensor | None:
-        """Hidden states of the packed prompt rows (and, folded, the decodes after them) from a prefill
-        graph replay; None when no bucket holds them, flashinfer refuses the bucket (that bucket only) or
-        a capture or replay fails (prefill graphs are then off for good): the caller runs them otherwise."""
+    def _folded(self, prompt_rows: list[np.ndarray], spans: list[SequenceSpan],
+                decode_rows: list[int]) -> torch.Tensor | None:
+        """Hidden states of the packed prompt rows and the decodes after them (one row each) from a
+        prefill graph replay; None when no bucket holds them, flashinfer refuses the bucket (that bucket
+        only) or a capture or replay fails (prefill graphs are then off for good)."""
         prefill = self.prefill_graphs
         rows = sum(r.shape[0] for r in prompt_rows) + len(decode_rows)
-        bucket = prefill.bucket(rows, len(spans) - len(decode_rows), len(decode_rows)) if prefill else None
+        bucket = prefill.bucket(rows, len(spans) - len(decode_rows), len(decode_rows))
         if bucket is None:
             return None
         try:
@@ -319,17 +281,17 @@ class Engine:
         batch = AttentionBatch.build(spans, self.device, decodes=len(decode_rows))
         self.kv.begin(batch)
         hidden = self.model.backbone(torch.cat(embeds) if len(embeds) > 1 else embeds[0], batch, self.kv)
-        return self._first_frames(hidden, spans, sample_at, rows_list)
+        return self._sample(hidden, spans, sample_at, rows_list)
 
-    def _first_frames(self, hidden: torch.Tensor, spans: list[SequenceSpan], sample_at: list[int],
-                      rows_list: list[int]) -> torch.Tensor | None:
+    def _sample(self, hidden: torch.Tensor, spans: list[SequenceSpan], sample_at: list[int],
+                rows_list: list[int]) -> torch.Tensor | None:
         """Frame decode of the spans in sample_at (pool rows rows_list) from the step's hidden
         states; None if none samples."""
         if not rows_list:  # a step of non-final prefill chunks samples nothing
             return None
         ends = np.cumsum([sp.num_new for sp in spans]) - 1
         last = to_device(ends[sample_at], self.device)
-        if self.graphs is not None:  # the first frames of finished prefills: graphed like a decode step's
+        if self.graphs is not None:  # the frame-decode graph, as a decode step's, where a bucket holds the rows
             out = self.graphs.sample(hidden[last], rows_list)
             if out is not None:
                 return out
@@ -355,7 +317,7 @@ class Engine:
             for (_, state), stopped in zip(samplers, stop_list):
                 state.stopped = stopped
             journal.request_ids.extend(rid for rid, _ in samplers)
-            journal.rows.CopyFrom(tensor_to_matrix(out[:, :width]))
+            journal.rows.CopyFrom(rows_matrix(out[:, :width]))
             journal.stopped.extend(stop_list)
             journal.generation_steps.extend(out[:, width + 1].tolist())
         journal.step_ms = (time.perf_counter() - pending.t0) * 1e3

@@ -12,7 +12,8 @@ local attention scores/softmax run in ≥ fp32. RoPE inv_freq is computed on the
 CPU in fp32 (fp32 exponent, fp32 power), angles pos·inv_freq in fp32, then
 cos/sin are cast to the activation dtype; the tables are fp32 buffers that
 follow the module's device but never its dtype (`model.to(torch.bfloat16)`
-must not round inv_freq).
+must not round inv_freq). The layers' elementwise math (RMSNorm, both RoPEs,
+local attention) is gpu_worker/torch_ops.py, fused on CUDA by kernels.py.
 
 Fidelity notes (spec §3): backbone RoPE is half-split (NeoX) after QK-norm;
 the local transformer's is interleaved (GPT-J) on all head dims, with each
@@ -32,14 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig
-from gpu_worker.attention import AttentionBatch, AttentionBackend
 from gpu_worker import kernels
-from gpu_worker.kernels import fused_sample
-
-
-def _promote(x: Tensor) -> Tensor:
-    """At least fp32 (float64 stays float64 for the CPU determinism tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from gpu_worker.attention import AttentionBatch, AttentionBackend
+from gpu_worker.sampler_kernel import fused_sample
 
 
 def rope_inv_freq(base: float, dim: int) -> Tensor:
@@ -79,12 +75,6 @@ class _Fp32Tables(nn.Module):
 # ---------------------------------------------------------------------------
 # Backbone (Qwen3)
 # ---------------------------------------------------------------------------
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = _promote(x)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * y.to(x.dtype)  # normalised value cast before the weight multiply
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,15 +82,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)  # one launch on CUDA, rms_norm elsewhere
-
-
-def rotate_half_split(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """NeoX RoPE: pairs (i, i + d/2). cos/sin: [N, d/2] broadcast over heads."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return kernels.rms_norm(x, self.weight, self.eps)  # one launch on CUDA, torch_ops.rms_norm elsewhere
 
 
 def fuse_linears(linears: tuple[nn.Linear, ...]) -> None:
@@ -214,34 +196,6 @@ class Qwen3Backbone(_Fp32Tables):
 # ---------------------------------------------------------------------------
 # Local transformer (one GPT-2-style block with interleaved RoPE)
 # ---------------------------------------------------------------------------
-def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """GPT-J RoPE: pairs (2i, 2i+1); cos/sin already expanded to the full head dim."""
-    rot = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
-    return x * cos + rot * sin
-
-
-def local_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, p: int, cos: Tensor | None,
-                    sin: Tensor | None, n_head: int) -> Tensor:
-    """The local block's attention at local position p for the whole batch.
-
-    qkv [B, 3*n_head*d] is c_attn's output; k_cache/v_cache [B, n_head, P, d] hold
-    positions < p and receive position p here; cos/sin are the fp32 RoPE table rows
-    at p (None without RoPE). Returns [B, n_head*d]. kernels.local_attention is this
-    in one launch."""
-    b = qkv.shape[0]
-    q, k, v = qkv.view(b, 3, n_head, -1).unbind(1)
-    if cos is not None:
-        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-        q, k = rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)
-    k_cache[:, :, p] = k
-    v_cache[:, :, p] = v
-    # Scores and softmax in >= fp32 (as flash/SDPA kernels keep them); probabilities are cast
-    # back to the activation dtype for the weighted sum of V. No-ops in fp32/fp64.
-    scores = torch.einsum("bhd,bhpd->bhp", _promote(q), _promote(k_cache[:, :, :p + 1])) * (q.shape[-1] ** -0.5)
-    probs = torch.softmax(scores, dim=-1).to(qkv.dtype)
-    return torch.einsum("bhp,bhpd->bhd", probs, v_cache[:, :, :p + 1]).reshape(b, -1)
-
-
 class LocalAttention(nn.Module):
     def __init__(self, cfg: LocalConfig):
         super().__init__()

@@ -1,8 +1,8 @@
-"""A step's prefill chunks replayed from a CUDA graph, one per (rows, sequences) bucket.
+"""A step's prefill chunks, and the decodes beside them, replayed from a CUDA graph, one per
+(rows, sequences) bucket.
 
 Why: eager, the prefill is about 400 kernel launches from Python (the row embedding sum, then 36
-layers), 6-20 ms of host work for ~15 us of GPU work per row, and a new request's first frame
-waits for it: on the H200 a step with prefill took 27-43 ms at c1 against 8.5 for a decode step.
+layers), far more host work than GPU work per row, and a new request's first frame waits for it.
 The graph holds the embedding sum and the whole backbone; attention is flashinfer's batch prefill
 in CUDA-graph mode (a fixed number of sequences, FA2), planned on the host before each replay
 like the decode graphs' wrappers.
@@ -16,19 +16,17 @@ states are the output's first r rows. As in the eager path, what else shares the
 the GEMM shapes, and in bf16 a row's hidden state may move by rounding with them (the prefill
 is not batch-invariant on the GPU; the CPU float64 contract does not involve graphs).
 
-Folded decodes (gpu_worker --fold-decodes). A step that prefills beside decodes otherwise runs
-two passes over the backbone's weights, this graph and the decode graph. Folded, its decodes
-ride in this graph's last rows, reading their feedback embedding from the pool (as the decode
-graph does), and every row the step samples (decodes and new requests' first frames) goes
-through one frame-decode graph afterwards: the eager path's layout, graphed. On the H200 at W1
-c256's shape (448 prefill rows beside 180 decodes) one backbone pass over both took 11.26 ms
-against 5.74 + 7.40 apart (prefill_profile_s10_h200.json), and the first frames' own
-frame-decode pass (~1.3 ms) goes too. The decodes' attention is the Triton decode kernel
-(attention.PrefillWithDecodes), up to min(max batch, R) of them in any (R, S) graph: flashinfer's
-prefill kernel gave each a query tile of its own (that pass's attention, eager: 2.94 ms with every row
-on it, 1.70 split; prefill_profile_s12_h200.json). So the packed order is
-[prefill rows][padding sequences][decode rows], S counts the prefill and padding sequences only,
-and a step without decodes uses the same graphs.
+Folded decodes. A step that prefills beside decodes would otherwise run two passes over the
+backbone's weights, this graph and the decode graph. Folded, its decodes ride in this graph's last
+rows, reading their feedback embedding from the pool (as the decode graph does), and every row the
+step samples (decodes and new requests' first frames) goes through one frame-decode graph
+afterwards (cuda_graphs.GraphedDecode.sample): the eager path's layout, graphed. The decodes'
+attention is the Triton decode kernel (attention.PrefillWithDecodes), up to min(max batch, R) of
+them in any (R, S) graph: flashinfer's prefill kernel would give each one-row sequence a query tile
+of its own. So the packed order is [prefill rows][padding sequences][decode rows], S counts the
+prefill and padding sequences only, and a step without decodes uses the same graphs. Where the
+Triton kernel cannot take the model (attention backend's `folds_decodes` false) the graphs hold no
+decodes, and a step with prefill and decodes runs eagerly (engine.Engine._run).
 """
 
 from __future__ import annotations
@@ -45,11 +43,10 @@ from gpu_worker.attention import AttentionBatch, SequenceSpan, host_layout
 
 log = logging.getLogger("chorus.worker")
 
-# Every 64 rows up to 768, then coarser: a step runs in its bucket's graph, padding included, and a
-# prefill row costs ~14-16 us on the H200 (prefill_curve_s10_h200.json: 7.07 ms for 448 rows, 9.33
-# for 640). With the earlier (..., 512, 640, 1024) a 641-row step ran the 1,024-row graph (14 ms);
-# at W1 c256 gathered prefill steps carry ~450 rows on average, up to 4 x --prefill-chunk. The
-# largest holds a --prefill-chunk of 2048 plus padding sequences.
+# Every 64 rows up to 768, then coarser: a step runs in its bucket's graph, padding included, and
+# each padding row costs as much as a real one; gathered prefill steps under load carry a few
+# hundred rows, up to 4 x --prefill-chunk. The largest holds a --prefill-chunk of 2048 plus padding
+# sequences.
 ROW_BUCKETS = tuple(range(64, 769, 64)) + (896, 1024, 1280, 1536, 1792, 2112)
 SEQUENCE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
@@ -69,23 +66,22 @@ class _PrefillGraph:
     positions: torch.Tensor  # [rows] int64
     write_slots: torch.Tensor  # [rows] int64
     out: torch.Tensor        # [rows, hidden]: final-norm hidden states
-    feedback_rows: torch.Tensor | None = None  # folded: [rows] int64 pool row of each decode row (spare elsewhere)
-    is_decode: torch.Tensor | None = None      # folded: [rows] bool, the rows that read feedback embeddings
-    decodes: int = 0                           # folded: the most decodes its last rows hold
+    feedback_rows: torch.Tensor | None = None  # [rows] int64 pool row of each decode row (spare elsewhere)
+    is_decode: torch.Tensor | None = None      # [rows] bool, the rows that read feedback embeddings
+    decodes: int = 0                           # the most decodes its last rows hold (0: none folded)
 
 
 class GraphedPrefill:
-    def __init__(self, engine, fold_decodes: bool = False):
+    def __init__(self, engine):
         self.engine = engine
-        self.fold_decodes = fold_decodes
         self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle()  # its own: the output is read after other graphs run
         self.disabled: str | None = None
         self.unusable: dict[tuple[int, int], str] = {}  # bucket -> why flashinfer refused to plan it
 
     def bucket(self, rows: int, sequences: int, decodes: int = 0) -> tuple[int, int] | None:
-        """(R, S) for r rows in s prefill sequences (plus, folded, `decodes` of the rows as decodes), or
-        None: the step runs eagerly (or, folded, apart)."""
+        """(R, S) for r rows in s prefill sequences (`decodes` of the rows decodes after them), or
+        None: no graph holds the step (it runs eagerly)."""
         s = next((b for b in SEQUENCE_BUCKETS if b > sequences), None)
         if s is None or self.disabled or decodes > self.engine.max_batch:
             return None
@@ -125,8 +121,8 @@ class GraphedPrefill:
         positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         write_slots = torch.full((rows,), e.scratch_slot, dtype=torch.int64, device=dev)
         feedback_rows = is_decode = None
-        decodes = min(e.max_batch, rows) if self.fold_decodes else 0
-        if self.fold_decodes:
+        decodes = min(e.max_batch, rows) if e.kv.folds_decodes else 0
+        if decodes:
             feedback_rows = torch.full((rows,), e.pool.spare_row, dtype=torch.int64, device=dev)
             is_decode = torch.zeros(rows, dtype=torch.bool, device=dev)
         wrapper = e.kv.prefill_graph_wrapper(sequences, rows, decodes)
@@ -149,7 +145,7 @@ class GraphedPrefill:
     def _plan(self, wrapper, layout: tuple[np.ndarray, ...], positions: torch.Tensor,
               write_slots: torch.Tensor, bucket: tuple[int, int], decodes: int) -> AttentionBatch:
         """Plan the wrapper for a padded step's host layout (attention.host_layout), its last `decodes`
-        sequences folded decodes. Nothing is launched before the plan, so a refusal leaves no state
+        sequences decodes. Nothing is launched before the plan, so a refusal leaves no state
         behind: PrefillBucketUnusable."""
         _, _, q_indptr, kv_indptr, kv_indices = layout
         batch = AttentionBatch(positions=positions, write_slots=write_slots,
@@ -166,15 +162,15 @@ class GraphedPrefill:
     def run(self, rows: np.ndarray, spans: Sequence[SequenceSpan], bucket: tuple[int, int],
             decode_rows: Sequence[int] = ()) -> torch.Tensor:
         """Final-norm hidden states [n, hidden] of the packed prefill rows [r, 1 + n_vq] (sequences
-        `spans`, in order) and, folded, of the decodes after them (the last len(decode_rows) spans, one
+        `spans`, in order) and of the decodes after them (the last len(decode_rows) spans, one
         row each, pool rows decode_rows), by replaying the bucket's graph. Without decodes the result is
         a view of the graph's output: read it before this graph (or another of this pool) replays again."""
         e = self.engine
         g = self._get(*bucket)
         r, d = rows.shape[0], len(decode_rows)
         if d > g.decodes:
-            raise ValueError(f"{d} decodes in a prefill graph that holds {g.decodes} "
-                             f"(folding needs GraphedPrefill(fold_decodes=True))")
+            raise ValueError(f"{d} decodes in a prefill graph that holds {g.decodes} (folding needs an "
+                             f"attention backend that folds decodes)")
         prefill_spans, decode_spans = spans[:len(spans) - d], spans[len(spans) - d:]
         layout = host_layout(self._padding(prefill_spans, g.rows - d, g.sequences) + list(decode_spans))
         self._plan(g.wrapper, layout, g.positions, g.write_slots, bucket, d)  # before any copy: may refuse

@@ -56,13 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "requests (on an H200 ~40%% faster than flashinfer's at ~150-row contexts, where "
                         "W1 runs), flashinfer's below (it splits long contexts over thread blocks). Decode "
                         "steps only: a folded (or eager) mixed step's decodes take the Triton kernel")
-    p.add_argument("--fold-decodes", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a step that prefills beside decodes as one graphed backbone pass over both, and "
-                        "sample all its frames in one frame-decode pass, instead of a prefill graph, a first-frame "
-                        "graph and the decode graph (one H200, 180 decodes beside 113 prefill rows: 11.8 ms a "
-                        "step against 14.1; the eager engine's layout, so graphed frames equal eager ones). "
-                        "The decodes' attention is the Triton decode kernel (folding is off where it cannot take "
-                        "the model)")
     p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
     p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
@@ -104,8 +97,7 @@ def run(args: argparse.Namespace) -> None:
                         dtype=args.dtype, device=args.device, seed=args.seed)
     engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
                     attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=args.page_size,
-                    decode_split_kv=args.decode_split_kv, fold_decodes=args.fold_decodes,
-                    decode_kernel=args.decode_kernel)
+                    decode_split_kv=args.decode_split_kv, decode_kernel=args.decode_kernel)
     if engine.graphs is not None and args.capture_graphs:
         print("capturing CUDA graphs for decode batches up to", args.max_batch, flush=True)
         engine.graphs.capture_all()

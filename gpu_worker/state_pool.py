@@ -4,7 +4,9 @@ sampling parameters, the frame counter, the repetition-penalty history and
 the request's KV slot list (the worker's mirror of the scheduler's table).
 
 Rows are tensors indexed by pool row so a whole batch's parameters gather in
-one indexing op; row `capacity` is a spare, never handed out.
+one indexing op; row `capacity` is a spare, never handed out. `sample_and_commit`
+is a batch's frame decode against the pool: what every step path (graphed or
+eager) ends with.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import Tensor
 
 from chorus.v1 import worker_pb2
-from gpu_worker.model import FrameSampling
+from gpu_worker.model import FrameSampling, MossTTSLocal
 
 
 class PoolExhausted(RuntimeError):
@@ -96,9 +98,9 @@ class DecodeStatePool:
         penalty = sampling.audio_repetition_penalty or 1.0
         self.penalised[r] = penalty != 1.0  # host mirror: deciding the penalty path needs no device sync
         # fill_ on a row view: `t[r] = python_number` on CUDA copies a CPU scalar tensor to the device
-        # with a blocking copy, which waits for every kernel queued before it; on the H200 at c256
-        # that stalled the worker's launch of each step with prefill until the step before it was
-        # done (30% of its main thread). fill_ passes the number with the kernel: nothing waits.
+        # with a blocking copy, which waits for every kernel queued before it: the launch of a step
+        # with prefill would wait for the step before it to finish. fill_ passes the number with the
+        # kernel: nothing waits.
         for column, value in ((self.text_temperature, sampling.text_temperature),
                               (self.text_top_p, sampling.text_top_p), (self.text_top_k, sampling.text_top_k),
                               (self.audio_temperature, sampling.audio_temperature),
@@ -162,3 +164,14 @@ class DecodeStatePool:
 
     def any_penalised(self, rows: list[int]) -> bool:
         return any(self.penalised[r] for r in rows)
+
+
+def sample_and_commit(model: MossTTSLocal, pool: DecodeStatePool, hidden: torch.Tensor, rows: torch.Tensor,
+                      with_presence: bool) -> torch.Tensor:
+    """Frame decode for pool rows `rows` from backbone hidden [B, H]; updates the pool.
+    Returns [B, row_width + 2]: the sampled row, the stop flag, and n (frames before)."""
+    sp = pool.sampling(rows, with_presence)
+    codes, stop = model.decode_frame(hidden, sp)
+    frame_rows = model.frame_rows(codes)
+    pool.commit(rows, codes, stop, model.embed_rows(frame_rows))
+    return torch.cat([frame_rows, stop[:, None].to(frame_rows.dtype), sp.generation_step[:, None]], dim=1)

@@ -20,8 +20,10 @@ _SKIP_TRITON = triton_skip_reason()
 if _SKIP_TRITON is not None:
     pytest.skip(_SKIP_TRITON, allow_module_level=True)
 import gpu_worker.kernels as K  # noqa: E402
+import gpu_worker.sampler_kernel as S  # noqa: E402
 
-from gpu_worker.model import RMSNorm, rope_inv_freq, rotate_half_split  # noqa: E402
+from gpu_worker.model import RMSNorm, rope_inv_freq  # noqa: E402
+from gpu_worker.torch_ops import rotate_half_split  # noqa: E402
 from gpu_worker.sampler import apply_repetition_penalty, sample  # noqa: E402
 
 
@@ -90,7 +92,7 @@ def test_fused_sample_matches_sampler(V, B, ties):
     gen = torch.Generator().manual_seed(V * 1000 + B + ties)
     logits = _random_logits(gen, B, V, ties)
     t, k, p, seed, pos = _params(gen, B, V)
-    got = K.fused_sample(logits, t, k, p, seed, pos, impl="triton")
+    got = S.fused_sample(logits, t, k, p, seed, pos, impl="triton")
     _check(got, logits, t, k, p, seed, pos, max_boundary=1)
 
 
@@ -105,7 +107,7 @@ def test_fused_sample_nucleus_ends_in_ties():
     seed, pos = torch.randint(0, 2**31, (B,), generator=gen), torch.arange(B)
     for k in (-1, 25, 300):
         kk = torch.full((B,), k)
-        assert torch.equal(K.fused_sample(z, t, kk, p, seed, pos, impl="triton"), _reference(z, t, kk, p, seed, pos))
+        assert torch.equal(S.fused_sample(z, t, kk, p, seed, pos, impl="triton"), _reference(z, t, kk, p, seed, pos))
 
 
 def test_fused_sample_audio_defaults_and_stop_head():
@@ -117,7 +119,7 @@ def test_fused_sample_audio_defaults_and_stop_head():
     for V, t, k, p in ((1024, 1.7, 25, 0.8), (2, 1.0, 50, 1.0)):
         logits = torch.randn(B, V, generator=gen) * 4
         params = (torch.full((B,), t), torch.full((B,), k), torch.full((B,), p), seed, pos)
-        got = K.fused_sample(logits, *params, impl="triton")
+        got = S.fused_sample(logits, *params, impl="triton")
         _check(got, logits, *params, max_boundary=1)
 
 
@@ -130,7 +132,7 @@ def test_fused_sample_repetition_penalty_strided_presence():
     penalty = torch.tensor([1.0, 1.3, 0.7, 2.0])[torch.randint(0, 4, (B,), generator=gen)]
     for kk in (0, 5):
         presence = presence_full[:, kk, :V]
-        got = K.fused_sample(logits, t, k, p, seed, pos, presence, penalty, impl="triton")
+        got = S.fused_sample(logits, t, k, p, seed, pos, presence, penalty, impl="triton")
         _check(got, logits, t, k, p, seed, pos, presence, penalty, max_boundary=1)
 
 
@@ -145,7 +147,7 @@ def test_fused_sample_pure_noise_draws():
     p = torch.ones(B)
     seed = torch.randint(0, 2**63 - 1, (B,), generator=gen)
     pos = torch.randint(-2**40, 2**40, (B,), generator=gen)
-    got = K.fused_sample(logits, t, k, p, seed, pos, impl="triton")
+    got = S.fused_sample(logits, t, k, p, seed, pos, impl="triton")
     assert torch.equal(got, _reference(logits, t, k, p, seed, pos))
     assert len(set(got.tolist())) > V // 2  # really noise-driven
 
@@ -170,7 +172,7 @@ def test_fused_sample_special_values():
             for p in (1.0, 0.5, 1e-6):
                 params = (torch.full((n,), t), torch.full((n,), k), torch.full((n,), p),
                           torch.arange(n) * 7919 + 1, torch.arange(n) + 13)
-                got = K.fused_sample(z, *params, impl="triton")
+                got = S.fused_sample(z, *params, impl="triton")
                 want = _reference(z, *params)
                 assert torch.equal(got, want), (t, k, p, got.tolist(), want.tolist())
 
@@ -184,7 +186,7 @@ def test_fused_sample_position_offset_and_dtypes():
     seed = torch.randint(0, 2**31, (B,), generator=gen)
     base = torch.randint(0, 1000, (B,), generator=gen) * 13
     for c in (0, 1, 12):
-        got = K.fused_sample(logits, t, k, p, seed, base, position_offset=c, impl="triton")
+        got = S.fused_sample(logits, t, k, p, seed, base, position_offset=c, impl="triton")
         _check(got, logits, t, k, p, seed, base + c, max_boundary=1)
 
 
@@ -193,7 +195,7 @@ def test_fused_sample_strided_logits():
     wide = torch.randn(8, 1100, generator=gen)
     logits = wide[:, :1024]  # a row-strided view
     t, k, p, seed, pos = _params(gen, 8, 1024)
-    got = K.fused_sample(logits, t, k, p, seed, pos, impl="triton")
+    got = S.fused_sample(logits, t, k, p, seed, pos, impl="triton")
     _check(got, logits.contiguous(), t, k, p, seed, pos, max_boundary=1)
 
 
@@ -204,7 +206,7 @@ def test_fused_sample_torch_path_on_cpu():
     t, k, p, seed, pos = _params(gen, 32, 1024)
     presence = torch.rand(32, 1024, generator=gen) < 0.1
     penalty = torch.full((32,), 1.2)
-    got = K.fused_sample(logits, t, k, p, seed, pos, presence, penalty, position_offset=3)
+    got = S.fused_sample(logits, t, k, p, seed, pos, presence, penalty, position_offset=3)
     assert torch.equal(got, _reference(logits, t, k, p, seed, pos + 3, presence, penalty))
 
 
@@ -353,7 +355,7 @@ def test_add_layer_norm(dtype, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope", [True, False])
 def test_local_attention(dtype, rope):
-    from gpu_worker.model import local_attention
+    from gpu_worker.torch_ops import local_attention
     gen = torch.Generator().manual_seed(3 + rope)
     B, H, d, P = 3, 4, 20, 13  # d/2 = 10: not a power of two, like the real 80
     angles = torch.arange(P, dtype=torch.float32)[:, None] * rope_inv_freq(10000.0, d)[None, :]

@@ -31,10 +31,12 @@ from chorus.prompt import build_prompt_rows
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import tts_pb2, worker_pb2
 from gpu_worker.attention import AttentionBatch
-from gpu_worker.engine import Engine, tensor_to_matrix
+from chorus.wire import rows_matrix
+from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
 from gpu_worker.model import (FrameSampling, LocalTransformer, MossTTSLocal, init_random_weights,
-                              precompute_code_qkv, rope_inv_freq, rotate_half_split, rotate_interleaved)
+                              precompute_code_qkv, rope_inv_freq)
+from gpu_worker.torch_ops import rotate_half_split, rotate_interleaved
 from gpu_worker.reference import ContiguousKVAttention, generate_reference
 from gpu_worker.sampler import apply_repetition_penalty, derive_sampling_seed, sample
 from scheduler_svc.validation import resolve_sampling
@@ -598,7 +600,7 @@ class EngineDriver:
                 idx = pending[rid][i]
                 it = plan.prefill.add(request_id=rid, first_chunk=i == 0, last_chunk=i == r.chunks - 1,
                                       prompt_length=r.prompt_length, generation_step=r.generation_step)
-                it.rows.CopyFrom(tensor_to_matrix(torch.as_tensor(r.rows[idx])))
+                it.rows.CopyFrom(rows_matrix(np.asarray(r.rows[idx])))
                 it.kv_slots.extend(self.slots(len(idx)))
                 if i == 0:
                     it.sampling.CopyFrom(r.sampling)

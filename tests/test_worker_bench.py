@@ -27,7 +27,7 @@ def test_worker_bench_smoke(tmp_path):
     assert 16 < first < second and mixed["points"][1]["decode_context_mean"] > mixed["decode_context_mean"] > second
     two = mixed["points"][1]  # every 2nd step prefills: its launches and the others' apart, in parts
     assert two["host_launch_ms_prefill_steps"] > 0 and two["host_launch_ms_other_steps"] > 0
-    assert set(two["host_launch_parts_ms"]["other_steps"]) == {"prefill", "folded step", "prefill graph",
+    assert set(two["host_launch_parts_ms"]["other_steps"]) == {"folded step", "frame sampling", "prefill graph",
                                                                "decode graph", "attention plans", "journal copy"}
 
 

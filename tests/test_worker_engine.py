@@ -232,32 +232,66 @@ def test_prefill_graph_plumbing_matches_eager(model, monkeypatch, graph_stand_in
     assert list(d.engine.prefill_graphs.graphs) == [d.engine.prefill_graphs.bucket(rows, 3)]
 
 
-def test_folded_decodes_match_eager(model, monkeypatch, graph_stand_in):
-    """--fold-decodes with a CPU stand-in for CUDA graphs: a step that prefills a late request beside
-    decodes runs both in one prefill-graph replay (the decodes as one-row sequences that read their
-    feedback embeddings) and samples every frame in one frame-decode replay, with the eager frames."""
+def _graphed_prefill_engine(model, monkeypatch):
+    """A Driver whose engine has prefill graphs (a CPU stand-in, with the torch attention backend planned
+    as for an eager step) and the frame-decode graphs; decode-only steps stay eager, so only the steps
+    with prefill take graphs. Returns the driver and the (decodes, hidden states) of each folded replay."""
     from gpu_worker import cuda_graphs
     from gpu_worker.prefill_graphs import GraphedPrefill
 
-    tok = load_tokenizer(None)
-    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
-               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one, a little longer.", 4))}
-    late = {3: {5: (build_prompt_rows(model.cfg, tok, "Late.", language="English"), 9)}}
-    want = Driver(model).run(prompts, frames=10, arrivals=late)
     d = Driver(model)
     kv = d.engine.kv
     monkeypatch.setattr(kv, "prefill_graph_wrapper", lambda sequences, rows, decodes=0: None, raising=False)
     monkeypatch.setattr(kv, "plan_prefill", lambda wrapper, batch: kv.begin(batch), raising=False)
-    d.engine.fold_decodes = True
     graphs = cuda_graphs.GraphedDecode(d.engine)
-    graphs.fits = lambda n: False  # decode-only steps stay eager: only the folded step is under test
-    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine, fold_decodes=True)
+    graphs.fits = lambda n: False
+    d.engine.graphs, d.engine.prefill_graphs = graphs, GraphedPrefill(d.engine)
     folded = []
     run_folded = d.engine._folded
-    monkeypatch.setattr(d.engine, "_folded", lambda *a: folded.append(run_folded(*a)) or folded[-1])
+
+    def record(prompt_rows, spans, decode_rows):
+        folded.append((len(decode_rows), run_folded(prompt_rows, spans, decode_rows)))
+        return folded[-1][1]
+
+    monkeypatch.setattr(d.engine, "_folded", record)
+    return d, folded
+
+
+def _late_arrival(model):
+    tok = load_tokenizer(None)
+    prompts = {rid: (build_prompt_rows(model.cfg, tok, t, language="English"), seed)
+               for rid, t, seed in ((1, "Hello there.", 3), (2, "Another one, a little longer.", 4))}
+    late = {3: {5: (build_prompt_rows(model.cfg, tok, "Late.", language="English"), 9)}}
+    return prompts, late
+
+
+def test_folded_decodes_match_eager(model, monkeypatch, graph_stand_in):
+    """Folding with a CPU stand-in for CUDA graphs: a step that prefills a late request beside
+    decodes runs both in one prefill-graph replay (the decodes as one-row sequences that read their
+    feedback embeddings) and samples every frame in one frame-decode replay, with the eager frames."""
+    prompts, late = _late_arrival(model)
+    want = Driver(model).run(prompts, frames=10, arrivals=late)
+    d, folded = _graphed_prefill_engine(model, monkeypatch)
     assert d.run(prompts, frames=10, arrivals=late) == want
-    assert len(folded) == 1 and folded[0] is not None  # the late step, folded
-    assert max(graphs.frame_buckets) == 8 + 64  # decodes and first frames sample together
+    mixed = [hidden for decodes, hidden in folded if decodes]
+    assert len(mixed) == 1 and mixed[0] is not None  # the late step, folded
+    assert max(d.engine.graphs.frame_buckets) == 8 + 64  # decodes and first frames sample together
+
+
+def test_mixed_step_that_cannot_fold_runs_eagerly(model, monkeypatch, graph_stand_in):
+    """Where the attention backend cannot fold decodes into a prefill graph (the Triton decode kernel
+    does not take the model), a step with prefill and decodes runs eagerly, a prefill-only step still
+    replays its prefill graph, and the frames equal the eager engine's."""
+    prompts, late = _late_arrival(model)
+    want = Driver(model).run(prompts, frames=10, arrivals=late)
+    d, folded = _graphed_prefill_engine(model, monkeypatch)
+    monkeypatch.setattr(d.engine.kv, "folds_decodes", False, raising=False)
+    eager = []
+    run_eager = d.engine._eager
+    monkeypatch.setattr(d.engine, "_eager", lambda *a: eager.append((len(a[0]), len(a[4]))) or run_eager(*a))
+    assert d.run(prompts, frames=10, arrivals=late) == want
+    assert [decodes for decodes, hidden in folded] == [0] and folded[0][1] is not None  # the first step
+    assert (1, 2) in eager  # the late step: one prefill chunk beside the two decodes, eagerly
 
 
 def test_prefill_graph_failure_falls_back_to_eager(model, monkeypatch):

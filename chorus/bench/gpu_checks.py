@@ -125,10 +125,8 @@ def graph_parity(model) -> dict:
     out = {}
     eager = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=False, page_size=16)
     # Unfolded: a late request's mixed step must leave the others' decode-graph frames alone.
-    graphed = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=16,
-                     fold_decodes=False)
-    one_row_pages = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=1,
-                           fold_decodes=False)
+    graphed = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=16)
+    one_row_pages = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=1)
 
     def prompt(n):
         return np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
@@ -198,8 +196,7 @@ def quick_graph_parity(model) -> dict:
       decode attention above 48 requests; --decode-kernel triton here, so small batches take it)."""
     rng = np.random.default_rng(2)
     eager = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=False, page_size=16)
-    graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16,
-                     fold_decodes=False)
+    graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16)
     prompts = [np.concatenate([rng.integers(0, 151000, (n, 1)), np.full((n, 12), 1024)], 1).astype(np.int32)
                for n in (40, 52, 33, 61)]
     out = {}

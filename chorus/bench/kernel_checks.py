@@ -31,7 +31,9 @@ import torch.nn.functional as F
 import gpu_worker.kernels as K
 
 from chorus.bench.common import write_json
-from gpu_worker.model import RMSNorm, rope_inv_freq, rotate_half_split
+import gpu_worker.sampler_kernel as S
+from gpu_worker.model import RMSNorm, rope_inv_freq
+from gpu_worker.torch_ops import rotate_half_split
 from gpu_worker.sampler import apply_repetition_penalty, sample
 
 DEV = torch.device("cuda")
@@ -152,7 +154,7 @@ def check_sampler(quick: bool) -> dict:
         for ties in (False, True):
             logits = random_logits(gen, B, V_AUDIO, ties)
             params = sampling_params(gen, B, V_AUDIO, mixed=True)
-            got = K.fused_sample(logits, *params, impl="triton")
+            got = S.fused_sample(logits, *params, impl="triton")
             out[f"mixed_B{B}_ties{int(ties)}"] = classify(got, logits, *params)
 
     # production parameters, many rows: the nucleus-boundary flip rate
@@ -163,14 +165,14 @@ def check_sampler(quick: bool) -> dict:
         for _ in range(rows // 4096):
             logits = torch.randn(4096, V_AUDIO, generator=gen, device=DEV) * 3
             params = sampling_params(gen, 4096, V_AUDIO, mixed=False, t=t, k=k, p=p)
-            merge(acc, classify(K.fused_sample(logits, *params, impl="triton"), logits, *params))
+            merge(acc, classify(S.fused_sample(logits, *params, impl="triton"), logits, *params))
         acc["differ_rate"] = acc["differ"] / acc["rows"]
         out[name] = acc
 
     # stop head (V = 2, text params)
     logits = torch.randn(4096, 2, generator=gen, device=DEV) * 3
     params = sampling_params(gen, 4096, 2, mixed=False, t=1.0, k=50, p=1.0)
-    out["stop_head_V2"] = classify(K.fused_sample(logits, *params, impl="triton"), logits, *params)
+    out["stop_head_V2"] = classify(S.fused_sample(logits, *params, impl="triton"), logits, *params)
 
     # repetition penalty through a strided presence view, as decode_frame passes it
     B = 256
@@ -180,7 +182,7 @@ def check_sampler(quick: bool) -> dict:
     penalty = torch.tensor([1.0, 1.3, 0.7], device=DEV)[torch.randint(0, 3, (B,), generator=gen, device=DEV)]
     acc = {}
     for kk in (0, 7, 11):
-        got = K.fused_sample(logits, *params, presence[:, kk, :V_AUDIO], penalty, impl="triton")
+        got = S.fused_sample(logits, *params, presence[:, kk, :V_AUDIO], penalty, impl="triton")
         merge(acc, classify(got, logits, *params, presence[:, kk, :V_AUDIO], penalty))
     out["penalty_strided_presence"] = acc
 
@@ -197,7 +199,7 @@ def check_sampler(quick: bool) -> dict:
                 prm = (torch.full((n,), t, device=DEV), torch.full((n,), k, device=DEV),
                        torch.full((n,), p, device=DEV), torch.arange(n, device=DEV) * 7919 + 1,
                        torch.arange(n, device=DEV) + 13)
-                bad += int((K.fused_sample(special, *prm, impl="triton") != torch_sample(special, *prm)).sum())
+                bad += int((S.fused_sample(special, *prm, impl="triton") != torch_sample(special, *prm)).sum())
     out["special_values_differ"] = bad
 
     # pure noise (equal logits, huge T): pins the hash and the float64 Gumbel on the GPU
@@ -206,7 +208,7 @@ def check_sampler(quick: bool) -> dict:
     prm = (torch.full((B,), 1e30, device=DEV), torch.full((B,), -1, device=DEV), torch.ones(B, device=DEV),
            torch.randint(0, 2**62, (B,), generator=gen, device=DEV),
            torch.randint(0, 2**40, (B,), generator=gen, device=DEV))
-    out["pure_noise_differ"] = int((K.fused_sample(z, *prm, impl="triton") != torch_sample(z, *prm)).sum())
+    out["pure_noise_differ"] = int((S.fused_sample(z, *prm, impl="triton") != torch_sample(z, *prm)).sum())
 
     # the reference itself: torch on CUDA vs torch on the CPU, and batch invariance
     B = 256
@@ -214,8 +216,8 @@ def check_sampler(quick: bool) -> dict:
     params = sampling_params(gen, B, V_AUDIO, mixed=True)
     cuda_ref = torch_sample(logits, *params)
     cpu_ref = torch_sample(logits.cpu(), *(x.cpu() for x in params)).to(DEV)
-    kern = K.fused_sample(logits, *params, impl="triton")
-    one_k = torch.cat([K.fused_sample(logits[i:i + 1], *(x[i:i + 1] for x in params), impl="triton")
+    kern = S.fused_sample(logits, *params, impl="triton")
+    one_k = torch.cat([S.fused_sample(logits[i:i + 1], *(x[i:i + 1] for x in params), impl="triton")
                        for i in range(B)])
     one_t = torch.cat([torch_sample(logits[i:i + 1], *(x[i:i + 1] for x in params)) for i in range(B)])
     out["reference_and_invariance"] = {
@@ -311,7 +313,7 @@ def check_add_norms() -> dict:
 def check_local_attention() -> dict:
     """The local transformer's fused RoPE + cache append + attention over 13 positions
     against model.local_attention (torch), at the real shapes (32 heads x 80)."""
-    from gpu_worker.model import local_attention
+    from gpu_worker.torch_ops import local_attention
     gen = torch.Generator(device=DEV).manual_seed(6)
     out = {}
     H, d, P = 32, 80, 13
@@ -387,15 +389,15 @@ def timings(iters: int, only: set[str] | None = None) -> list[dict]:
         pen = torch.full((B,), 1.0, device=DEV)
         add("fused_sample", f"B{B} V{V_AUDIO} +penalty",
             lambda: torch_sample(logits, *params, presence[:, 3, :V_AUDIO], pen),
-            lambda: K.fused_sample(logits, *params, presence[:, 3, :V_AUDIO], pen, impl="triton"))
+            lambda: S.fused_sample(logits, *params, presence[:, 3, :V_AUDIO], pen, impl="triton"))
         for warps in (1, 2, 8):  # the launch width: one row's sort is latency bound
             add("fused_sample", f"B{B} V{V_AUDIO} warps={warps}",
-                lambda: K.fused_sample(logits, *params, impl="triton", num_warps=warps),
-                lambda: K.fused_sample(logits, *params, impl="triton", num_warps=warps))
+                lambda: S.fused_sample(logits, *params, impl="triton", num_warps=warps),
+                lambda: S.fused_sample(logits, *params, impl="triton", num_warps=warps))
         stop = torch.randn(B, 2, generator=gen, device=DEV)
         sp = sampling_params(gen, B, 2, mixed=False, t=1.0, k=50, p=1.0)
         add("fused_sample", f"B{B} V2 (stop)", lambda: torch_sample(stop, *sp),
-            lambda: K.fused_sample(stop, *sp, impl="triton"))
+            lambda: S.fused_sample(stop, *sp, impl="triton"))
     for N in (V_AUDIO, 2):  # an audio head and the stop head
         hw = (torch.randn(N, D, generator=gen, device=DEV) * D ** -0.5).to(torch.bfloat16)
         for B in BATCHES:

@@ -15,7 +15,8 @@ import torch
 
 from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch
-from gpu_worker.engine import Engine, sample_and_commit
+from gpu_worker.engine import Engine
+from gpu_worker.state_pool import sample_and_commit
 from gpu_worker.loader import build_model
 from gpu_worker.model import fused_linear
 from gpu_worker.sampler import sample

@@ -26,7 +26,8 @@ import torch
 from chorus.v1 import worker_pb2
 from chorus.bench.common import device_name, write_json
 from chorus.provenance import git_revision
-from gpu_worker.engine import Engine, PendingStep, sample_and_commit
+from gpu_worker.engine import Engine, PendingStep
+from gpu_worker.state_pool import sample_and_commit
 from gpu_worker.loader import DTYPES, build_model
 from chorus.wire import rows_matrix
 
@@ -67,8 +68,8 @@ class LaunchPhases:
     """Host seconds in named parts of Engine.launch, step by step (--launch-phases). A launch that
     waits on the GPU (a plan waiting for its previous copy, a staging copy) shows up in one part."""
 
-    PARTS = {"prefill": ("engine", "_prefill"),       # prefill graph: plan, staging, replay, first frames
-             "folded step": ("engine", "_folded"),      # folded: the prefill graph with the decodes, first frames
+    PARTS = {"folded step": ("engine", "_folded"),      # the prefill graph with the decodes folded in
+             "frame sampling": ("engine", "_sample"),    # the frame-decode pass after a folded or eager step
              "prefill graph": ("prefill_graphs", "run"),  # inside both: plan, staging, replay
              "decode graph": ("graphs", "run"),         # decode graph: plan, staging, replay
              "attention plans": ("kv", "_plan"),        # inside both: flashinfer plan + wait for the last copy
@@ -139,8 +140,7 @@ class Bench:
                 -(-args.mixed_request_rows // P) + 1) * P
         self.engine = Engine(self.model, num_kv_slots=slots, max_batch=pool, max_context=1 << 20,
                              attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=P,
-                             decode_split_kv=args.decode_split_kv,
-                             decode_kernel=args.decode_kernel)
+                             decode_split_kv=args.decode_split_kv, decode_kernel=args.decode_kernel)
         self.device = self.engine.device
         self.launch_times: list[float] = []  # each step's host seconds in Engine.launch, last _pipelined run
         self.phases: LaunchPhases | None = None  # --launch-phases, set for the mixed points
