@@ -25,7 +25,7 @@ from chorus.v1 import worker_pb2
 from gpu_worker.attention import AttentionBatch, SequenceSpan, FlashInferPagedAttention, TorchPagedAttention
 from gpu_worker.engine import Engine
 from gpu_worker.loader import build_model
-from chorus.wire import rows_matrix
+from chorus.wire import matrix_array, rows_matrix
 
 
 def backend_parity(model, device) -> dict:
@@ -102,7 +102,7 @@ def run_requests(engine: Engine, prompts: list[np.ndarray], steps: int, late: np
     frames = [[] for _ in all_prompts]
 
     def record(journal):
-        rows = np.frombuffer(journal.rows.data, "<i4").reshape(journal.rows.rows, journal.rows.cols)
+        rows = matrix_array(journal.rows)
         for i, rid in enumerate(journal.request_ids):
             frames[rid - 1].append(rows[i].tolist())
 
@@ -124,7 +124,6 @@ def graph_parity(model) -> dict:
     rng = np.random.default_rng(1)
     out = {}
     eager = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=False, page_size=16)
-    # Unfolded: a late request's mixed step must leave the others' decode-graph frames alone.
     graphed = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=16)
     one_row_pages = Engine(model, num_kv_slots=8192, max_batch=8, max_context=4096, cuda_graphs=True, page_size=1)
 
@@ -143,7 +142,7 @@ def graph_parity(model) -> dict:
         print(f"graphed vs eager bs {bs} (bucket {graphed.graphs.bucket(bs)}): {n_same}/{total} frames identical",
               flush=True)
     # The server's pipelining (launch N+1 before finish N) and a request prefilled beside graphed
-    # decodes (a mixed step: eager prefill + graph replay) must not move the others' frames.
+    # decodes (a folded mixed step) must not move the others' frames.
     prompts = [prompt(n) for n in rng.integers(40, 120, 3)]
     base = run_requests(graphed, prompts, 24)
     piped = run_requests(graphed, prompts, 24, pipelined=True)
@@ -176,24 +175,19 @@ def first_divergence(a: list[list[list[int]]], b: list[list[list[int]]]) -> list
 
 
 def quick_graph_parity(model) -> dict:
-    """Six comparisons, each per request (the first frame index that differs, None = identical). The
-    first four use the graphed engine with --no-fold-decodes (a mixed step as a prefill pass plus the
-    decode graph, the path a step takes when no folded bucket holds it):
-    - first_frame_graph: the graphed engine with its first-frame graphs against itself with them off
-      (eager first frames), a late request prefilled beside decodes included: only the first-frame
-      path differs, so every frame must match;
-    - prefill_graph_vs_eager_prefill: the graphed engine with prefill graphs against itself with
-      eager prefill; the bucket's padding changes the GEMM shapes, so in bf16 a first frame may
-      move (informational);
+    """Five comparisons, each per request (the first frame index that differs, None = identical):
+    - first_frame_graph: the graphed engine with its frame-decode graphs against itself with them off
+      (eager frame sampling), a late request prefilled beside decodes included: only that path
+      differs, so every frame must match;
+    - prefill_graph_vs_eager_prefill: the graphed engine against itself without prefill graphs (its
+      mixed and prefill steps then run eagerly); the bucket's padding changes the GEMM shapes, so in
+      bf16 a first frame may move (informational);
     - together: graphed vs eager engine, 3 requests prefilled together (bucket padding 3 -> 4);
-    - late: graphed vs eager with the late request. The eager engine runs that mixed step as one
-      forward (its decode rows through the Triton decode kernel), the graphed one as eager prefill plus the decode graph (flashinfer's decode at
-      this batch), so divergence from the late step on is expected in bf16;
-    - late_folded: the same with the default graphed engine, which folds the mixed step (one
+    - late: graphed vs eager with a late request. The graphed engine folds that mixed step (one
       prefill-graph pass over prefill and decode rows, the eager layout and kernels): only the
       bucket's padding differs from the eager forward;
     - together_triton_decode: as together, both engines decoding with the Triton kernel (the worker's
-      decode attention above 48 requests; --decode-kernel triton here, so small batches take it)."""
+      decode attention for large batches; --decode-kernel triton here, so small batches take it)."""
     rng = np.random.default_rng(2)
     eager = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=False, page_size=16)
     graphed = Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True, page_size=16)
@@ -215,10 +209,6 @@ def quick_graph_parity(model) -> dict:
         "together": (run_requests(graphed, prompts[:3], 12, pipelined=True),
                      run_requests(eager, prompts[:3], 12, pipelined=True)),
         "late": (g_late, run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
-        "late_folded": (run_requests(Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=True,
-                                            page_size=16), prompts[:3], 12, late=prompts[3],
-                                     pipelined=True),
-                        run_requests(eager, prompts[:3], 12, late=prompts[3], pipelined=True)),
         "together_triton_decode": tuple(
             run_requests(Engine(model, num_kv_slots=4096, max_batch=4, max_context=2048, cuda_graphs=graphs,
                                 page_size=16, decode_kernel="triton"), prompts[:3], 12, pipelined=True)
