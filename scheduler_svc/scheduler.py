@@ -148,7 +148,7 @@ class Scheduler:
                              f"its attention reads whole pages (leave --page-size at 0 to use the worker's)")
         self.kv = KVSlotAllocator(hello.kv_slots, page_size)
         self.cache = RadixCache(self.kv)
-        self.max_running = min(config.max_running, hello.max_batch)
+        self.max_running = min(config.max_running or hello.max_batch, hello.max_batch)  # 0: the worker's
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.pending_release: list[int] = []
