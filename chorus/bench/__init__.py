@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.load import _Level, _Progress, _Runner
-from chorus.launcher import Cluster, add_service_flags, colocation, free_port, read_metrics, service_args
+from chorus.launcher import add_service_flags, free_port, read_metrics
 from chorus.provenance import cpu_model, git_revision
 from chorus.bench.report import level_metrics, percentile, plot, table_header, table_row, ttfa_breakdown
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
@@ -367,20 +368,17 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
-    """The cluster to start, and the scheduler's metrics port (a free one unless --scheduler-arg gives one)."""
-    worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
-    extra = list(args.scheduler_arg)
-    metrics_port = None
-    if not any(a.startswith("--metrics-port") for a in extra):
-        metrics_port = free_port()
-        extra += ["--metrics-port", str(metrics_port)]
-    replicas = max(1, args.vocoders)
-    colocate, vocoder = colocation(args.colocate_vocoder, args.device, args.vocoder_device, replicas,
-                                   vocoder + list(args.vocoder_arg))
-    cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder,
-                      scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
-                      vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs,
-                      colocate_vocoder=colocate, shared_decoder=args.shared_vocoder_decoder)
+    """The cluster to start, and the scheduler's metrics port (a free one unless the layout gives one)."""
+    from chorus.layout import load
+    if hasattr(args, "vocoders"):
+        setattr(args, "cluster.vocoders", args.vocoders)
+    layout = load(args)
+    metrics_port = layout.scheduler.metrics_port or None
+    if metrics_port is None:
+        metrics_port = layout.scheduler.metrics_port = free_port()
+    layout.scheduler.port = 0
+    cluster = layout.cluster_launcher(vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)])
+    cluster.echo = args.server_logs
     return cluster, metrics_port
 
 
@@ -423,9 +421,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             cluster, metrics_port = _launch_cluster(args)
             cluster.start()
             address = cluster.address
-            results["server"]["launch_args"] = {"worker": cluster.worker_args, "vocoder": cluster.vocoder_args,
-                                                "scheduler": cluster.scheduler_args,
-                                                "colocated_vocoder": cluster.colocate_vocoder}
+            worker, vocoder, scheduler = cluster.configs()
+            results["server"]["launch_configs"] = {"worker": dataclasses.asdict(worker),
+                                                   "vocoder": dataclasses.asdict(vocoder),
+                                                   "scheduler": dataclasses.asdict(scheduler),
+                                                   "colocated_vocoder": cluster.colocate_vocoder}
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
