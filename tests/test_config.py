@@ -142,3 +142,12 @@ def test_colocation_reads_the_vocoders_defaults():
     assert on and (v.launch_ahead_streams, v.step_frames) == (base.slots // 2, base.first_chunk_frames)
     _, v = colocation("auto", "cuda:0", None, 1, dataclasses.replace(base, slots=8, step_frames=0), {"step_frames"})
     assert (v.launch_ahead_streams, v.step_frames) == (4, 0)
+
+
+def test_the_reference_table_lists_every_key():
+    from chorus.config import all_configs, markdown
+
+    for cls in all_configs():
+        table = markdown(cls)
+        for f, _, _ in settings(cls):
+            assert (f"| `{f.name}` |" in table) != bool(f.metadata.get("internal")), f.name

@@ -29,9 +29,10 @@ CUDA context and one session for a GPU of the vocoder's own, with the gRPC
 work spread over N processes. Each front has its own socket pair; a front's
 hello releases only its own streams, and every front hears a heartbeat.
 
-    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
-    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags>   (host_main: one decoder,
-        N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
+    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... --config-proto FILE   (started by
+        the server, FILE a serialized chorus.v1.VocoderConfig)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags or --config FILE>   (host_main:
+        one decoder, N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
 """
 
 from __future__ import annotations
