@@ -151,3 +151,25 @@ def test_the_reference_table_lists_every_key():
         table = markdown(cls)
         for f, _, _ in settings(cls):
             assert (f"| `{f.name}` |" in table) != bool(f.metadata.get("internal")), f.name
+
+
+def test_a_worker_hosting_the_decoder_gets_the_vocoders_config(tmp_path):
+    """From the launcher's --config-proto file, or from a --config file's [vocoder] table: no flag string."""
+    import argparse
+
+    from chorus.launcher import write_worker_proto
+    from gpu_worker.server import add_arguments, load_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    worker = WorkerConfig(max_batch=4, host_vocoder_decoder=str(tmp_path / "d"))
+    vocoder = VocoderConfig(slots=8, step_frames=5, priority_first_chunks=True)
+    path = write_worker_proto(worker, vocoder, str(tmp_path / "worker.pb"))
+    assert load_config(p.parse_args(["--config-proto", path, "--kv-slots", "99"])) == (
+        dataclasses.replace(worker, kv_slots=99), vocoder)
+    assert load_config(p.parse_args(["--config-proto", write_worker_proto(WorkerConfig(), None, path)])) == (
+        WorkerConfig(), None)
+    toml = tmp_path / "pod.toml"
+    toml.write_text(f'[worker]\nhost_vocoder_decoder = "{tmp_path}/d"\n[vocoder]\nslots = 8\n')
+    config, hosted = load_config(p.parse_args(["--config", str(toml)]))
+    assert config.host_vocoder_decoder == f"{tmp_path}/d" and hosted == VocoderConfig(slots=8)
