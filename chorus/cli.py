@@ -21,7 +21,8 @@ DEFAULT_TEXT = ("Chorus streams speech as it is generated: the scheduler batches
 
 
 SERVICES = {"worker": ("gpu_worker.server", "run a gpu_worker: the model behind a ZeroMQ socket"),
-            "scheduler": ("scheduler_svc.server", "run the scheduler: the public gRPC API, batching, request lifecycle"),
+            "scheduler": ("scheduler_svc.server",
+                          "run the scheduler: the public gRPC API, batching, request lifecycle"),
             "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes")}
 
 

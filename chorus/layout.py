@@ -12,7 +12,6 @@ the services' own keys; the launcher sets every address and port except the sche
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
