@@ -1,7 +1,7 @@
 """chorus — streaming text-to-speech serving.
 
   chorus demo                 start all three services on CPU (tiny model), speak, write demo.wav, stop
-  chorus up                   start all three services locally until Ctrl-C
+  chorus up                   start all three services locally until Ctrl-C (--profile NAME, --config FILE)
   chorus say "text" -o a.wav  synthesize through a running scheduler
   chorus worker|scheduler|vocoder   run one service (what a Kubernetes pod runs)
   chorus bench                load generator over the gRPC API (throughput, time to first audio)
@@ -20,46 +20,40 @@ DEFAULT_TEXT = ("Chorus streams speech as it is generated: the scheduler batches
                 "the worker runs the model, and the vocoder turns codes into sound.")
 
 
+SERVICES = {"worker": ("gpu_worker.server", "run a gpu_worker: the model behind a ZeroMQ socket"),
+            "scheduler": ("scheduler_svc.server",
+                          "run the scheduler: the public gRPC API, batching, request lifecycle"),
+            "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes")}
+
+
 def _service_parsers(sub) -> None:
-    from gpu_worker import server as worker
-    from scheduler_svc import server as scheduler
-    from vocoder_svc import server as vocoder
-
-    for name, module, help_ in (
-            ("worker", worker, "run a gpu_worker: the model behind a ZeroMQ socket"),
-            ("scheduler", scheduler, "run the scheduler: the public gRPC API, batching, request lifecycle"),
-            ("vocoder", vocoder, "run a vocoder replica: codes to waveform, reference audio to codes")):
-        p = sub.add_parser(name, help=help_, description=(module.__doc__ or help_).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+    """The services' commands, listed in the help; `main` hands their arguments to the service's own main."""
+    for name, (_, help_) in SERVICES.items():
+        sub.add_parser(name, help=help_, add_help=False)
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    from chorus.launcher import add_service_flags
-    add_service_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
-    p.add_argument("--port", type=int, default=50051, help="scheduler (public API) port; 0 = any free port")
-    p.add_argument("--metrics-port", type=int, default=0, help="scheduler Prometheus port (0 = off)")
-    p.add_argument("--quiet", action="store_true", help="do not relay the services' logs")
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    from chorus.layout import add_layout_flags
+    add_layout_flags(p, scheduler_keys=("port", "metrics_port", "frontends"))
+    p.add_argument("--print-config", action="store_true", help="print the layout's effective TOML and exit")
 
 
-def _cluster(args: argparse.Namespace):
-    from chorus.launcher import Cluster, colocation, service_args
+def _layout(args: argparse.Namespace):
+    from chorus.config import ConfigError
+    from chorus.layout import load
 
-    worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
-    scheduler += ["--metrics-port", str(args.metrics_port), "--frontends", str(getattr(args, "frontends", 1))]
-    replicas = max(1, getattr(args, "vocoders", 1))
-    colocate, vocoder = colocation(args.colocate_vocoder, args.device, args.vocoder_device, replicas,
-                                   vocoder + args.vocoder_arg)
-    return Cluster(worker_args=worker + args.worker_arg, vocoder_args=vocoder,
-                   scheduler_args=scheduler + args.scheduler_arg, host=args.host, scheduler_port=args.port,
-                   vocoder_ports=[0] * replicas, echo=not args.quiet, colocate_vocoder=colocate,
-                   shared_decoder=args.shared_vocoder_decoder)
+    try:
+        return load(args)
+    except ConfigError as e:
+        raise SystemExit(f"chorus {args.command}: {e}") from None
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    cluster = _cluster(args)
+    layout = _layout(args)
+    if args.print_config:
+        print(layout.toml(), end="")
+        return
+    cluster = layout.cluster_launcher()
     print("starting worker, vocoder and scheduler ...", flush=True)
     with cluster:
         vocoders = ", ".join(s.address for s in cluster.services if s.name.startswith("vocoder"))
@@ -147,8 +141,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     frames = estimate_duration_frames(args.text, "English")
     args.min_frames = args.min_frames or frames
     args.max_frames = args.max_frames or frames
-    args.port = 0
-    cluster = _cluster(args)
+    layout = _layout(args)
+    layout.scheduler.port = 0
+    if args.print_config:
+        print(layout.toml(), end="")
+        return
+    cluster = layout.cluster_launcher()
     print("starting worker, vocoder and scheduler (tiny model, CPU) ...", flush=True)
     with cluster:
         args.server = cluster.address
@@ -159,6 +157,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in SERVICES:  # a service parses its own flags
+        import importlib
+        return importlib.import_module(SERVICES[argv[0]][0]).main(argv[1:], prog=f"chorus {argv[0]}")
     if argv[:2] == ["bench", "worker"]:  # the worker microbenchmark has flags of its own
         from chorus.bench import worker as worker_bench
         return worker_bench.main(argv[2:])
@@ -168,18 +169,14 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start everything on CPU, synthesize a sentence to demo.wav, stop")
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="what to say")
-    _add_model_flags(p)
+    _add_layout_flags(p)
     _add_say_flags(p, "demo.wav")
-    p.set_defaults(func=cmd_demo, quiet=True, seed=1234)
+    p.set_defaults(func=cmd_demo, seed=1234, **{"cluster.quiet": True})
 
-    p = sub.add_parser("up", help="start worker, vocoder and scheduler locally; Ctrl-C stops them")
-    _add_model_flags(p)
-    p.add_argument("--vocoders", type=int, default=1, metavar="N",
-                   help="vocoder replicas (on --vocoder-device, or the worker's device). Replicas on one GPU take "
-                        "turns on it (each is a CUDA context of its own), but one vocoder process cannot feed an "
-                        "H200 at high load: two replicas of 128 --slots won at W1 c256 (see README, \"Two GPUs at "
-                        "high load\", and --shared-vocoder-decoder)")
-    p.add_argument("--frontends", type=int, default=1, metavar="N", help="the scheduler's --frontends")
+    p = sub.add_parser("up", help="start worker, vocoder and scheduler locally; Ctrl-C stops them",
+                       description="Start worker, vocoder(s) and scheduler on this machine from a layout: a "
+                                   "profile (--profile), a TOML file (--config), and the flags below on top.")
+    _add_layout_flags(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("say", help="synthesize text through a running scheduler into a WAV file")

@@ -7,9 +7,9 @@ it (so ephemeral ports work) and relays every line with a prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +19,12 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Collection
+
+from chorus.config import parse, write_proto
+from gpu_worker.config import WorkerConfig
+from scheduler_svc.config import SchedulerConfig
+from vocoder_svc.config import VocoderConfig
 
 READY = re.compile(r"\bready on (\S+)")
 
@@ -110,91 +116,30 @@ class Service:
             self.proc.wait()
 
 
-def add_service_flags(p) -> None:
-    """The model, codec, device and dtype flags that service_args turns into service flags
-    (chorus up / demo, chorus bench --launch); p is a parser or an argument group."""
-    p.add_argument("--model", metavar="DIR", help="MOSS-TTS Local v1.5 checkpoint directory (default: tiny preset)")
-    p.add_argument("--codec", metavar="DIR", help="MOSS-Audio-Tokenizer directory (default: tiny preset)")
-    p.add_argument("--device", default="cpu", help="torch device for the worker and vocoder (cpu, cuda, cuda:1)")
-    p.add_argument("--vocoder-device", default=None, metavar="DEVICE",
-                   help="put the vocoder on this device instead (e.g. cuda:1: one GPU per service)")
-    p.add_argument("--dtype", default=None, help="compute dtype (default float32 on cpu, bfloat16 otherwise)")
-    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
-                   help="extra gpu_worker flag, repeatable; attach with '=': --worker-arg=--kv-slots=65536")
-    p.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
-                   help="extra vocoder flag, repeatable (e.g. --vocoder-arg=--step-frames=5)")
-    p.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
-                   help="extra scheduler flag, repeatable (e.g. --scheduler-arg=--max-queue=1024)")
-    p.add_argument("--colocate-vocoder", nargs="?", choices=("auto", "on", "off"), const="on", default="auto",
-                   help="run the vocoder's decoder inside the worker's process (gpu_worker "
-                        "--host-vocoder-decoder, vocoder --attach-decoder): on one GPU the two then share one "
-                        "CUDA context instead of taking turns in time slices, and the vocoder decodes in "
-                        "--first-chunk-frames steps unless --vocoder-arg sets --step-frames (one H200, W1 c16: "
-                        "time to first audio p50 106 ms as two processes, 76-80 colocated). One vocoder "
-                        "replica, on the worker's device. auto (the default) = on when the worker and one "
-                        "vocoder replica share a CUDA device")
-    p.add_argument("--shared-vocoder-decoder", action="store_true",
-                   help="the --vocoders replicas share one decoder process (vocoder_svc.decode_process "
-                        "--fronts-dir; each replica attaches with --attach-decoder): one CUDA context and one "
-                        "codec session, whose --slots all replicas share, with the gRPC work spread over the "
-                        "replicas' processes. For a vocoder GPU of its own at high load, where one vocoder process "
-                        "cannot feed the GPU and two replicas' contexts take turns on it (benchmarks/README.md, "
-                        "session 13)")
-
-
 def _same_device(a: str, b: str) -> bool:
     norm = lambda d: d + ":0" if d == "cuda" else d  # noqa: E731 - the current device, as the services pick it
     return norm(a) == norm(b)
 
 
-def _flag_value(args: list[str], name: str) -> str | None:
-    """The value of flag `name` in args (`--x=v` or `--x v`; the last one wins), or None."""
-    value = None
-    for i, a in enumerate(args):
-        if a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-        elif a == name and i + 1 < len(args):
-            value = args[i + 1]
-    return value
-
-
-def colocation(choice: str, device: str, vocoder_device: str | None, replicas: int,
-               vocoder_args: list[str]) -> tuple[bool, list[str]]:
-    """(colocate?, the vocoder's flags) for --colocate-vocoder auto|on|off.
+def colocation(choice: str, device: str, vocoder_device: str | None, replicas: int, vocoder: VocoderConfig,
+               given: Collection[str] = ()) -> tuple[bool, VocoderConfig]:
+    """(colocate?, the vocoder's config) for colocate_vocoder auto|on|off; `given`: the vocoder
+    settings a file or flag set, which this leaves alone.
 
     On the worker's device (colocated or not) the vocoder launches a step ahead only when it carries
-    half its slots (--launch-ahead-streams), unless its flags say otherwise: its server's default, every
-    step, is for a GPU of its own, and beside the worker a queued step delays the worker's kernels and
-    new streams' first chunks (one H200, W1 c16: ~50 ms of time to first audio, session 5).
-    Colocated, the decoder runs in --first-chunk-frames steps (--step-frames) unless its flags say
-    otherwise: new streams' first chunks then share steps with the steady ones instead of waiting."""
+    half its slots: its own default, every step, is for a GPU of its own, and beside the worker a
+    queued step delays the worker's kernels and new streams' first chunks. Colocated, the decoder
+    runs in first-chunk-sized steps: new streams' first chunks then share steps with the steady ones
+    instead of waiting."""
     vdev = vocoder_device or device
     shared = _same_device(device, vdev)
     on = choice == "on" or (choice == "auto" and device.startswith("cuda") and replicas == 1 and shared)
-    flags = list(vocoder_args)
-    if (shared or on) and _flag_value(flags, "--launch-ahead-streams") is None:
-        slots = int(_flag_value(flags, "--slots") or 64)  # 64: vocoder_svc.server's --slots default
-        flags += ["--launch-ahead-streams", str(max(1, slots // 2))]
-    if on and _flag_value(flags, "--step-frames") is None:
-        first = _flag_value(flags, "--first-chunk-frames") or "5"  # vocoder_svc.server's default
-        flags += ["--step-frames", first]
-    return on, flags
-
-
-def service_args(model: str | None, codec: str | None, device: str, dtype: str | None,
-                 vocoder_device: str | None = None) -> tuple[list[str], list[str], list[str]]:
-    """(worker, vocoder, scheduler) flags for a model/codec on devices: the vocoder on its own GPU
-    with vocoder_device (per-service scaling on one host), else beside the worker."""
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
-    worker = ["--device", device, "--dtype", dtype]
-    vocoder = ["--device", vocoder_device or device, "--dtype", dtype]
-    scheduler: list[str] = []
-    if model:
-        worker += ["--model", model]
-        scheduler += ["--tokenizer", model]
-    if codec:
-        vocoder += ["--codec", codec]
-    return worker, vocoder, scheduler
+    vocoder = dataclasses.replace(vocoder)
+    if (shared or on) and "launch_ahead_streams" not in given:
+        vocoder.launch_ahead_streams = max(1, vocoder.slots // 2)
+    if on and "step_frames" not in given:
+        vocoder.step_frames = vocoder.first_chunk_frames
+    return on, vocoder
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -219,8 +164,13 @@ def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> di
 
 @dataclass
 class Cluster:
-    """worker + vocoder(s) + scheduler on this machine."""
+    """worker + vocoder(s) + scheduler on this machine. Each service starts from its config
+    (`worker`, `vocoder`, `scheduler`), with the flags in `*_args` on top; the launcher sets the
+    addresses and ports, and hands each process its config as protobuf (--config-proto FILE)."""
 
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    vocoder: VocoderConfig = field(default_factory=VocoderConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     worker_args: list[str] = field(default_factory=list)
     vocoder_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
@@ -237,7 +187,7 @@ class Cluster:
     # The vocoder replicas in front of one decoder process: see vocoder_svc.decode_process.host_main.
     shared_decoder: bool = False
     services: list[Service] = field(default_factory=list)
-    _decoder_dir: tempfile.TemporaryDirectory | None = None
+    _tmp: tempfile.TemporaryDirectory | None = None
 
     @property
     def address(self) -> str:
@@ -246,36 +196,46 @@ class Cluster:
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
+    def configs(self) -> tuple[WorkerConfig, VocoderConfig, SchedulerConfig]:
+        """The three configs as the services get them, before addresses and ports."""
+        return (parse(WorkerConfig, self.worker_args, base=self.worker),
+                parse(VocoderConfig, self.vocoder_args, base=self.vocoder),
+                parse(SchedulerConfig, self.scheduler_args, base=self.scheduler))
+
     def start(self, timeout: float = 300.0) -> "Cluster":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         py = [sys.executable, "-m"]
-        worker_args, vocoder_args = list(self.worker_args), list(self.vocoder_args)
         if self.colocate_vocoder and self.shared_decoder:
             raise LaunchError("--shared-vocoder-decoder and --colocate-vocoder: the colocated decoder is the "
                               "worker's; a shared one is a process of its own")
         if self.colocate_vocoder and len(self.vocoder_ports) != 1:
             raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
-        attach = [[] for _ in self.vocoder_ports]  # each replica's extra flags
+        worker, vocoder, scheduler = self.configs()
+        self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
+        tmp = self._tmp.name
+        decoder_dir = os.path.join(tmp, "decoder")
+        attach: list[str | None] = [None for _ in self.vocoder_ports]  # each replica's decoder directory
+        worker = dataclasses.replace(worker, bind=f"tcp://{self.host}:{self.worker_port}")
         services = []
-        if self.colocate_vocoder or self.shared_decoder:
-            self._decoder_dir = tempfile.TemporaryDirectory(prefix="chorus-decoder-")
-            decoder_dir = self._decoder_dir.name
         if self.colocate_vocoder:
-            worker_args += ["--host-vocoder-decoder", decoder_dir, "--vocoder-decoder-args", shlex.join(vocoder_args)]
-            attach = [["--attach-decoder", decoder_dir]]
+            worker.host_vocoder_decoder = attach[0] = decoder_dir
         elif self.shared_decoder:
             from vocoder_svc.decode_process import front_dirs  # only where the vocoder's code is wanted
-            services.append(Service("decoder", py + ["vocoder_svc.decode_process", "--fronts-dir", decoder_dir,
-                                                     "--fronts", str(len(self.vocoder_ports)), *vocoder_args]))
-            attach = [["--attach-decoder", d] for d in front_dirs(decoder_dir, len(self.vocoder_ports))]
-        worker = Service("worker", py + ["gpu_worker.server", "--bind", f"tcp://{self.host}:{self.worker_port}",
-                                         *worker_args])
-        self.services = [worker, *services]
+            services.append(Service("decoder", py + [
+                "vocoder_svc.decode_process", "--fronts-dir", decoder_dir, "--fronts", str(len(self.vocoder_ports)),
+                "--config-proto", write_proto(vocoder, os.path.join(tmp, "decoder.pb"))]))
+            attach = front_dirs(decoder_dir, len(self.vocoder_ports))
+        worker_file = write_worker_proto(worker, vocoder if self.colocate_vocoder else None,
+                                         os.path.join(tmp, "worker.pb"))
+        self.services = [Service("worker", py + ["gpu_worker.server", "--config-proto", worker_file]), *services]
         metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
-        vocoders = [Service(f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder",
-                            py + ["vocoder_svc.server", "--host", self.host, "--port", str(port), "--metrics-port",
-                                  str(mport), *vocoder_args, *extra])
-                    for i, (port, mport, extra) in enumerate(zip(self.vocoder_ports, metrics, attach))]
+        vocoders = []
+        for i, (port, mport, attached) in enumerate(zip(self.vocoder_ports, metrics, attach)):
+            name = f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder"
+            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport,
+                                          attach_decoder=attached)
+            vocoders.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
+                                                write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
         self.services += vocoders
         try:
             for s in self.services:
@@ -283,13 +243,12 @@ class Cluster:
             deadline = time.monotonic() + timeout
             for s in self.services:
                 s.wait_ready(max(1.0, deadline - time.monotonic()))
-            vocoder_flags = [f for v in vocoders for f in ("--vocoder", v.address)]
-            scheduler = Service("scheduler", py + ["scheduler_svc.server", "--host", self.host, "--port",
-                                                   str(self.scheduler_port), "--worker", worker.address,
-                                                   *vocoder_flags, *self.scheduler_args])
-            self.services.append(scheduler)
-            scheduler.start(self.echo, env)
-            scheduler.wait_ready(max(1.0, deadline - time.monotonic()))
+            scheduler = dataclasses.replace(scheduler, host=self.host, port=self.scheduler_port,
+                                            worker=self.services[0].address, vocoder=[v.address for v in vocoders])
+            self.services.append(Service("scheduler", py + [
+                "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))]))
+            self.services[-1].start(self.echo, env)
+            self.services[-1].wait_ready(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
@@ -298,12 +257,25 @@ class Cluster:
     def stop(self) -> None:
         for s in reversed(self.services):
             s.stop()
-        if self._decoder_dir is not None:
-            self._decoder_dir.cleanup()
-            self._decoder_dir = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> "Cluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def write_worker_proto(worker: WorkerConfig, hosted: VocoderConfig | None, path: str) -> str:
+    """The worker's --config-proto file (chorus.v1.WorkerProcessConfig): its config, and the vocoder's
+    for the decoder it hosts (worker.host_vocoder_decoder)."""
+    from chorus.config import to_proto
+    from chorus.v1 import config_pb2
+    msg = config_pb2.WorkerProcessConfig(worker=to_proto(worker))
+    if hosted is not None:
+        msg.vocoder.CopyFrom(to_proto(hosted))
+    with open(path, "wb") as fh:
+        fh.write(msg.SerializeToString())
+    return path

@@ -22,16 +22,16 @@ STALL_EXIT_CODE = 72  # the process ended itself: device work stopped finishing
 CUDA_STALL_S = 120.0  # no step takes near this long once warmed up (kernel compiles happen before serving)
 
 
-def add_stall_flag(p, work: str) -> None:
-    """--stall-exit-s for a service whose device runs `work` (e.g. "a launched step")."""
-    p.add_argument("--stall-exit-s", type=float, default=None, metavar="S",
-                   help=f"end the process (exit code {STALL_EXIT_CODE}) when {work} has not finished after S "
-                        f"seconds: a hung GPU otherwise leaves the service up, bound to its port, serving "
-                        f"nothing (default: {CUDA_STALL_S:.0f} on CUDA, off elsewhere; 0 = off)")
+def stall_exit_setting(work: str):
+    """The stall_exit_s config field for a service whose device runs `work` (e.g. "a launched step")."""
+    from chorus.config import setting
+    return setting(None, f"end the process (exit code {STALL_EXIT_CODE}) when {work} has not finished after "
+                   f"this many seconds (unset: {CUDA_STALL_S:.0f} on CUDA, off elsewhere; 0 = off)", metavar="S",
+                   minimum=0)
 
 
 def stall_limit(flag: float | None, device_type: str) -> float:
-    """The --stall-exit-s value, or its default for the device type."""
+    """The stall_exit_s setting, or its default for the device type."""
     if flag is not None:
         return flag
     return CUDA_STALL_S if device_type == "cuda" else 0.0

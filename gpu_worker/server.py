@@ -14,67 +14,50 @@ import argparse
 import logging
 import os
 import secrets
-import shlex
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
-from chorus.v1 import worker_pb2
-from chorus.watchdog import StallWatchdog, add_stall_flag, stall_limit
+from chorus.config import ConfigError, add_config_flags, from_proto, parse
+from chorus.v1 import config_pb2, worker_pb2
+from chorus.watchdog import StallWatchdog, stall_limit
+from gpu_worker.config import WorkerConfig
 from gpu_worker.engine import Engine, PendingStep
-from gpu_worker.loader import DTYPES, build_model
+from gpu_worker.loader import build_model
+
+if TYPE_CHECKING:
+    from vocoder_svc.config import VocoderConfig
 
 log = logging.getLogger("chorus.worker")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bind", default="tcp://127.0.0.1:5560",
-                   help="ZeroMQ endpoint to bind for the scheduler (tcp://HOST:PORT; port 0 picks a free one)")
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face MOSS-TTS Local v1.5 directory (config.json + safetensors); "
-                        "default: the built-in preset")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "full"],
-                   help="random-weight model when --model is not given: tiny (CPU tests/demo) or full-size")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: real shapes from --model's config.json, random weights (benchmarks)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="compute dtype (bfloat16 on GPU; float64 for exact CPU parity tests)")
-    p.add_argument("--kv-slots", type=int, default=32768,
-                   help="KV cache capacity in rows (tokens), shared by all requests")
-    p.add_argument("--page-size", type=int, default=16,
-                   help="KV rows per page; the scheduler allocates whole pages (flashinfer reads 16-row pages "
-                        "much faster than 1-row ones)")
-    p.add_argument("--decode-split-kv", action=argparse.BooleanOptionalAction, default=True,
-                   help="flashinfer decode splits long contexts over several thread blocks and merges them "
-                        "(--no-decode-split-kv: one block per request and KV head, no merge kernel)")
-    p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "triton"],
-                   help="decode attention on CUDA: auto = the Triton kernel for decode batches above 48 "
-                        "requests (on an H200 ~40%% faster than flashinfer's at ~150-row contexts, where "
-                        "W1 runs), flashinfer's below (it splits long contexts over thread blocks). Decode "
-                        "steps only: a folded (or eager) mixed step's decodes take the Triton kernel")
-    p.add_argument("--max-batch", type=int, default=64, help="max concurrent requests holding decode state")
-    p.add_argument("--max-context", type=int, default=8192, help="max rows (prompt + frames) per request")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random preset weights")
-    p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
-                   help="attention backend: auto = flashinfer on CUDA when installed, else the torch reference")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly on CUDA (for debugging; graphs are much faster)")
-    p.add_argument("--no-capture-at-start", dest="capture_graphs", action="store_false",
-                   help="capture each batch bucket's graph on first use instead of at startup")
-    p.add_argument("--host-vocoder-decoder", default=None, metavar="DIR",
-                   help="also run the vocoder's decoder (codec session and step loop) in this process, for "
-                        "`vocoder_svc.server --attach-decoder DIR` (ipc sockets under DIR). With worker and "
-                        "vocoder on one GPU they then share one CUDA context: the GPU interleaves their "
-                        "kernels, the worker's on a high-priority stream, where two processes' contexts take "
-                        "turns in time slices")
-    add_stall_flag(p, "a launched step")
-    p.add_argument("--vocoder-decoder-args", default="", metavar="FLAGS",
-                   help="the hosted decoder's vocoder flags, one string (e.g. \"--preset full --slots 64 "
-                        "--priority-first-chunks\"); --device is this worker's")
+    add_config_flags(p, WorkerConfig)
+
+
+def load_config(args: argparse.Namespace) -> tuple[WorkerConfig, VocoderConfig | None]:
+    """The worker's config from parsed flags (add_arguments), and with host_vocoder_decoder the hosted
+    decoder's VocoderConfig: from the --config-proto file (chorus.v1.WorkerProcessConfig), else the
+    --config file's [vocoder] table, else the vocoder's defaults."""
+    base = hosted = None
+    if args.config_proto:
+        with open(args.config_proto, "rb") as fh:
+            msg = config_pb2.WorkerProcessConfig.FromString(fh.read())
+        base = from_proto(WorkerConfig, msg.worker)
+        if msg.HasField("vocoder"):
+            hosted = msg.vocoder
+        args = argparse.Namespace(**{**vars(args), "config_proto": None})
+    config = parse(WorkerConfig, args, base=base)
+    if not config.host_vocoder_decoder:
+        return config, None
+    from vocoder_svc.config import VocoderConfig  # the vocoder's settings only where its decoder is hosted
+    if hosted is not None:
+        return config, from_proto(VocoderConfig, hosted)
+    return config, parse(VocoderConfig, [], file=args.config)
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -85,7 +68,9 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
     return endpoint
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: WorkerConfig, hosted: VocoderConfig | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; hosted: the settings of the vocoder decoder this process hosts
+    (args.host_vocoder_decoder)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
@@ -111,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     if args.host_vocoder_decoder:
         from vocoder_svc.decode_process import host_in_thread  # the vocoder's code only where it is hosted
         t0 = time.perf_counter()
-        host_in_thread(args.host_vocoder_decoder, shlex.split(args.vocoder_decoder_args), args.device)
+        host_in_thread(args.host_vocoder_decoder, hosted, args.device)
         # The decoder's threads and this loop share the GIL: hand it over within 0.5 ms, not 5.
         sys.setswitchinterval(0.0005)
         print(f"hosting the vocoder's decoder under {args.host_vocoder_decoder} "
@@ -208,10 +193,14 @@ def run(args: argparse.Namespace) -> None:
         log.info("worker stopped")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="chorus worker", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m gpu_worker.server") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_arguments(p)
-    run(p.parse_args(argv))
+    try:
+        config, hosted = load_config(p.parse_args(argv))
+    except ConfigError as e:
+        p.error(str(e))
+    run(config, hosted)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,64 @@
-"""The scheduler's policy knobs."""
+"""The scheduler's settings: its policy knobs and its process's flags, one field each (chorus.config
+turns them into flags, a TOML [scheduler] table and the chorus.v1.SchedulerConfig message)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from chorus.config import ConfigError, setting
+from scheduler_svc.validation import MAX_CHUNK_FRAMES
 
 
 @dataclass
 class SchedulerConfig:
-    max_queue: int = 256
-    max_running: int = 64
-    prefill_chunk: int = 512       # prompt rows per step, all requests together; 0 = unlimited
-    page_size: int = 0             # KV rows per allocator page; 0 = the worker's (Hello.page_size)
-    radix_cache: bool = True
-    lookahead: bool = True
-    lookahead_depth: int = 2       # steps in flight with lookahead on (the worker launches N+1 while N runs);
-                                   # 3 measured no faster at c256 on the H200 and worse p99 TTFA
-    lookahead_max_batch: int = 256  # larger decode batches wait for the journal (no graph to overlap)
-    prefill_interval: int = 1      # while decoding, prefill only in every n-th step (graphed decode between)
-    # While at least loaded_batch requests decode, prefill only every loaded_prefill_interval-th step: a
-    # step that prefills costs a fixed ~2 ms on the H200 beyond ~16 us a row, even with its decodes folded
-    # into the prefill pass (the worker's default since session 11), so at 180 decoding and 113 new rows a
-    # step, prefilling every 4th step makes steps 13% shorter on average (11.8 -> 10.3 ms,
-    # worker_mixed_fold_s11_h200.json), at up to 3 steps more TTFA; end to end at c256 (unfolded, when the
-    # fixed cost was ~2.8 ms) it took 5-frame chunks from 1,370 to 1,472 s/s (every 3rd step).
-    loaded_prefill_interval: int = 4
-    loaded_batch: int = 64
-    cache_key: str = ""            # model/codec identity: requests under other keys never share KV
-    step_timeout: float = 300.0    # seconds without a journal before a step is given up
-    # A step without its journal after this long asks the worker hello: a new process answering means
-    # the old one died with the step (crash, OOM kill, stall watchdog) and was restarted, so the running
-    # requests re-prefill on it now instead of after step_timeout. 0 = never ask early.
-    worker_probe: float = 5.0
-    restart_wait: float = 120.0    # after that, how long a restarted worker may take to answer hello
+    TABLE: ClassVar[str] = "scheduler"
+
+    # ---- policy
+    max_queue: int = setting(256, "waiting requests beyond this get RESOURCE_EXHAUSTED", minimum=0)
+    max_running: int = setting(0, "requests decoding at once (0 = the worker's max batch)", minimum=0)
+    prefill_chunk: int = setting(512, "prompt rows prefilled per step over all requests (0 = whole prompts)",
+                                 minimum=0)
+    page_size: int = setting(0, "KV rows per allocator page (0 = the worker's; else a multiple of it)", minimum=0)
+    radix_cache: bool = setting(True, "reuse the KV of shared prefixes (voice references, retracted requests)")
+    lookahead: bool = setting(True, "send the next step before the previous step's journal is back")
+    lookahead_depth: int = setting(2, "steps in flight with lookahead", minimum=1)
+    lookahead_max_batch: int = setting(256, "decode batches larger than this wait for their journal", minimum=0)
+    prefill_interval: int = setting(1, "while requests decode, prefill only every n-th step", minimum=1)
+    loaded_prefill_interval: int = setting(4, "while loaded_batch or more requests decode, prefill only every "
+                                           "n-th step (1 = every step)", flag="--prefill-interval-loaded",
+                                           metavar="N", minimum=1)
+    loaded_batch: int = setting(64, "running requests from which the loaded_* settings apply (0 = never)",
+                                metavar="B", minimum=0)
+    cache_key: str = setting("", "model identity: requests under other keys never share KV", internal=True)
+    step_timeout: float = setting(300.0, "seconds without a step's journal before the step is given up",
+                                  flag="--step-timeout-s", metavar="S", minimum=0)
+    worker_probe: float = setting(5.0, "seconds without a step's journal before asking whether the worker "
+                                  "restarted (0 = off)", flag="--worker-probe-s", metavar="S", minimum=0)
+    restart_wait: float = setting(120.0, "seconds a restarted worker may take to answer hello",
+                                  flag="--restart-wait-s", metavar="S", minimum=0)
+    # ---- process
+    host: str = setting("127.0.0.1", "address to serve the public gRPC API on")
+    port: int = setting(50051, "gRPC port (0 picks a free one)", minimum=0)
+    metrics_port: int = setting(0, "Prometheus /metrics port (0 = off)", minimum=0)
+    worker: str = setting("tcp://127.0.0.1:5560", "ZeroMQ endpoint of the gpu_worker", metavar="ENDPOINT")
+    vocoder: list[str] = setting(["127.0.0.1:50053"], "a vocoder replica's address; repeat the flag for several",
+                                 metavar="HOST:PORT")
+    tokenizer: str | None = setting(None, "directory with the checkpoint's tokenizer files (usually the model's); "
+                                    "unset: the bundled Qwen BPE", metavar="DIR")
+    max_text_chars: int = setting(5000, "longest accepted text in characters", minimum=1)
+    max_frames: int = setting(4096, "cap on a request's max_frames (80 ms frames)", minimum=1)
+    first_chunk_frames: int = setting(5, "frames in a stream's first audio chunk unless the client asks",
+                                      minimum=1, maximum=MAX_CHUNK_FRAMES)
+    chunk_frames: int = setting(25, "frames in each later audio chunk unless the client asks", minimum=1,
+                                maximum=MAX_CHUNK_FRAMES)
+    first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
+                                             "stream's first chunk unless the client asks (0 = "
+                                             "first_chunk_frames)", metavar="N", minimum=0,
+                                             maximum=MAX_CHUNK_FRAMES)
+    frontends: int = setting(1, "frontend processes serving the gRPC port", minimum=1)
+    drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
+
+    def validate(self) -> None:
+        if not self.vocoder:
+            raise ConfigError("scheduler.vocoder is empty: give at least one vocoder address")

@@ -12,7 +12,6 @@ service's CPU, scales with processes while one core schedules every request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -31,6 +30,7 @@ from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_dur
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core_client import CoreClient
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull
@@ -222,12 +222,12 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    core = CoreClient(args.core)
+async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
+    core = CoreClient(core_endpoint)
     hello = await core.connect(timeout=600)
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.worker.model_config_json))
-    vocoders = VocoderPool(args.vocoder or ["127.0.0.1:50053"])
-    if args.frontend_index == 0:
+    vocoders = VocoderPool(args.vocoder)
+    if index == 0:
         log.info("waiting for the vocoder at %s", vocoders.replicas[0].address)
     codec = await vocoders.info(timeout=600)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -243,7 +243,7 @@ async def serve(args: argparse.Namespace) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
     if server.add_insecure_port(f"{args.host}:{args.port}") != args.port:
-        raise SystemExit(f"frontend {args.frontend_index}: could not listen on {args.host}:{args.port}")
+        raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -263,7 +263,8 @@ async def serve(args: argparse.Namespace) -> None:
     core.close()
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: SchedulerConfig, core: str, index: int) -> None:
+    """Serve the API as frontend `index` of the core at endpoint `core`."""
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s scheduler/frontend{args.frontend_index} %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+                        format=f"%(asctime)s scheduler/frontend{index} %(levelname)s %(message)s")
+    asyncio.run(serve(args, core, index))

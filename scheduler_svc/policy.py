@@ -64,7 +64,7 @@ class Policy:
         self.sink = sink
         self.kv = KVSlotAllocator(hello.kv_slots, page_size)
         self.cache = RadixCache(self.kv)
-        self.max_running = min(config.max_running, hello.max_batch)
+        self.max_running = min(config.max_running or hello.max_batch, hello.max_batch)  # 0: the worker's
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.pending_release: list[int] = []  # request ids whose worker state the next plan frees

@@ -63,20 +63,15 @@ def test_a_gathered_prefill_step_takes_the_rows_of_the_steps_it_gathered():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--loaded-batch", "-1"], "--loaded-batch -1: must be >= 0"),
-    (["--prefill-interval-loaded", "0"], "--prefill-interval-loaded 0: must be >= 1"),
-    (["--first-chunk-frames-loaded", "999"], "--first-chunk-frames-loaded 999: must be in [0, 250]"),
+    (["--loaded-batch", "-1"], "--loaded-batch = -1: must be >= 0"),
+    (["--prefill-interval-loaded", "0"], "--prefill-interval-loaded = 0: must be >= 1"),
+    (["--first-chunk-frames-loaded", "999"], "--first-chunk-frames-loaded = 999: must be <= 250"),
 ])
 def test_bad_scheduling_flags_stop_the_scheduler_with_what_to_fix(flags, needle):
-    import argparse
-    import asyncio
+    from chorus.config import ConfigError, parse
 
-    from scheduler_svc import server
-
-    p = argparse.ArgumentParser()
-    server.add_arguments(p)
-    with pytest.raises(SystemExit, match=re.escape(needle)):
-        asyncio.run(server.serve(p.parse_args(["--worker", "tcp://127.0.0.1:1", *flags])))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse(SchedulerConfig, ["--worker", "tcp://127.0.0.1:1", *flags])
 
 
 class _Recorder(EventSink):

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("scheduler_svc", "gpu_worker", "vocoder_svc")
 PACKAGES = ("chorus", *SERVICES)
 # These compose the services (start them, bench them) or are generated: they may import any of them.
-COMPOSERS = ("chorus.v1", "chorus.cli", "chorus.launcher", "chorus.bench")
+COMPOSERS = ("chorus.v1", "chorus.cli", "chorus.launcher", "chorus.layout", "chorus.bench")
 OTHER_SLICES = pytest.mark.xfail(strict=False, reason="other slices fix gpu_worker/vocoder_svc")
 
 

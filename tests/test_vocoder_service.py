@@ -663,8 +663,8 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
 
 
 def test_session_engine_cli(tiny_codec):
-    """--engine session on CPU with emulated graphs: capture progress, the self-check line, a decode."""
-    proc, address, seen, _ = start_vocoder("--metrics-port", "0", "--engine", "session", "--slots", "2",
+    """--engine slots on CPU with emulated graphs: capture progress, the self-check line, a decode."""
+    proc, address, seen, _ = start_vocoder("--metrics-port", "0", "--engine", "slots", "--slots", "2",
                                            "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "1", timeout=60)
     try:
         text = "".join(seen)
@@ -685,8 +685,8 @@ def test_session_engine_cli(tiny_codec):
 
 
 def test_engine_choice():
-    assert resolve_engine("auto", "cpu") == "stream" and resolve_engine("auto", "cuda:1") == "session"
-    assert resolve_engine("session", "cpu") == "session" and resolve_engine("stream", "cuda") == "stream"
+    assert resolve_engine("auto", "cpu") == "stream" and resolve_engine("auto", "cuda:1") == "slots"
+    assert resolve_engine("slots", "cpu") == "slots" and resolve_engine("stream", "cuda") == "stream"
 
 
 def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
@@ -714,7 +714,7 @@ def _start_decode_process_vocoder(metrics_port: int = 0):
     """The vocoder with its session in a child process (2 slots, emulated graphs); returns (proc, address,
     decode process pid, output lines)."""
     proc, address, seen, lines = start_vocoder(
-        "--metrics-port", str(metrics_port), "--engine", "session", "--decode-process", "on", "--slots", "2",
+        "--metrics-port", str(metrics_port), "--engine", "slots", "--decode-process", "on", "--slots", "2",
         "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "5")
     child = next((int(m.group(1)) for line in seen if (m := re.match(r"vocoder: decode process (\d+) ready", line))),
                  None)
@@ -800,11 +800,13 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
     import zmq
 
     from chorus.v1 import vocoder_decoder_pb2 as dpb
+    from chorus.config import parse
+    from vocoder_svc.config import VocoderConfig
     from vocoder_svc.decode_process import host_endpoints, host_in_thread
 
     path = str(tmp_path / "decoder")
-    decoder = host_in_thread(path, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2", "--graphs", "emulate",
-                                    "--graph-frames", "5,25"], "cpu")
+    decoder = host_in_thread(path, parse(VocoderConfig, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2",
+                                                         "--graphs", "emulate", "--graph-frames", "5,25"]), "cpu")
     assert decoder.ready.hosted and decoder.ready.pid == os.getpid()
     procs = []
     ctx = zmq.Context()
@@ -851,7 +853,9 @@ def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_
     path = str(tmp_path / "decoder")
     host = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from vocoder_svc.decode_process import host_in_thread; "
-         f"host_in_thread({path!r}, ['--preset', 'tiny', '--seed', '{SEED}', '--slots', '2'], 'cpu'); "
+         "from chorus.config import parse; from vocoder_svc.config import VocoderConfig; "
+         f"host_in_thread({path!r}, parse(VocoderConfig, ['--preset', 'tiny', '--seed', '{SEED}', '--slots', '2']), "
+         "'cpu'); "
          "print('hosting', flush=True); time.sleep(600)"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = None
@@ -873,20 +877,29 @@ def test_colocation_defaults_to_one_gpu_layouts():
     its server's default (every step)."""
     from chorus.launcher import colocation
 
-    half = ["--launch-ahead-streams", "32"]  # half of the server's 64 slots
-    assert colocation("auto", "cuda", None, 1, []) == (True, half + ["--step-frames", "5"])
-    assert colocation("auto", "cuda", "cuda:0", 1, ["--first-chunk-frames=4"]) == (
-        True, ["--first-chunk-frames=4", *half, "--step-frames", "4"])
-    assert colocation("auto", "cuda:0", None, 1, ["--step-frames=0", "--slots=8"]) == (
-        True, ["--step-frames=0", "--slots=8", "--launch-ahead-streams", "4"])
-    assert colocation("auto", "cuda:0", None, 1, ["--launch-ahead-streams=1"]) == (
-        True, ["--launch-ahead-streams=1", "--step-frames", "5"])
+    from chorus.config import given_fields, parse
+    from vocoder_svc.config import VocoderConfig
+
+    def flags(*argv):  # (colocate?, the fields that differ from the vocoder's defaults)
+        def run(choice, device, vocoder_device, replicas):
+            on, v = colocation(choice, device, vocoder_device, replicas, parse(VocoderConfig, list(argv)),
+                               given_fields(VocoderConfig, list(argv)))
+            return on, {k: x for k, x in vars(v).items() if x != getattr(VocoderConfig(), k)}
+        return run
+
+    half = {"launch_ahead_streams": 32}  # half of the server's 64 slots
+    assert flags()("auto", "cuda", None, 1) == (True, {**half, "step_frames": 5})
+    assert flags("--first-chunk-frames=4")("auto", "cuda", "cuda:0", 1) == (
+        True, {"first_chunk_frames": 4, **half, "step_frames": 4})
+    assert flags("--step-frames=0", "--slots=8")("auto", "cuda:0", None, 1) == (
+        True, {"slots": 8, "launch_ahead_streams": 4})
+    assert flags("--launch-ahead-streams=1")("auto", "cuda:0", None, 1) == (True, {"step_frames": 5})
     for device, vocoder_device, replicas in (("cpu", None, 1), ("cuda", None, 2)):  # shared, not colocated
-        assert colocation("auto", device, vocoder_device, replicas, ["--slots", "8"]) == (
-            False, ["--slots", "8", "--launch-ahead-streams", "4"])
-    assert colocation("auto", "cuda:0", "cuda:1", 1, ["--slots", "8"]) == (False, ["--slots", "8"])  # its own GPU
-    assert colocation("off", "cuda", None, 1, []) == (False, half)
-    assert colocation("on", "cpu", None, 1, []) == (True, half + ["--step-frames", "5"])
+        assert flags("--slots", "8")("auto", device, vocoder_device, replicas) == (
+            False, {"slots": 8, "launch_ahead_streams": 4})
+    assert flags("--slots", "8")("auto", "cuda:0", "cuda:1", 1) == (False, {"slots": 8})  # its own GPU
+    assert flags()("off", "cuda", None, 1) == (False, half)
+    assert flags()("on", "cpu", None, 1) == (True, {**half, "step_frames": 5})
 
 
 def test_colocated_cluster_serves_audio_of_its_codes(tiny_codec):

@@ -29,15 +29,17 @@ CUDA context and one session for a GPU of the vocoder's own, with the gRPC
 work spread over N processes. Each front has its own socket pair; a front's
 hello releases only its own streams, and every front hears a heartbeat.
 
-    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
-    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags>   (host_main: one decoder,
-        N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
+    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... --config-proto FILE   (started by
+        the server, FILE a serialized chorus.v1.VocoderConfig)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags or --config FILE>   (host_main:
+        one decoder, N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -55,7 +57,9 @@ import torch
 import zmq
 import zmq.asyncio
 
+from chorus.config import ConfigError, add_config_flags, parse, write_proto
 from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
+from vocoder_svc.config import VocoderConfig
 from vocoder_svc.engines import SessionReport, SessionStream, SessionWorker, StreamTooLong
 from vocoder_svc.metrics import Metrics
 
@@ -64,23 +68,6 @@ log = logging.getLogger("chorus.vocoder")
 
 class DecoderGone(RuntimeError):
     """The decode process exited: open jobs cannot finish on this replica."""
-
-
-# Flags the child needs to build the same codec and session as the parent would have.
-_FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
-              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams",
-              "step_frames", "stall_exit_s")
-_FORWARDED_SWITCHES = ("priority_first_chunks",)
-
-
-def child_argv(args: argparse.Namespace) -> list[str]:
-    out = []
-    for name in _FORWARDED:
-        value = getattr(args, name, None)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    out += [f"--{name.replace('_', '-')}" for name in _FORWARDED_SWITCHES if getattr(args, name, False)]
-    return out
 
 
 # ---- the gRPC process's side -------------------------------------------------------------------
@@ -100,7 +87,7 @@ class DecodeProcess:
     speaks SessionWorker's interface to it: open, submit (a future of wire PCM bytes), release,
     close. Use from one asyncio loop."""
 
-    def __init__(self, args: argparse.Namespace, metrics: Metrics,
+    def __init__(self, args: VocoderConfig, metrics: Metrics,
                  on_exit: Callable[[str], None] = lambda reason: None, attach: str | None = None):
         """on_exit(reason): called once if the decoder is gone while the service still runs.
         attach: the directory a hosted decoder serves under (host_endpoints); no child is started."""
@@ -121,7 +108,7 @@ class DecodeProcess:
         # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
         self.proc = None if attach else subprocess.Popen(
             [sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs, "--results", results,
-             *child_argv(args)])
+             "--config-proto", write_proto(args, os.path.join(self._tmp.name, "config.pb"))])
         self.ready: dpb.DecoderReady | None = None
         self.gone: str | None = None
         self._closing = False
@@ -329,7 +316,7 @@ class Decoder:
     context and one session whose steps mix every front's streams, while the fronts' gRPC work
     (250-440 us of host time a PCM chunk, benchmarks/grpc_pcm_bench.py) is spread over their processes."""
 
-    def __init__(self, args: argparse.Namespace, endpoints: list[tuple[str, str]], *, cuda_stream=None,
+    def __init__(self, args: VocoderConfig, endpoints: list[tuple[str, str]], *, cuda_stream=None,
                  hosted: bool = False):
         from vocoder_svc.server import build_session, make_codec, stall_exit_seconds
 
@@ -419,19 +406,15 @@ def front_dirs(path: str, fronts: int) -> list[str]:
     return [os.path.join(path, str(i)) for i in range(fronts)]
 
 
-def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
+def host_in_thread(path: str, config: VocoderConfig, device: str) -> Decoder:
     """The vocoder's decoder as a daemon thread of this (the worker's) process, on `device`: one
     CUDA context with the worker, so the GPU interleaves the two processes' kernels instead of
     time-slicing whole contexts, and the decoder's steady steps run on a low-priority stream
-    (its first chunks, with --priority-first-chunks, on a high one). The codec is built and its
+    (its first chunks, with priority_first_chunks, on a high one). The codec is built and its
     graphs captured before this returns (never while the worker captures or replays its own);
-    `vocoder_svc.server --attach-decoder path` connects to it. vocoder_argv: the vocoder's flags
-    (--preset, --slots, ...); --device is the worker's."""
-    from vocoder_svc.server import add_arguments
-
-    parser = argparse.ArgumentParser(prog="--vocoder-decoder-args")
-    add_arguments(parser)
-    args = parser.parse_args([*vocoder_argv, "--device", device])
+    `vocoder_svc.server --attach-decoder path` connects to it. config: the vocoder's settings
+    (preset, slots, ...); its device is the worker's."""
+    args = dataclasses.replace(config, device=device)
     os.makedirs(path, exist_ok=True)
     stream = torch.cuda.Stream(torch.device(device), priority=0) if torch.device(device).type == "cuda" else None
     decoder = Decoder(args, [host_endpoints(path)], cuda_stream=stream, hosted=True)
@@ -451,18 +434,17 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
 
 
 def child_main(argv: list[str] | None = None) -> None:
-    from vocoder_svc.server import add_arguments
-
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", required=True, help="ZeroMQ endpoint the parent sends DecoderInput on")
     parser.add_argument("--results", required=True, help="ZeroMQ endpoint the parent reads DecoderOutput on")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    add_config_flags(parser, VocoderConfig)
+    ns = parser.parse_args(argv)
+    args = _config(parser, ns)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
         signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    decoder = Decoder(args, [(args.jobs, args.results)])
+    decoder = Decoder(args, [(ns.jobs, ns.results)])
     print(f"vocoder: decode process {os.getpid()} ready", flush=True)
     decoder.serve()
 
@@ -474,24 +456,30 @@ def host_main(argv: list[str] | None = None) -> None:
     replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
     then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
     until a process attaches in its place (its hello releases them), as with a hosted decoder."""
-    from vocoder_svc.server import add_arguments
-
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process --fronts-dir DIR",
                                      description=host_main.__doc__)
     parser.add_argument("--fronts-dir", required=True, metavar="DIR", help="serve the fronts under DIR/0 ... DIR/N-1")
     parser.add_argument("--fronts", type=int, default=2, metavar="N", help="vocoder gRPC processes (default 2)")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.fronts < 1:
-        raise SystemExit(f"--fronts {args.fronts}: at least 1")
-    dirs = front_dirs(args.fronts_dir, args.fronts)
+    add_config_flags(parser, VocoderConfig)
+    ns = parser.parse_args(argv)
+    if ns.fronts < 1:
+        raise SystemExit(f"--fronts {ns.fronts}: at least 1")
+    args = _config(parser, ns)
+    dirs = front_dirs(ns.fronts_dir, ns.fronts)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
     decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=True)  # its streams, as a child's
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: os._exit(0))
-    print(f"vocoder decoder {os.getpid()} for {args.fronts} fronts ready on {args.fronts_dir}", flush=True)
+    print(f"vocoder decoder {os.getpid()} for {ns.fronts} fronts ready on {ns.fronts_dir}", flush=True)
     decoder.serve(HOST_HEARTBEAT_S)
+
+
+def _config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> VocoderConfig:
+    try:
+        return parse(VocoderConfig, ns)
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

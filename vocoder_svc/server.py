@@ -97,9 +97,11 @@ from prometheus_client import start_http_server
 
 from chorus.audio import decode_audio, encode_pcm16, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from chorus.watchdog import add_stall_flag, stall_limit
+from chorus.config import ConfigError, add_config_flags, parse
+from chorus.watchdog import stall_limit
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
-from vocoder_svc.decode_process import HOST_SILENCE_S, DecodeProcess, DecoderGone
+from vocoder_svc.config import VocoderConfig
+from vocoder_svc.decode_process import DecodeProcess, DecoderGone
 from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
                                  StreamTooLong)
 from vocoder_svc.metrics import Metrics
@@ -391,120 +393,10 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
 # ---- startup -----------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=50053,
-                        help="gRPC port (default: %(default)s; 0 picks a free port and prints it)")
-    parser.add_argument("--metrics-port", type=int, default=9103,
-                        help="Prometheus /metrics HTTP port on --host (default: %(default)s; 0 disables)")
-    parser.add_argument("--codec", metavar="DIR", default=None,
-                        help="MOSS-Audio-Tokenizer Hugging Face directory (config.json + safetensors). "
-                             "Without it, a random-weight --preset is served")
-    parser.add_argument("--preset", choices=("tiny", "full"), default="tiny",
-                        help="random-weight codec when --codec is not given: tiny = toy v2 for tests, "
-                             "full = full-size v2 shapes with dummy weights (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="torch device where the codec runs: cpu, cuda, cuda:1 "
-                        "(default: %(default)s)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="codec compute dtype; the quantizer always runs in fp32 (default: %(default)s)")
-    parser.add_argument("--first-chunk-frames", type=int, default=5,
-                        help="frames in a stream's first PCM chunk, for low first-audio latency; a request's "
-                             "start.first_chunk_frames overrides it (default: %(default)s)")
-    parser.add_argument("--chunk-frames", type=int, default=25,
-                        help="frames in every later PCM chunk (25 = 2 s); a request's start.chunk_frames "
-                             "overrides it (default: %(default)s)")
-    parser.add_argument("--encode-cache-size", type=int, default=256,
-                        help="reference encodings kept in the LRU cache (default: %(default)s; 0 disables)")
-    parser.add_argument("--engine", choices=("auto", "session", "stream"), default="auto",
-                        help="decode engine. session: a CodecSession of --slots streams, batched steps replayed "
-                             "from CUDA graphs; byte-identical within a batch bucket only (see --buckets). stream: "
-                             "per-stream states, batch-invariant batching (--batch-mode), byte-identical whatever "
-                             "the batch. auto: session on CUDA devices, stream otherwise (default: %(default)s)")
-    parser.add_argument("--slots", type=int, default=64,
-                        help="session engine: streams decoded concurrently; a stream holds a slot from its first "
-                             "step to the end of its call, and a stream that finds none free waits for one "
-                             "(default: %(default)s)")
-    parser.add_argument("--buckets", default=None, metavar="B,B,...",
-                        help="session engine: batch sizes a step is padded to (the largest >= --slots; default "
-                             "1,2,4,8 then every 8 up to --slots). A stream's PCM depends on the bucket its steps ran in (in "
-                             "bf16 by up to ~0.1 between buckets 1 and 4 on an H200), so a failover replay on "
-                             "another replica is byte-identical only in the same buckets. One bucket (--buckets "
-                             "equal to --slots) makes every step the same shape: byte-identical across replicas "
-                             "with the same --slots, GPU and software, but every step then costs a full bucket "
-                             "(H200, full codec, bf16, 25 frames: 167 ms at 64 streams vs 14 ms for one stream "
-                             "alone)")
-    parser.add_argument("--graph-frames", default=None, metavar="T,T,...",
-                        help="session engine: step sizes (frames) that get a CUDA graph per bucket, captured at "
-                             "startup; other sizes (tails, per-request chunk sizes) run eagerly. Default: "
-                             "--first-chunk-frames,--chunk-frames; 'none' disables graphs")
-    parser.add_argument("--graphs", choices=("auto", "off", "emulate"), default="auto",
-                        help="session engine: auto = CUDA graphs on CUDA devices; off = always eager; emulate = "
-                             "the graph bookkeeping with eager replays (tests the path on CPU) "
-                             "(default: %(default)s)")
-    parser.add_argument("--decode-process", choices=("auto", "on", "off"), default="auto",
-                        help="session engine: run the CodecSession and its step loop in a child process, so the "
-                             "decode thread never waits for the GIL that gRPC's threads hold while they write "
-                             "PCM (one process tops out near 1,500 s of audio per second on an H200). The child "
-                             "holds its own copy of the codec weights. auto = on for CUDA devices "
-                             "(default: %(default)s)")
-    parser.add_argument("--attach-decoder", default=None, metavar="DIR",
-                        help="session engine: use the decoder that `gpu_worker --host-vocoder-decoder DIR` runs "
-                             "in the worker's process instead of starting a decode process. On one GPU the codec "
-                             "then shares the worker's CUDA context: the GPU interleaves their kernels (the "
-                             "worker's on a high-priority stream) where two processes' contexts take turns in "
-                             "time slices. The codec flags (--preset, --slots, ...) go to the worker's "
-                             "--vocoder-decoder-args, not here. Or DIR/i of a decoder that `python -m "
-                             "vocoder_svc.decode_process --fronts-dir DIR --fronts N` runs on its own, shared by N "
-                             "vocoder processes (chorus up --shared-vocoder-decoder)")
-    parser.add_argument("--attach-silence-s", type=float, default=HOST_SILENCE_S, metavar="S",
-                        help="with --attach-decoder: the decoder is gone (open calls end UNAVAILABLE and the "
-                             "service stops, so its pod restarts) after this long without a word from it; it "
-                             "sends one each second (default: %(default)s)")
-    parser.add_argument("--launch-ahead-streams", type=int, default=1, metavar="N",
-                        help="session engine: launch a step while the previous one still runs on the device "
-                             "only if it carries at least N streams. Default 1, every step: with a GPU to "
-                             "itself the vocoder then never idles between steps (one H200, 32 streams of "
-                             "10-frame chunks: 1,696 s of audio per s, 1,436 stepping one at a time). Beside "
-                             "the worker on one GPU, `chorus up` passes half of --slots: below that a new "
-                             "stream's first chunk waits behind one running step at most")
-    parser.add_argument("--step-frames", type=int, default=0, metavar="N",
-                        help="session engine: decode chunks longer than N frames in N-frame steps (the PCM still "
-                             "goes back per chunk). With N = --first-chunk-frames every step has one frame count, "
-                             "so new streams' first chunks and other streams' steady chunks share steps instead of "
-                             "taking turns in small ones (one H200, codec beside the worker, W1 c16: time to "
-                             "first audio p50 89 -> 78 ms, 6%% less audio per second). 0 = one step per chunk "
-                             "(default: %(default)s)")
-    add_stall_flag(parser, "a launched codec-session step (session engine)")
-    parser.add_argument("--priority-first-chunks", action="store_true",
-                        help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
-                             "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
-                             "does not wait for a steady step already on the GPU (time to first audio under load; "
-                             "worth 2-3 ms of W1 c16 TTFA on one H200). Steps are told apart by their frame count: "
-                             "with --step-frames equal to it, every step runs there (default: off)")
-    parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
-                        help="session engine: codebooks per frame the session decodes; streams with another "
-                             "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")
-    parser.add_argument("--max-batch-streams", type=int, default=8,
-                        help="stream engine: decode up to this many streams' steps (same frame count) in one "
-                             "forward when they are due together; 1 = one stream per step (default: %(default)s)")
-    parser.add_argument("--batch-mode", choices=("invariant", "fast"), default="invariant",
-                        help="invariant: per-stream GEMMs, a stream's PCM is byte-identical whatever it is batched "
-                             "with (checked at startup; falls back to one stream per step if the device breaks "
-                             "it); fast: folded GEMMs, output moves at the ~1e-6 level with the batch "
-                             "(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random --preset weights "
-                        "(default: %(default)s)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="CPU threads for torch ops (default: %(default)s, best for the tiny preset and for GPU "
-                             "serving; 0 = torch's default, all cores)")
-    parser.add_argument("--switch-interval-ms", type=float, default=0.5,
-                        help="the interpreter's GIL switch interval (Python's own default is 5 ms). The decode "
-                             "thread takes the GIL many times per step while the gRPC thread writes PCM; each "
-                             "wait can last a whole interval (default: %(default)s)")
-    parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds open calls get to finish on SIGINT/SIGTERM (default: %(default)s)")
+    add_config_flags(parser, VocoderConfig)
 
 
-def make_codec(args: argparse.Namespace) -> tuple[MossAudioTokenizer, str]:
+def make_codec(args: VocoderConfig) -> tuple[MossAudioTokenizer, str]:
     if getattr(args, "torch_threads", 0) > 0:
         torch.set_num_threads(args.torch_threads)
     dtype = DTYPES[args.dtype]
@@ -525,9 +417,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 def resolve_engine(engine: str, device: str) -> str:
-    """auto -> session on CUDA devices, stream otherwise."""
+    """auto -> slots on CUDA devices, stream otherwise."""
     if engine == "auto":
-        return "session" if torch.device(device).type == "cuda" else "stream"
+        return "slots" if torch.device(device).type == "cuda" else "stream"
     return engine
 
 
@@ -541,24 +433,24 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def first_chunk(args: argparse.Namespace) -> int:
+def first_chunk(args: VocoderConfig) -> int:
     """The first chunk's frames as the service uses them: never above the steady chunk size."""
     return max(1, min(args.first_chunk_frames, args.chunk_frames))
 
 
-def stall_exit_seconds(args: argparse.Namespace) -> float:
+def stall_exit_seconds(args: VocoderConfig) -> float:
     return stall_limit(args.stall_exit_s, torch.device(args.device).type)
 
 
-def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
+def build_session(codec: MossAudioTokenizer, args: VocoderConfig, log=print) -> CodecSession:
     """The session engine's CodecSession, ready to serve: every (bucket, T in --graph-frames) graph
     captured now (largest first, one progress line each), then the self-check of its byte-identity
     facts (also the warm-up), logged with a warning if the fused glue kernels fell back."""
     if args.slots < 1:
         raise SystemExit(f"--slots {args.slots}: must be >= 1")
-    n_q = args.session_codebooks
+    n_q = args.slot_codebooks
     if not 1 <= n_q <= codec.num_codebooks:
-        raise SystemExit(f"--session-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
+        raise SystemExit(f"--slot-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
     buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
     if not buckets or max(buckets) < args.slots:
         raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
@@ -604,16 +496,16 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     return session
 
 
-def use_decode_process(args: argparse.Namespace) -> bool:
+def use_decode_process(args: VocoderConfig) -> bool:
     """--decode-process: auto = for the session engine on CUDA devices."""
     if getattr(args, "attach_decoder", None):
         return True
-    if resolve_engine(args.engine, args.device) != "session" or args.decode_process == "off":
+    if resolve_engine(args.engine, args.device) != "slots" or args.decode_process == "off":
         return False
     return args.decode_process == "on" or torch.device(args.device).type == "cuda"
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
+async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     metrics = Metrics()
     engine = resolve_engine(args.engine, args.device)
@@ -639,7 +531,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         metrics.session_kernels.labels("glue", ready.glue).set(1)
         where = f"the decoder hosted by process {decoder.pid}" if ready.hosted else f"decode process {decoder.pid}"
         print(f"vocoder: session engine in {where}", flush=True)
-    elif engine == "session":
+    elif engine == "slots":
         session = build_session(codec, args)
         metrics.session_kernels.labels("attention", session.attention_path).set(1)
         metrics.session_kernels.labels("glue", session.glue_impl).set(1)
@@ -704,18 +596,22 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         raise SystemExit(f"vocoder: {failure}")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: VocoderConfig) -> None:
     """Serve until SIGINT/SIGTERM (blocking)."""
     if args.switch_interval_ms > 0:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     asyncio.run(serve(args))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.server", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m vocoder_svc.server") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    try:
+        config = parse(VocoderConfig, parser.parse_args(argv))
+    except ConfigError as e:
+        parser.error(str(e))
+    run(config)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -44,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from chorus.bench.sweep import run_levels
-from chorus.launcher import Cluster, add_service_flags, colocation, free_port, read_metrics, service_args
+from chorus.launcher import free_port
+from chorus.layout import add_layout_flags
 from chorus.provenance import cpu_model, git_revision
 from chorus.bench.report import level_metrics, percentile, plot
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
@@ -73,6 +75,22 @@ Flags that start with '-' must be attached with '=': --worker-arg=--kv-slots=655
 
 
 # ---- argument parsing ------------------------------------------------------------------
+
+
+def add_launch_flags(p) -> None:
+    """chorus bench --launch's cluster flags: the layout's (--config, --profile, --model, ...) plus
+    --worker-arg/--vocoder-arg/--scheduler-arg, service flags set on top of the layout's configs.
+    p is a parser or an argument group."""
+    add_layout_flags(p, ("model", "codec", "device", "vocoder_device", "dtype", "shared_vocoder_decoder"))
+    p.add_argument("--colocate-vocoder", dest="cluster.colocate_vocoder", nargs="?", choices=("auto", "on", "off"),
+                   const="on", default=argparse.SUPPRESS,
+                   help="run the vocoder's decoder in the worker's process (bare flag = on; default auto)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="a gpu_worker flag on top of the layout, repeatable: --worker-arg=--kv-slots=65536")
+    p.add_argument("--vocoder-arg", action="append", default=[], metavar="FLAG",
+                   help="a vocoder flag on top of the layout, repeatable: --vocoder-arg=--step-frames=5")
+    p.add_argument("--scheduler-arg", action="append", default=[], metavar="FLAG",
+                   help="a scheduler flag on top of the layout, repeatable: --scheduler-arg=--max-queue=1024")
 
 def _int_list(s: str) -> list[int]:
     try:
@@ -112,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stop them at the end; tiny random-weight model on the CPU unless --model/--codec/--device")
 
     la = p.add_argument_group("with --launch")
-    add_service_flags(la)
+    add_launch_flags(la)
     la.add_argument("--vocoders", type=int, default=1, metavar="N", help="vocoder replicas to start (default 1)")
     la.add_argument("--server-logs", action="store_true", help="relay the launched services' logs")
 
@@ -194,20 +212,17 @@ def _host() -> dict[str, Any]:
 
 
 def _launch_cluster(args: argparse.Namespace):
-    """The cluster to start, and the scheduler's metrics port (a free one unless --scheduler-arg gives one)."""
-    worker, vocoder, scheduler = service_args(args.model, args.codec, args.device, args.dtype, args.vocoder_device)
-    extra = list(args.scheduler_arg)
-    metrics_port = None
-    if not any(a.startswith("--metrics-port") for a in extra):
-        metrics_port = free_port()
-        extra += ["--metrics-port", str(metrics_port)]
-    replicas = max(1, args.vocoders)
-    colocate, vocoder = colocation(args.colocate_vocoder, args.device, args.vocoder_device, replicas,
-                                   vocoder + list(args.vocoder_arg))
-    cluster = Cluster(worker_args=worker + list(args.worker_arg), vocoder_args=vocoder,
-                      scheduler_args=scheduler + extra, scheduler_port=0, vocoder_ports=[0] * replicas,
-                      vocoder_metrics_ports=[free_port() for _ in range(replicas)], echo=args.server_logs,
-                      colocate_vocoder=colocate, shared_decoder=args.shared_vocoder_decoder)
+    """The cluster to start, and the scheduler's metrics port (a free one unless the layout gives one)."""
+    from chorus.layout import load
+    if hasattr(args, "vocoders"):
+        setattr(args, "cluster.vocoders", args.vocoders)
+    layout = load(args)
+    metrics_port = layout.scheduler.metrics_port or None
+    if metrics_port is None:
+        metrics_port = layout.scheduler.metrics_port = free_port()
+    layout.scheduler.port = 0
+    cluster = layout.cluster_launcher(vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)])
+    cluster.echo = args.server_logs
     return cluster, metrics_port
 
 
@@ -250,9 +265,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             cluster, metrics_port = _launch_cluster(args)
             cluster.start()
             address = cluster.address
-            results["server"]["launch_args"] = {"worker": cluster.worker_args, "vocoder": cluster.vocoder_args,
-                                                "scheduler": cluster.scheduler_args,
-                                                "colocated_vocoder": cluster.colocate_vocoder}
+            worker, vocoder, scheduler = cluster.configs()
+            results["server"]["launch_configs"] = {"worker": dataclasses.asdict(worker),
+                                                   "vocoder": dataclasses.asdict(vocoder),
+                                                   "scheduler": dataclasses.asdict(scheduler),
+                                                   "colocated_vocoder": cluster.colocate_vocoder}
         else:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address

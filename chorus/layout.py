@@ -1,0 +1,180 @@
+"""A layout: the three services' configs plus how `chorus up` places them on one machine.
+
+A layout file is TOML with tables [cluster], [worker], [vocoder] and [scheduler]; a top-level
+`profile = "NAME"` starts from a packaged profile (chorus/profiles/NAME.toml). [cluster] holds
+the placement (ClusterConfig) and the everyday shorthands (model, codec, device, dtype) that set
+the services' own keys; the launcher sets every address and port except the scheduler's.
+
+    chorus up --profile two-gpu --model DIR --codec DIR
+    chorus up --config my-layout.toml --print-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from chorus.config import (ConfigError, add_flags, check, given_fields, markdown, merge, profile_names, profile_text,
+                           read_profile, read_toml, setting, table_values, to_toml)
+from chorus.launcher import Cluster, colocation
+from gpu_worker.config import WorkerConfig
+from scheduler_svc.config import SchedulerConfig
+from vocoder_svc.config import VocoderConfig
+
+DEFAULT_PROFILE = "cpu"
+SERVICES = {"worker": WorkerConfig, "vocoder": VocoderConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass
+class ClusterConfig:
+    TABLE: ClassVar[str] = "cluster"
+
+    model: str | None = setting(None, "MOSS-TTS Local v1.5 checkpoint directory: worker.model and "
+                                "scheduler.tokenizer (unset: the tiny preset)", metavar="DIR")
+    codec: str | None = setting(None, "MOSS-Audio-Tokenizer directory: vocoder.codec (unset: the tiny preset)",
+                                metavar="DIR")
+    device: str | None = setting(None, "torch device of the worker, and of the vocoder unless vocoder_device "
+                                 "(unset: the tables' own)", metavar="DEVICE")
+    vocoder_device: str | None = setting(None, "torch device of the vocoder (e.g. cuda:1: a GPU per service)",
+                                         metavar="DEVICE")
+    dtype: str | None = setting(None, "compute dtype of worker and vocoder (unset: float32 on cpu, bfloat16 "
+                                "elsewhere, unless a table sets it)", choices=("float32", "float64", "bfloat16"))
+    host: str = setting("127.0.0.1", "address every service listens on")
+    vocoders: int = setting(1, "vocoder replicas", metavar="N", minimum=1)
+    colocate_vocoder: str = setting("auto", "run the vocoder's decoder in the worker's process (auto = when "
+                                    "worker and one vocoder share a CUDA device)", choices=("auto", "on", "off"))
+    shared_vocoder_decoder: bool = setting(False, "the vocoder replicas share one decoder process")
+    quiet: bool = setting(False, "do not relay the services' logs")
+
+    def validate(self) -> None:
+        if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
+            raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
+                              "colocated decoder is the worker's; a shared one is a process of its own)")
+
+
+@dataclass
+class Layout:
+    cluster: ClusterConfig
+    worker: WorkerConfig
+    vocoder: VocoderConfig
+    scheduler: SchedulerConfig
+    colocate: bool = False
+
+    def toml(self) -> str:
+        return to_toml({"cluster": self.cluster, "worker": self.worker, "vocoder": self.vocoder,
+                        "scheduler": self.scheduler})
+
+    def cluster_launcher(self, **kw) -> Cluster:
+        """The launcher for this layout (kw: more Cluster fields, e.g. vocoder_metrics_ports)."""
+        return Cluster(worker=self.worker, vocoder=self.vocoder, scheduler=self.scheduler, host=self.cluster.host,
+                       scheduler_port=self.scheduler.port, vocoder_ports=[0] * self.cluster.vocoders,
+                       echo=not self.cluster.quiet, colocate_vocoder=self.colocate,
+                       shared_decoder=self.cluster.shared_vocoder_decoder, **kw)
+
+
+def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet"),
+                     scheduler_keys=()) -> None:
+    """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
+    values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="layout TOML file ([cluster], [worker], [vocoder], [scheduler]; profile = NAME to start "
+                        "from a profile)")
+    p.add_argument("--profile", metavar="NAME", default=None,
+                   help=f"start from a packaged layout profile (default {DEFAULT_PROFILE}; chorus.config lists them)")
+    for cls, keys, prefix in ((ClusterConfig, cluster_keys, "cluster."), (SchedulerConfig, scheduler_keys,
+                                                                         "scheduler.")):
+        add_flags(p, cls, only=keys, dest_prefix=prefix)
+
+
+def given(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The layout flags given in args, as tables: {"cluster": {...}, "scheduler": {...}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in vars(args).items():
+        table, dot, key = k.partition(".")
+        if dot and table in ("cluster", *SERVICES):
+            out.setdefault(table, {})[key] = v
+    return out
+
+
+def read_tables(file: str | None = None, profile: str | None = None) -> dict[str, Any]:
+    """The tables of a layout: the profile's (--profile, the file's `profile`, or the default) under the file's."""
+    tables = read_toml(file, resolve_profile=False) if file else {}
+    named = tables.pop("profile", None)
+    if named and profile and named != profile:
+        raise ConfigError(f"{file} starts from profile {named!r} and --profile says {profile!r}: give one")
+    tables = merge(read_profile(profile or named or DEFAULT_PROFILE), tables)
+    unknown = set(tables) - {"cluster", *SERVICES}
+    if unknown:
+        raise ConfigError(f"{file or profile}: unknown table(s) {', '.join(sorted(unknown))}: the tables are "
+                          f"[cluster], [worker], [vocoder], [scheduler]")
+    return tables
+
+
+def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = None,
+          service_flags: dict[str, dict[str, Any]] | None = None) -> Layout:
+    """The layout of `tables` with `overrides` (tables of given flags) on top, then the cluster's
+    shorthands applied to the services, then `service_flags` (per-service fields from flags)."""
+    tables = merge(tables, overrides or {})
+    service_flags = service_flags or {}
+    where = "layout: "
+    cluster = ClusterConfig(**table_values(ClusterConfig, tables.get("cluster", {}), where))
+    cluster.validate()
+    values = {name: table_values(cls, tables.get(name, {}), where) for name, cls in SERVICES.items()}
+    worker, vocoder, scheduler = values["worker"], values["vocoder"], values["scheduler"]
+    if cluster.model is not None:
+        worker["model"] = cluster.model
+        scheduler.setdefault("tokenizer", cluster.model)
+    if cluster.codec is not None:
+        vocoder["codec"] = cluster.codec
+    if cluster.device is not None:
+        worker["device"] = vocoder["device"] = cluster.device
+    if cluster.vocoder_device is not None:
+        vocoder["device"] = cluster.vocoder_device
+    for table in (worker, vocoder):
+        table.update(service_flags.get("worker" if table is worker else "vocoder", {}))
+        device = table.get("device", "cpu")
+        if cluster.dtype is not None:
+            table["dtype"] = cluster.dtype
+        else:
+            table.setdefault("dtype", "float32" if device == "cpu" else "bfloat16")
+    scheduler.update(service_flags.get("scheduler", {}))
+    configs = {name: cls(**values[name]) for name, cls in SERVICES.items()}
+    colocate, configs["vocoder"] = colocation(cluster.colocate_vocoder, configs["worker"].device,
+                                              cluster.vocoder_device, cluster.vocoders, configs["vocoder"],
+                                              given=set(vocoder))
+    for config in configs.values():
+        check(config)
+    if colocate and cluster.vocoders != 1:
+        raise ConfigError("cluster: colocate_vocoder = \"on\" runs one vocoder replica (its decoder is the worker's)")
+    return Layout(cluster, configs["worker"], configs["vocoder"], configs["scheduler"], colocate)
+
+
+def load(args: argparse.Namespace) -> Layout:
+    """The layout `chorus up` / `chorus demo` / `chorus bench --launch` flags describe."""
+    flags = {name: given_fields(cls, list(getattr(args, f"{name}_arg", None) or []))
+             for name, cls in SERVICES.items()}
+    return build(read_tables(args.config, args.profile), given(args), flags)
+
+
+def all_configs() -> list[type]:
+    return [ClusterConfig, WorkerConfig, VocoderConfig, SchedulerConfig]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m chorus.layout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--markdown", action="store_true", help="print every table's keys as Markdown (the docs' reference)")
+    p.add_argument("--profile", metavar="NAME", help="print a packaged profile's TOML")
+    args = p.parse_args(argv)
+    if args.profile:
+        print(profile_text(args.profile), end="")
+    elif args.markdown:
+        print("\n".join(markdown(cls) for cls in all_configs()), end="")
+    else:
+        print("profiles:", ", ".join(profile_names()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

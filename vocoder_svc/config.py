@@ -1,0 +1,91 @@
+"""The vocoder's settings: one field per flag (chorus.config turns them into flags, a TOML
+[vocoder] table and the chorus.v1.VocoderConfig message). The same settings configure a decoder
+that runs elsewhere: the decode process, a gpu_worker hosting it, a shared decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from chorus.config import ConfigError, setting
+from chorus.watchdog import stall_exit_setting
+
+MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
+DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
+
+
+def _int_list(text: str, key: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"vocoder.{key} = {text!r}: expected comma-separated integers") from None
+    if any(v < 1 for v in values):
+        raise ConfigError(f"vocoder.{key} = {text!r}: values must be >= 1")
+    return values
+
+
+@dataclass
+class VocoderConfig:
+    TABLE: ClassVar[str] = "vocoder"
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50053, "gRPC port (0 picks a free port and prints it)", minimum=0)
+    metrics_port: int = setting(9103, "Prometheus /metrics HTTP port on host (0 = off)", minimum=0)
+    codec: str | None = setting(None, "MOSS-Audio-Tokenizer directory (config.json + safetensors); unset: the "
+                                "--preset codec", metavar="DIR")
+    preset: str = setting("tiny", "random-weight codec without --codec: tiny (tests) or full-size v2 shapes",
+                          choices=("tiny", "full"))
+    device: str = setting("cpu", "torch device the codec runs on: cpu, cuda, cuda:1")
+    dtype: str = setting("float32", "codec compute dtype (the quantizer always runs in float32)",
+                         choices=("float32", "float64", "bfloat16"))
+    first_chunk_frames: int = setting(5, "frames in a stream's first PCM chunk (a request may ask otherwise)",
+                                      minimum=1)
+    chunk_frames: int = setting(25, "frames in every later PCM chunk (a request may ask otherwise)", minimum=1,
+                                maximum=MAX_CHUNK_FRAMES)
+    encode_cache_size: int = setting(256, "reference encodings kept in the LRU cache (0 = off)", minimum=0)
+    engine: str = setting("auto", "decode engine: slots (batched slot decoder, CUDA graphs), stream (per-stream, "
+                          "batch-invariant); auto = slots on CUDA, stream elsewhere",
+                          choices=("auto", "slots", "stream"))
+    slots: int = setting(64, "slots engine: streams decoded concurrently (a stream waits for a free slot)",
+                         minimum=1)
+    buckets: str | None = setting(None, "slots engine: batch sizes a step is padded to, the largest >= slots "
+                                  "(unset: 1,2,4,8 then every 8)", metavar="B,B,...")
+    graph_frames: str | None = setting(None, "slots engine: step sizes in frames that get a CUDA graph per "
+                                       "bucket (unset: the first and steady chunk sizes; none = no graphs)",
+                                       metavar="T,T,...")
+    graphs: str = setting("auto", "slots engine: auto = CUDA graphs on CUDA; off = eager; emulate = the graph "
+                          "bookkeeping with eager replays (CPU tests)", choices=("auto", "off", "emulate"))
+    decode_process: str = setting("auto", "slots engine: run the decoder in a child process (auto = on CUDA)",
+                                  choices=("auto", "on", "off"))
+    attach_decoder: str | None = setting(None, "slots engine: use the decoder served under DIR (by a gpu_worker "
+                                         "--host-vocoder-decoder, or a shared decode process) instead of a child",
+                                         metavar="DIR")
+    attach_silence_s: float = setting(10.0, "with attach_decoder: seconds without a word from the decoder "
+                                      "before it counts as gone", metavar="S", minimum=0)
+    launch_ahead_streams: int = setting(1, "slots engine: launch a step while the previous one runs only if it "
+                                        "carries at least this many streams", metavar="N", minimum=1)
+    step_frames: int = setting(0, "slots engine: decode chunks in steps of at most this many frames (0 = one "
+                               "step per chunk)", metavar="N", minimum=0)
+    stall_exit_s: float | None = stall_exit_setting("a launched slot-decoder step")
+    priority_first_chunks: bool = setting(False, "slots engine on CUDA: run first-chunk steps on a "
+                                          "high-priority CUDA stream")
+    slot_codebooks: int = setting(DEFAULT_CODEBOOKS, "slots engine: codebooks per frame it decodes (streams "
+                                  "with another count use the stream engine)", minimum=1)
+    max_batch_streams: int = setting(8, "stream engine: streams decoded in one forward when due together",
+                                     minimum=1)
+    batch_mode: str = setting("invariant", "stream engine: invariant = a stream's PCM is byte-identical whatever "
+                              "its batch; fast = folded GEMMs", choices=("invariant", "fast"))
+    seed: int = setting(0, "seed of the random preset weights")
+    torch_threads: int = setting(1, "CPU threads for torch ops (0 = torch's default, all cores)", minimum=0)
+    switch_interval_ms: float = setting(0.5, "the interpreter's GIL switch interval in milliseconds", minimum=0)
+    grace: float = setting(10.0, "seconds open calls get to finish on SIGINT/SIGTERM", minimum=0)
+
+    def validate(self) -> None:
+        if self.buckets is not None:
+            buckets = _int_list(self.buckets, "buckets")
+            if not buckets or max(buckets) < self.slots:
+                raise ConfigError(f"vocoder.buckets = {self.buckets!r}: the largest must be >= slots ({self.slots})")
+        if self.graph_frames is not None and self.graph_frames.strip().lower() not in ("", "none"):
+            if any(t > MAX_CHUNK_FRAMES for t in _int_list(self.graph_frames, "graph_frames")):
+                raise ConfigError(f"vocoder.graph_frames = {self.graph_frames!r}: at most {MAX_CHUNK_FRAMES} frames")
+
