@@ -1,17 +1,17 @@
-"""The session engine in its own process (--decode-process).
+"""The slots engine in its own process (--decode-process).
 
 Why: in one process the decode thread and gRPC's threads share one GIL. A
 64-stream step takes the GIL hundreds of times (launches, graph replays, the
 PCM conversion) while gRPC's C core holds it for each 384 KB PCM message it
 writes (250-440 us per chunk per side, benchmarks/grpc_pcm_bench.py), so on an
 H200 one process stalled at ~1,500 s of audio per second with its steps
-stretched from 61 to 79 ms. Here the child owns the codec session, its CUDA
-graphs and the step loop (SessionWorker, unchanged); the gRPC process keeps
+stretched from 61 to 79 ms. Here the child owns the slot decoder, its CUDA
+graphs and the step loop (SlotWorker, unchanged); the gRPC process keeps
 the calls, the chunking, Encode and the metrics, and only moves bytes.
 
 Wire (protos/chorus/v1/vocoder_decoder.proto, ZeroMQ PUSH -> PULL over ipc
 each way): DecoderInput down (jobs, then releases), DecoderOutput up (ready
-once, then job answers with their PCM as a second frame, and the session's
+once, then job answers with their PCM as a second frame, and the slot decoder's
 reports for the metrics). The child exits when its parent is gone; the parent
 fails every open job when the child is gone (the calls end UNAVAILABLE, so
 the scheduler replays them on another replica) and the service stops with
@@ -25,7 +25,7 @@ connects to it (DecodeProcess(attach=DIR)) instead of starting a child. It
 says hello first, and it takes a heartbeat's silence for the decoder's death.
 Or the decoder is a process of its own in front of which N vocoder processes
 attach, one per DIR/i (host_main; `chorus up --shared-vocoder-decoder`): one
-CUDA context and one session for a GPU of the vocoder's own, with the gRPC
+CUDA context and one slot decoder for a GPU of the vocoder's own, with the gRPC
 work spread over N processes. Each front has its own socket pair; a front's
 hello releases only its own streams, and every front hears a heartbeat.
 
@@ -56,7 +56,7 @@ import zmq
 import zmq.asyncio
 
 from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
-from vocoder_svc.engines import SessionReport, SessionStream, SessionWorker, StreamTooLong
+from vocoder_svc.engines import StepReport, SlotStream, SlotWorker, StreamTooLong
 from vocoder_svc.metrics import Metrics
 
 log = logging.getLogger("chorus.vocoder")
@@ -66,9 +66,9 @@ class DecoderGone(RuntimeError):
     """The decode process exited: open jobs cannot finish on this replica."""
 
 
-# Flags the child needs to build the same codec and session as the parent would have.
+# Flags the child needs to build the same codec and slot decoder as the parent would have.
 _FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
-              "graph_frames", "graphs", "session_codebooks", "seed", "torch_threads", "launch_ahead_streams",
+              "graph_frames", "graphs", "slot_codebooks", "seed", "torch_threads", "launch_ahead_streams",
               "step_frames", "stall_exit_s")
 _FORWARDED_SWITCHES = ("priority_first_chunks",)
 
@@ -86,7 +86,7 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 # ---- the gRPC process's side -------------------------------------------------------------------
 
 class RemoteStream:
-    """A Decode call's stream in the decode process (SessionStream's stand-in on this side)."""
+    """A Decode call's stream in the decode process (SlotStream's stand-in on this side)."""
 
     __slots__ = ("id", "released")
 
@@ -97,7 +97,7 @@ class RemoteStream:
 
 class DecodeProcess:
     """Starts the decode process (or, with `attach`, connects to a decoder that gpu_worker hosts) and
-    speaks SessionWorker's interface to it: open, submit (a future of wire PCM bytes), release,
+    speaks SlotWorker's interface to it: open, submit (a future of wire PCM bytes), release,
     close. Use from one asyncio loop."""
 
     def __init__(self, args: argparse.Namespace, metrics: Metrics,
@@ -137,7 +137,7 @@ class DecodeProcess:
         """The decoder's process: the child, or the worker hosting it."""
         return self.ready.pid if self.ready is not None else self.proc.pid
 
-    # What the servicer reads off a session.
+    # What the servicer reads off a slot decoder.
     @property
     def n_q(self) -> int:
         return self.ready.n_q
@@ -226,7 +226,7 @@ class DecodeProcess:
             self._lost(f"the vocoder's decoder restarted (pid {msg.ready.pid}): its streams are gone")
         elif kind == "report":
             r = msg.report
-            self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
+            self.metrics.record_step(StepReport(r.free_slots, r.waiting_streams,
                                                       r.step_ms if r.stepped else None, r.step_streams, r.graphed,
                                                       r.step_frames, r.queue_wait_ms, r.launched_ahead))
 
@@ -281,7 +281,7 @@ class DecodeProcess:
 # ---- the decode process -------------------------------------------------------------------------
 
 class _Replies:
-    """The child's one PUSH socket, shared by the session thread (answers, reports) and the main
+    """The child's one PUSH socket, shared by the slot decoder thread (answers, reports) and the main
     thread (ready): ZeroMQ sockets are not thread-safe, so sends take a lock."""
 
     def __init__(self, sock: zmq.Socket):
@@ -296,7 +296,7 @@ class _Replies:
             else:
                 self._sock.send_multipart([msg.SerializeToString(), pcm], copy=False)
 
-    def report(self, r: SessionReport) -> None:
+    def report(self, r: StepReport) -> None:
         self.send(dpb.DecoderOutput(report=dpb.DecoderReport(
             free_slots=r.free_slots, waiting_streams=r.waiting_streams, stepped=r.step_ms is not None,
             step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed, step_frames=r.step_frames,
@@ -322,16 +322,16 @@ def _exit_with_parent() -> None:
 
 
 class Decoder:
-    """The decode side: one CodecSession and its SessionWorker, answering DecoderInput from gRPC
+    """The decode side: one SlotDecoder and its SlotWorker, answering DecoderInput from gRPC
     processes ("fronts") with DecoderOutput, each front on its own (jobs, results) endpoint pair.
     Runs as one gRPC process's child (child_main), as a thread of the worker's process
     (host_in_thread), or as a process of its own behind several fronts (host_main): one CUDA
-    context and one session whose steps mix every front's streams, while the fronts' gRPC work
+    context and one slot decoder whose steps mix every front's streams, while the fronts' gRPC work
     (250-440 us of host time a PCM chunk, benchmarks/grpc_pcm_bench.py) is spread over their processes."""
 
     def __init__(self, args: argparse.Namespace, endpoints: list[tuple[str, str]], *, cuda_stream=None,
                  hosted: bool = False):
-        from vocoder_svc.server import build_session, make_codec, stall_exit_seconds
+        from vocoder_svc.server import build_slot_decoder, make_codec, stall_exit_seconds
 
         self._ctx = zmq.Context()
         self._inboxes: list[zmq.Socket] = []
@@ -347,15 +347,15 @@ class Decoder:
             self._inboxes.append(inbox)
             self._fronts.append(_Replies(outbox))
         codec, _ = make_codec(args)
-        session = build_session(codec, args)
+        slot_decoder = build_slot_decoder(codec, args)
         # Step reports go to the first front only: summed over the fronts' metrics, each step counts once.
-        self.worker = SessionWorker(session, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
+        self.worker = SlotWorker(slot_decoder, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
                                     cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
         self.ready = dpb.DecoderReady(
-            slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
-            attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",
+            slots=slot_decoder.slots, n_q=slot_decoder.n_q, max_stream_frames=slot_decoder.max_stream_frames,
+            attention=slot_decoder.attention_path, glue=slot_decoder.glue_impl, glue_fallback=slot_decoder.glue_fallback or "",
             incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted)
-        self._streams: dict[int, tuple[int, SessionStream]] = {}  # stream id -> (front, its session stream)
+        self._streams: dict[int, tuple[int, SlotStream]] = {}  # stream id -> (front, its slot decoder stream)
 
     def serve(self, heartbeat_s: float | None = None) -> None:
         """Answer DecoderInput until `shutdown`. heartbeat_s: send a front a report when it has heard
@@ -470,7 +470,7 @@ def child_main(argv: list[str] | None = None) -> None:
 def host_main(argv: list[str] | None = None) -> None:
     """A decoder of its own behind several vocoder gRPC processes (`--fronts-dir DIR --fronts N`), each
     started with `vocoder_svc.server --attach-decoder DIR/i`. Why: one vocoder process cannot feed
-    an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md session 13), and two
+    an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md), and two
     replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
     then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
     until a process attaches in its place (its hello releases them), as with a hosted decoder."""

@@ -4,11 +4,11 @@ frames to PCM, Encode of reference audio to codes, Info.
 Chunking is a pure function of (first_chunk_frames, chunk_frames, total
 frames): the first chunk is exactly first_chunk_frames frames, every later
 one exactly chunk_frames, and `end` flushes whatever remains. Arrival timing
-never matters, so the PCM is byte-identical run to run (with the session
+never matters, so the PCM is byte-identical run to run (with the slots
 engine on GPU only within one bucket: see below).
 
 Codec work runs on worker threads, never on the asyncio loop. Two decode
-engines (--engine; auto = session on CUDA devices, stream otherwise):
+engines (--engine; auto = slots on CUDA devices, stream otherwise):
 
 Stream engine (the CPU default). Each call owns a StreamState. Steps of
 different streams that are due together with the same frame count are
@@ -24,25 +24,25 @@ to one stream per step and says so. `--batch-mode fast` folds the batch into
 plain GEMMs: a few percent faster, but a stream's output then moves at the
 ~1e-6 level with whichever streams happened to be due together.
 
-Session engine (the CUDA default). A CodecSession (vocoder_svc/session.py)
+Slots engine (the CUDA default). A SlotDecoder (vocoder_svc/slot_decoder.py)
 holds the streaming state of up to --slots streams in preallocated device
 buffers. A call takes a slot with its first step and gives it back when it
 ends (finish, cancel or error); a step that finds every slot taken waits in
 the queue (never an error) until a call ends. The oldest due step and every
-other due step with the same frame count are decoded in one session step,
+other due step with the same frame count are decoded in one decoder step,
 padded to the next batch bucket (--buckets); each (bucket, T) with T in
 --graph-frames (default: the first and steady chunk sizes) is captured as a
 CUDA graph at startup, one progress line each, and replayed; any other T (a
 request's own chunk sizes) runs eagerly at the same bucket. A stream's short
 last step (the tail flush) is padded to its chunk size and its PCM cut back.
-Streams whose start.codebooks is not --session-codebooks use the stream
+Streams whose start.codebooks is not --slot-codebooks use the stream
 engine. Startup prints a self-check of the byte-identity facts below. On
-CUDA the session and its step loop run in a child process
+CUDA the slot decoder and its step loop run in a child process
 (--decode-process, vocoder_svc/decode_process.py) so that gRPC's threads,
 which hold the GIL while they write PCM, never stall the steps; this
 process keeps the calls, the chunking, Encode and the metrics.
 
-Byte identity on GPU (session engine), which matters because the scheduler
+Byte identity on GPU (slots engine), which matters because the scheduler
 replays a broken stream on another replica, where other streams share its
 steps, and resumes at the exact sample:
   * holds within one bucket: every op is per row and padding rows are
@@ -65,8 +65,8 @@ steps, and resumes at the exact sample:
     Per-stream GEMMs (the stream engine's invariant mode) are not a cheap
     alternative here: cuBLAS gives no bitwise guarantee for a bmm across
     batch counts, and one GEMM per stream gives up the batching that makes
-    the session fast.
-Streams are limited to session.max_stream_frames frames (positions exact in
+    the slot decoder fast.
+Streams are limited to SlotDecoder.max_stream_frames frames (positions exact in
 fp32: 2184 frames, ~175 s, for MOSS-Audio-Tokenizer v2); a longer stream
 fails alone with OUT_OF_RANGE (which the scheduler does not fail over).
 
@@ -100,11 +100,11 @@ from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from chorus.watchdog import add_stall_flag, stall_limit
 from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
 from vocoder_svc.decode_process import HOST_SILENCE_S, DecodeProcess, DecoderGone
-from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SessionStream, SessionWorker,
+from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SlotStream, SlotWorker,
                                  StreamTooLong)
 from vocoder_svc.metrics import Metrics
-from vocoder_svc.selfcheck import check_batch_invariance, check_session, describe_session_check
-from vocoder_svc.session import CodecSession, default_buckets
+from vocoder_svc.selfcheck import check_batch_invariance, check_slot_decoder, describe_slot_check
+from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
 
 SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name  # "chorus.v1.Vocoder"
 MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
@@ -121,8 +121,8 @@ async def _then(fut: asyncio.Future, fn):
 @dataclass
 class _Stream:
     stream_id: str
-    state: StreamState | None  # stream engine (or codebooks the session does not decode)
-    handle: SessionStream | None  # session engine
+    state: StreamState | None  # stream engine (or codebooks the slot decoder does not decode)
+    handle: SlotStream | None  # slots engine
     codebooks: int
     first_chunk: int
     chunk: int
@@ -151,11 +151,11 @@ class _BadRequest(Exception):
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
-                 metrics: Metrics | None = None, session: CodecSession | None = None,
+                 metrics: Metrics | None = None, slot_decoder: SlotDecoder | None = None,
                  decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None,
                  step_frames: int = 0, stall_exit_s: float = 0.0):
-        """session: decode streams of session.n_q codebooks on this CodecSession (the session
-        engine); decoder: the same, with the session in a decode process (already started); other
+        """slot_decoder: decode streams of slot_decoder.n_q codebooks on this SlotDecoder (the slots
+        engine); decoder: the same, with the slot decoder in a decode process (already started); other
         streams, and every stream without either, use the stream engine."""
         if not 1 <= chunk_frames <= MAX_CHUNK_FRAMES or first_chunk_frames < 1:
             raise ValueError(f"chunk sizes must be >= 1 (chunk <= {MAX_CHUNK_FRAMES}); got first "
@@ -163,20 +163,20 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         self.codec, self.name = codec, name
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.metrics = metrics or Metrics()
-        if session is not None and session.codec is not codec:
-            raise ValueError("the session must decode with the servicer's codec")
-        if session is not None and decoder is not None:
-            raise ValueError("a session runs in this process or in a decode process, not both")
-        self.session = session
+        if slot_decoder is not None and slot_decoder.codec is not codec:
+            raise ValueError("the slot decoder must decode with the servicer's codec")
+        if slot_decoder is not None and decoder is not None:
+            raise ValueError("a slot decoder runs in this process or in a decode process, not both")
+        self.slot_decoder = slot_decoder
         self.step_frames = step_frames
         self.queued_steps = 2  # steps a call may have queued before its reader stops reading (backpressure)
-        # The session engine, either way: open / submit / release / close, n_q, max_stream_frames.
-        self.session_worker: SessionWorker | DecodeProcess | None = (
-            SessionWorker(session, self.metrics.record_session, launch_ahead_streams, step_frames,
+        # The slots engine, either way: open / submit / release / close, n_q, max_stream_frames.
+        self.slot_worker: SlotWorker | DecodeProcess | None = (
+            SlotWorker(slot_decoder, self.metrics.record_step, launch_ahead_streams, step_frames,
                           stall_exit_s=stall_exit_s)
-            if session is not None else decoder)
-        # With a session, the stream engine only serves the odd codebook count: one stream per step.
-        self.worker = DecodeWorker(codec, self.metrics, 1 if self.session_worker is not None else max_batch_streams,
+            if slot_decoder is not None else decoder)
+        # With a slot decoder, the stream engine only serves the odd codebook count: one stream per step.
+        self.worker = DecodeWorker(codec, self.metrics, 1 if self.slot_worker is not None else max_batch_streams,
                                    batch_invariant)
         # Encoding a long reference takes a while; its own thread keeps streams flowing.
         self._encode_lock = threading.Lock()
@@ -186,8 +186,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
 
     def close(self) -> None:
         self.worker.close()
-        if self.session_worker is not None:
-            self.session_worker.close()
+        if self.slot_worker is not None:
+            self.slot_worker.close()
 
     # ---- Decode ---------------------------------------------------------------------------------
     def _open(self, start: vocoder_pb2.DecodeStart) -> _Stream:
@@ -204,8 +204,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         first = min(start.first_chunk_frames or self.first_chunk_frames, chunk)  # never above the steady size
         if start.pcm_encoding not in (vocoder_pb2.PCM_FLOAT32, vocoder_pb2.PCM_INT16):
             raise _BadRequest(f"start.pcm_encoding={start.pcm_encoding}: use PCM_FLOAT32 (0) or PCM_INT16 (1)")
-        if self.session_worker is not None and codebooks == self.session_worker.n_q:
-            return _Stream(start.stream_id, None, self.session_worker.open(), codebooks, first, chunk,
+        if self.slot_worker is not None and codebooks == self.slot_worker.n_q:
+            return _Stream(start.stream_id, None, self.slot_worker.open(), codebooks, first, chunk,
                            start.pcm_encoding)
         return _Stream(start.stream_id, self.codec.new_stream(), None, codebooks, first, chunk, start.pcm_encoding)
 
@@ -237,24 +237,24 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         """Queue the stream's next n frames for decoding; the future resolves to its DecodeResponse.
         Steps of one stream run in submission order, so the next may be queued before this one is done.
 
-        last: the stream's final flush. On the session engine a short last step is padded with code-0
+        last: the stream's final flush. On the slots engine a short last step is padded with code-0
         frames to the stream's current chunk size (_padded_length) and its PCM cut back to the n real frames: the codec
         is causal, so the real samples do not depend on the padding, and the step then joins the
         steady steps of other streams in their graph instead of running alone, eagerly (a W1 tail of
         20 frames otherwise waited behind 128-stream steps at c256). Padding is a pure function of the
         chunk sizes and the length, like the chunking, so a replay on another replica pads alike."""
-        limit = self.session_worker.max_stream_frames if stream.handle is not None else None
+        limit = self.slot_worker.max_stream_frames if stream.handle is not None else None
         if limit is not None and stream.next_frame + n > limit:
-            raise StreamTooLong(f"decode stream longer than {limit} frames: the session "
+            raise StreamTooLong(f"decode stream longer than {limit} frames: the slot decoder "
                                 f"engine keeps positions exact in fp32 only that far")
         codes = stream.take(n)
         int16 = stream.pcm_encoding == vocoder_pb2.PCM_INT16
         first_frame = stream.next_frame
-        if stream.handle is not None:  # the session converts on the device: PCM bytes come back
+        if stream.handle is not None:  # the slot decoder converts on the device: PCM bytes come back
             pad = self._padded_length(stream.threshold, n) - n if last else 0
             if pad > 0 and first_frame + n + pad <= limit:
                 codes = np.concatenate([codes, np.zeros((pad, codes.shape[1]), dtype=codes.dtype)])
-            step = self.session_worker.submit(stream.handle, codes, int16=int16)
+            step = self.slot_worker.submit(stream.handle, codes, int16=int16)
         else:
             step = self.worker.submit(stream.state, codes)  # [C, n*hop] float32
         stream.next_frame += n
@@ -338,7 +338,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     item.cancel()
             if stream is not None:  # also on cancellation and errors: the state goes with the call
                 if stream.handle is not None:
-                    self.session_worker.release(stream.handle)  # the slot is freed before the next step
+                    self.slot_worker.release(stream.handle)  # the slot is freed before the next step
                 self.active_streams -= 1
                 self.metrics.active_streams.dec()
 
@@ -414,17 +414,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "overrides it (default: %(default)s)")
     parser.add_argument("--encode-cache-size", type=int, default=256,
                         help="reference encodings kept in the LRU cache (default: %(default)s; 0 disables)")
-    parser.add_argument("--engine", choices=("auto", "session", "stream"), default="auto",
-                        help="decode engine. session: a CodecSession of --slots streams, batched steps replayed "
+    parser.add_argument("--engine", choices=("auto", "slots", "stream"), default="auto",
+                        help="decode engine. slots: a SlotDecoder of --slots streams, batched steps replayed "
                              "from CUDA graphs; byte-identical within a batch bucket only (see --buckets). stream: "
                              "per-stream states, batch-invariant batching (--batch-mode), byte-identical whatever "
-                             "the batch. auto: session on CUDA devices, stream otherwise (default: %(default)s)")
+                             "the batch. auto: slots on CUDA devices, stream otherwise (default: %(default)s)")
     parser.add_argument("--slots", type=int, default=64,
-                        help="session engine: streams decoded concurrently; a stream holds a slot from its first "
+                        help="slots engine: streams decoded concurrently; a stream holds a slot from its first "
                              "step to the end of its call, and a stream that finds none free waits for one "
                              "(default: %(default)s)")
     parser.add_argument("--buckets", default=None, metavar="B,B,...",
-                        help="session engine: batch sizes a step is padded to (the largest >= --slots; default "
+                        help="slots engine: batch sizes a step is padded to (the largest >= --slots; default "
                              "1,2,4,8 then every 8 up to --slots). A stream's PCM depends on the bucket its steps ran in (in "
                              "bf16 by up to ~0.1 between buckets 1 and 4 on an H200), so a failover replay on "
                              "another replica is byte-identical only in the same buckets. One bucket (--buckets "
@@ -433,21 +433,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(H200, full codec, bf16, 25 frames: 167 ms at 64 streams vs 14 ms for one stream "
                              "alone)")
     parser.add_argument("--graph-frames", default=None, metavar="T,T,...",
-                        help="session engine: step sizes (frames) that get a CUDA graph per bucket, captured at "
+                        help="slots engine: step sizes (frames) that get a CUDA graph per bucket, captured at "
                              "startup; other sizes (tails, per-request chunk sizes) run eagerly. Default: "
                              "--first-chunk-frames,--chunk-frames; 'none' disables graphs")
     parser.add_argument("--graphs", choices=("auto", "off", "emulate"), default="auto",
-                        help="session engine: auto = CUDA graphs on CUDA devices; off = always eager; emulate = "
+                        help="slots engine: auto = CUDA graphs on CUDA devices; off = always eager; emulate = "
                              "the graph bookkeeping with eager replays (tests the path on CPU) "
                              "(default: %(default)s)")
     parser.add_argument("--decode-process", choices=("auto", "on", "off"), default="auto",
-                        help="session engine: run the CodecSession and its step loop in a child process, so the "
+                        help="slots engine: run the SlotDecoder and its step loop in a child process, so the "
                              "decode thread never waits for the GIL that gRPC's threads hold while they write "
                              "PCM (one process tops out near 1,500 s of audio per second on an H200). The child "
                              "holds its own copy of the codec weights. auto = on for CUDA devices "
                              "(default: %(default)s)")
     parser.add_argument("--attach-decoder", default=None, metavar="DIR",
-                        help="session engine: use the decoder that `gpu_worker --host-vocoder-decoder DIR` runs "
+                        help="slots engine: use the decoder that `gpu_worker --host-vocoder-decoder DIR` runs "
                              "in the worker's process instead of starting a decode process. On one GPU the codec "
                              "then shares the worker's CUDA context: the GPU interleaves their kernels (the "
                              "worker's on a high-priority stream) where two processes' contexts take turns in "
@@ -460,28 +460,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "service stops, so its pod restarts) after this long without a word from it; it "
                              "sends one each second (default: %(default)s)")
     parser.add_argument("--launch-ahead-streams", type=int, default=1, metavar="N",
-                        help="session engine: launch a step while the previous one still runs on the device "
+                        help="slots engine: launch a step while the previous one still runs on the device "
                              "only if it carries at least N streams. Default 1, every step: with a GPU to "
                              "itself the vocoder then never idles between steps (one H200, 32 streams of "
                              "10-frame chunks: 1,696 s of audio per s, 1,436 stepping one at a time). Beside "
                              "the worker on one GPU, `chorus up` passes half of --slots: below that a new "
                              "stream's first chunk waits behind one running step at most")
     parser.add_argument("--step-frames", type=int, default=0, metavar="N",
-                        help="session engine: decode chunks longer than N frames in N-frame steps (the PCM still "
+                        help="slots engine: decode chunks longer than N frames in N-frame steps (the PCM still "
                              "goes back per chunk). With N = --first-chunk-frames every step has one frame count, "
                              "so new streams' first chunks and other streams' steady chunks share steps instead of "
                              "taking turns in small ones (one H200, codec beside the worker, W1 c16: time to "
                              "first audio p50 89 -> 78 ms, 6%% less audio per second). 0 = one step per chunk "
                              "(default: %(default)s)")
-    add_stall_flag(parser, "a launched codec-session step (session engine)")
+    add_stall_flag(parser, "a launched slot-decoder step (slots engine)")
     parser.add_argument("--priority-first-chunks", action="store_true",
-                        help="session engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
+                        help="slots engine on CUDA: replay the first chunk's graphs (--first-chunk-frames) on a "
                              "high-priority CUDA stream from their own memory pool, so a new stream's first chunk "
                              "does not wait for a steady step already on the GPU (time to first audio under load; "
                              "worth 2-3 ms of W1 c16 TTFA on one H200). Steps are told apart by their frame count: "
                              "with --step-frames equal to it, every step runs there (default: off)")
-    parser.add_argument("--session-codebooks", type=int, default=DEFAULT_CODEBOOKS,
-                        help="session engine: codebooks per frame the session decodes; streams with another "
+    parser.add_argument("--slot-codebooks", type=int, default=DEFAULT_CODEBOOKS,
+                        help="slots engine: codebooks per frame the slot decoder decodes; streams with another "
                              "start.codebooks use the stream engine (default: %(default)s, MOSS-TTS Local)")
     parser.add_argument("--max-batch-streams", type=int, default=8,
                         help="stream engine: decode up to this many streams' steps (same frame count) in one "
@@ -525,9 +525,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 def resolve_engine(engine: str, device: str) -> str:
-    """auto -> session on CUDA devices, stream otherwise."""
+    """auto -> slot decoder on CUDA devices, stream otherwise."""
     if engine == "auto":
-        return "session" if torch.device(device).type == "cuda" else "stream"
+        return "slots" if torch.device(device).type == "cuda" else "stream"
     return engine
 
 
@@ -550,15 +550,15 @@ def stall_exit_seconds(args: argparse.Namespace) -> float:
     return stall_limit(args.stall_exit_s, torch.device(args.device).type)
 
 
-def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> CodecSession:
-    """The session engine's CodecSession, ready to serve: every (bucket, T in --graph-frames) graph
+def build_slot_decoder(codec: MossAudioTokenizer, args: argparse.Namespace, log=print) -> SlotDecoder:
+    """The slots engine's SlotDecoder, ready to serve: every (bucket, T in --graph-frames) graph
     captured now (largest first, one progress line each), then the self-check of its byte-identity
     facts (also the warm-up), logged with a warning if the fused glue kernels fell back."""
     if args.slots < 1:
         raise SystemExit(f"--slots {args.slots}: must be >= 1")
-    n_q = args.session_codebooks
+    n_q = args.slot_codebooks
     if not 1 <= n_q <= codec.num_codebooks:
-        raise SystemExit(f"--session-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
+        raise SystemExit(f"--slot-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
     buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
     if not buckets or max(buckets) < args.slots:
         raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
@@ -574,41 +574,41 @@ def build_session(codec: MossAudioTokenizer, args: argparse.Namespace, log=print
     if any(t > MAX_CHUNK_FRAMES for t in frames):
         raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
     graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
-    session = CodecSession(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
+    slot_decoder = SlotDecoder(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
                            priority_frames=[first] if args.priority_first_chunks else [])
-    log(f"vocoder: session engine: {session.slots} slots, buckets {list(session.buckets)}, {n_q} codebooks, "
-        f"compute {str(session.compute_dtype).removeprefix('torch.')}, state "
-        f"{session.state_nbytes() / 1e9:.3f} GB, graphs {session.graph_mode or 'off'}"
-        + (f" for {frames} frames" if session.graph_mode else "")
-        + (f", {sorted(session.priority_frames)}-frame steps on a high-priority stream"
-           if session.priority_frames else ""), flush=True)
-    if session.graph_mode:
-        pairs = sorted({(b, t) for b in session.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
+    log(f"vocoder: slots engine: {slot_decoder.slots} slots, buckets {list(slot_decoder.buckets)}, {n_q} codebooks, "
+        f"compute {str(slot_decoder.compute_dtype).removeprefix('torch.')}, state "
+        f"{slot_decoder.state_nbytes() / 1e9:.3f} GB, graphs {slot_decoder.graph_mode or 'off'}"
+        + (f" for {frames} frames" if slot_decoder.graph_mode else "")
+        + (f", {sorted(slot_decoder.priority_frames)}-frame steps on a high-priority stream"
+           if slot_decoder.priority_frames else ""), flush=True)
+    if slot_decoder.graph_mode:
+        pairs = sorted({(b, t) for b in slot_decoder.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
         started = time.perf_counter()
         for i, (b, t) in enumerate(pairs, 1):
             t0 = time.perf_counter()
-            session.capture([b], [t])
-            if session.device.type == "cuda":
-                torch.cuda.synchronize(session.device)
-            if session.graphs_disabled:
-                log(f"vocoder: graph capture failed, every step runs eagerly: {session.graphs_disabled}", flush=True)
+            slot_decoder.capture([b], [t])
+            if slot_decoder.device.type == "cuda":
+                torch.cuda.synchronize(slot_decoder.device)
+            if slot_decoder.graphs_disabled:
+                log(f"vocoder: graph capture failed, every step runs eagerly: {slot_decoder.graphs_disabled}", flush=True)
                 break
             log(f"vocoder: captured graph {i}/{len(pairs)} (bucket {b}, {t} frames) in "
                 f"{time.perf_counter() - t0:.2f} s", flush=True)
         else:
             log(f"vocoder: {len(pairs)} graphs captured in {time.perf_counter() - started:.2f} s", flush=True)
-    if session.glue_fallback:
-        log(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {session.glue_fallback}",
+    if slot_decoder.glue_fallback:
+        log(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {slot_decoder.glue_fallback}",
             flush=True)
-    log(describe_session_check(check_session(session, first)), flush=True)
-    return session
+    log(describe_slot_check(check_slot_decoder(slot_decoder, first)), flush=True)
+    return slot_decoder
 
 
 def use_decode_process(args: argparse.Namespace) -> bool:
-    """--decode-process: auto = for the session engine on CUDA devices."""
+    """--decode-process: auto = for the slots engine on CUDA devices."""
     if getattr(args, "attach_decoder", None):
         return True
-    if resolve_engine(args.engine, args.device) != "session" or args.decode_process == "off":
+    if resolve_engine(args.engine, args.device) != "slots" or args.decode_process == "off":
         return False
     return args.decode_process == "on" or torch.device(args.device).type == "cuda"
 
@@ -628,23 +628,23 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         # A child starts loading beside this process; a hosted decoder may be up already.
         decoder = DecodeProcess(args, metrics, on_exit=decoder_exited, attach=args.attach_decoder)
     codec, name = make_codec(args)
-    session = None
+    slot_decoder = None
     if decoder is not None:
         try:
             ready = await decoder.start()
         except BaseException:
             decoder.close()
             raise
-        metrics.session_kernels.labels("attention", ready.attention).set(1)
-        metrics.session_kernels.labels("glue", ready.glue).set(1)
+        metrics.slot_kernels.labels("attention", ready.attention).set(1)
+        metrics.slot_kernels.labels("glue", ready.glue).set(1)
         where = f"the decoder hosted by process {decoder.pid}" if ready.hosted else f"decode process {decoder.pid}"
-        print(f"vocoder: session engine in {where}", flush=True)
-    elif engine == "session":
-        session = build_session(codec, args)
-        metrics.session_kernels.labels("attention", session.attention_path).set(1)
-        metrics.session_kernels.labels("glue", session.glue_impl).set(1)
+        print(f"vocoder: slots engine in {where}", flush=True)
+    elif engine == "slots":
+        slot_decoder = build_slot_decoder(codec, args)
+        metrics.slot_kernels.labels("attention", slot_decoder.attention_path).set(1)
+        metrics.slot_kernels.labels("glue", slot_decoder.glue_impl).set(1)
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
-    if session is not None or decoder is not None:
+    if slot_decoder is not None or decoder is not None:
         max_batch = 1  # the stream engine only serves other codebook counts
     elif max_batch > 1 and invariant:
         problem = check_batch_invariance(codec, first_chunk(args), max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
@@ -653,16 +653,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
                   f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",
                   flush=True)
             max_batch = 1
-    if session is None and decoder is None:
+    if slot_decoder is None and decoder is None:
         print(f"vocoder: stream engine, up to {max_batch} streams per decode step"
               + ("" if max_batch == 1 else f" ({'batch-invariant' if invariant else 'fast, not batch-invariant'})"),
               flush=True)
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
-                               session=session, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
+                               slot_decoder=slot_decoder, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
                                step_frames=args.step_frames, stall_exit_s=stall_exit_seconds(args))
-    if session is None and decoder is None:
+    if slot_decoder is None and decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
                           batch_invariant=invariant)

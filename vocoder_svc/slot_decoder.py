@@ -1,7 +1,7 @@
-"""CodecSession: slot-based batched streaming decode for the MOSS-Audio-Tokenizer
+"""SlotDecoder: slot-based batched streaming decode for the MOSS-Audio-Tokenizer
 codec, with CUDA graphs per (batch bucket, frames) on GPU.
 
-Many streams are decoded together in one batched step. The session owns all
+Many streams are decoded together in one batched step. The slot decoder owns all
 streaming state in preallocated device buffers, so every tensor a step
 touches has a shape fixed by (bucket, T) and the step can be captured once in
 a CUDA graph and replayed with new inputs. On CPU (and for any (bucket, T)
@@ -70,7 +70,7 @@ on the step's shapes (bucket, T): decoded alone or next to others in the same
 bucket it is bit-identical. (Across different buckets the GEMM shapes differ,
 and a GPU may then pick other kernels: expect ~1e-6 in fp32, and far more in
 bf16: bucket 1 vs bucket 4 differed by up to 0.125 (max abs) on an H200 with
-the random-weight full preset. A session with a single bucket, ``buckets=
+the random-weight full preset. A slot decoder with a single bucket, ``buckets=
 [slots]``, is bucket-invariant by construction, at the price of always
 computing the full bucket; ``step(bucket=...)`` times that.)
 
@@ -79,10 +79,10 @@ policy (§3.7) without autocast's per-step weight casts: GEMM weights are cast
 once, GEMMs, the KV cache and attention run in bf16 (attention keeps its
 softmax and accumulation in fp32, kernel or SDPA), while the quantizer (fp32),
 LayerNorm, RoPE and the residual stream stay in fp32. With compute dtype
-equal to the codec dtype (fp32/fp64) the session uses the codec's own tensors
+equal to the codec dtype (fp32/fp64) the slot decoder uses the codec's own tensors
 and its result equals ``codec.decode`` up to rounding.
 
-Glue (vocoder_svc/session_kernels.py, ``glue=``): the elementwise work between
+Glue (vocoder_svc/slot_kernels.py, ``glue=``): the elementwise work between
 the GEMMs runs as fused Triton kernels on CUDA: LN1 + cast, RoPE of q and k
 straight from the fused QKV output, and each LayerScale residual add together
 with the LayerNorm after it (LN2, or the next layer's LN1), so the layer loop
@@ -90,7 +90,7 @@ carries ``(y, a)``: the residual stream and its normalised copy. The torch
 path is the same math op for op (CPU results are unchanged); the kernels equal
 it bitwise except LayerNorm's mean/variance rounding (at most a bf16 ulp of
 its output). On CUDA they are self-tested against the torch path when the
-session is built (``glue_impl`` says which path runs).
+slot decoder is built (``glue_impl`` says which path runs).
 
 CUDA graphs: one per (bucket, T), captured lazily on first use (for T in
 ``graph_frames``) or up front with ``capture()``, largest first, into one
@@ -99,7 +99,7 @@ capturing while streams are live is safe (the warm-up also compiles the
 attention and glue kernels for the shape before capture). Replay copies codes, row ids and
 the valid mask into the graph's static input buffers. A (bucket, T) without a
 graph runs eagerly with the same bucket (same GEMM shapes). A capture or
-replay failure disables graphs for the session (``graphs_disabled`` says
+replay failure disables graphs for the slot decoder (``graphs_disabled`` says
 why). Frames are never padded: padding would advance the causal state.
 
 Calls are serialised by a lock, so a server may call from several threads
@@ -119,7 +119,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vocoder_svc import session_kernels as sk
+from vocoder_svc import slot_kernels as sk
 from vocoder_svc import window_attention as wa
 from vocoder_svc.codec import LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer
 
@@ -132,8 +132,8 @@ STAGING_BUFFERS = 2
 
 # Above this many streams the buckets grow by BUCKET_STEP instead of doubling: a step costs
 # its bucket, and under load (c256 end to end) the ready streams rarely fill a power of two,
-# so doubling paid for up to twice the streams a step had (16-stream steps: +7% at c256 in
-# session 6). 8: at c256 with 5-frame chunks (session 8) steps held ~49 streams, padded to 64.
+# so doubling paid for up to twice the streams a step had. 8: at c256 with 5-frame chunks steps
+# held ~49 streams, padded to 64 (benchmarks/README.md).
 BUCKET_STEP = 8
 
 
@@ -201,13 +201,13 @@ class _Graph:
     out: Tensor  # [B, C, T*hop]
 
 
-class CodecSession:
+class SlotDecoder:
     """Slot-based batched streaming decoder (see the module docstring).
 
     codec: a MossAudioTokenizer (its weights are shared, not copied, unless
         compute_dtype differs from the codec's dtype).
     slots: concurrent streams.
-    n_q: codebooks per frame (fixed for the session; 12 for MOSS-TTS Local).
+    n_q: codebooks per frame (fixed for the slot decoder; 12 for MOSS-TTS Local).
     compute_dtype: None = the codec's dtype; torch.bfloat16 for the fast GPU path.
     buckets: allowed batch sizes (default 1, 2, 4, ..., slots); the largest must be >= slots.
     graphs: True / False / None (= on for CUDA devices), or "emulate": run the
@@ -216,7 +216,7 @@ class CodecSession:
     graph_frames: the T values that get graphs (lazily on first use); default 1..25.
     attention: window attention implementation (vocoder_svc/window_attention.py): "auto" (the Triton
         kernel on CUDA for fp16/bf16/fp32, else torch), "triton" or "torch".
-    glue: the layers' elementwise glue (vocoder_svc/session_kernels.py: LayerNorm + cast, LayerScale
+    glue: the layers' elementwise glue (vocoder_svc/slot_kernels.py: LayerNorm + cast, LayerScale
         residual + the next LayerNorm, RoPE of q/k): "auto" (fused Triton kernels on CUDA for
         fp16/bf16/fp32 compute, after a self-test against the torch path at construction; a failure
         logs a warning and keeps the torch path), "triton" (the kernels; a failed self-test raises) or
@@ -292,7 +292,7 @@ class CodecSession:
         self.attention_path = ("triton" if stages and all(
             wa.kernel_selected(self.compute_dtype, self.device, st.head_dim, attention) for st in stages) else "torch")
         # What the step passes as impl=: on CUDA "auto" (the kernels for the inputs they support, which are
-        # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
+        # all of the slot decoder's; torch for anything else), on CPU "triton" (the interpreter, tests only).
         self._glue_call = ("torch" if self.glue_impl == "torch" else
                            "auto" if self.device.type == "cuda" else "triton")
 
@@ -398,7 +398,7 @@ class CodecSession:
         """A free slot holding a fresh stream. RuntimeError when all are taken."""
         with self._lock:
             if not self._free:
-                raise RuntimeError(f"all {self.slots} codec session slots are in use")
+                raise RuntimeError(f"all {self.slots} slot decoder slots are in use")
             slot = self._free.pop()
             self._reset(slot)
             self._active.add(slot)
@@ -462,7 +462,7 @@ class CodecSession:
             cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)  # [B, 1, Tk, D/2]
             y = x.to(rd) if st.w_in is None else F.linear(x.to(cd), st.w_in).to(rd)  # [B, Tk, d]
             # The residual stream y is carried with the next pre-norm's output: each LayerScale residual
-            # add is fused with the LayerNorm after it (session_kernels; the torch path is the plain
+            # add is fused with the LayerNorm after it (slot_kernels; the torch path is the plain
             # `y = y + s*o; a = LN(y).to(cd)`), the last one of the stage is a plain scaled add.
             glue = self._glue_call
             nl = len(st.layers)
@@ -536,7 +536,7 @@ class CodecSession:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             pool = self._pool
-        # Captured on a stream of the session's own, one for priority graphs and one for the rest: a
+        # Captured on a stream of the slot decoder's own, one for priority graphs and one for the rest: a
         # graph bakes in the cuBLAS workspace of the stream it was captured on, and torch.cuda.graph's
         # default capture stream is one per process. Graphs that replay concurrently (a priority first
         # chunk beside a steady step; a decoder hosted in the worker's process beside the worker's
@@ -763,7 +763,7 @@ class CodecSession:
                 try:
                     # Non-blocking from the host: a blocking copy waits for every kernel already queued
                     # on the stream, i.e. for the step launched ahead, so this launch then waited for
-                    # the previous step to finish (58% of the H200 session thread at c256) and the GPU
+                    # the previous step to finish (58% of the H200 slot decoder thread at c256) and the GPU
                     # idled while the host launched the next. The host tensors are this step's own.
                     gr.codes.copy_(batch, non_blocking=True)
                     gr.rows.copy_(rows, non_blocking=True)
@@ -821,12 +821,12 @@ class CodecSession:
 
 
 class PendingPcm:
-    """A launched step_pcm (CodecSession.launch_pcm): result() waits for the device and returns
-    {slot: PCM bytes}, once; the staging buffer goes back to the session then."""
+    """A launched step_pcm (SlotDecoder.launch_pcm): result() waits for the device and returns
+    {slot: PCM bytes}, once; the staging buffer goes back to the slot decoder then."""
 
-    def __init__(self, session: CodecSession, slots: list[int], staged: list[tuple[list[int], Tensor]],
+    def __init__(self, slot_decoder: SlotDecoder, slots: list[int], staged: list[tuple[list[int], Tensor]],
                  done: torch.cuda.Event | None, buf: int | None):
-        self._session, self.slots, self._staged, self._done, self._buf = session, slots, staged, done, buf
+        self._slot_decoder, self.slots, self._staged, self._done, self._buf = slot_decoder, slots, staged, done, buf
         self._read = False
 
     def wait_device(self) -> None:
@@ -852,5 +852,5 @@ class PendingPcm:
             return out
         finally:
             if self._buf is not None:
-                self._session._staging_release(self._buf)
+                self._slot_decoder._staging_release(self._buf)
                 self._buf = None
