@@ -26,7 +26,8 @@ import torch
 from chorus.v1 import worker_pb2
 from gpu_worker.bench import Bench, add_arguments
 from chorus.wire import rows_matrix
-from vocoder_svc.codec import build_codec, full_v2, tiny_v2
+from vocoder_svc.codec import full_v2, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc.slot_decoder import SlotDecoder
 
 

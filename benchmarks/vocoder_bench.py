@@ -58,7 +58,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from chorus import provenance  # noqa: E402
-from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec  # noqa: E402
+from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform  # noqa: E402
+from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
 from vocoder_svc import window_attention as wa  # noqa: E402
 from vocoder_svc.slot_decoder import SlotDecoder  # noqa: E402
 

@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from vocoder_svc.codec import build_codec, full_v2, tiny_v2
+from vocoder_svc.codec import full_v2, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc.slot_decoder import SlotDecoder
 
 

@@ -12,7 +12,8 @@ from collections import Counter
 
 import torch
 
-from vocoder_svc.codec import PRESETS, build_codec
+from vocoder_svc.codec import PRESETS
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc.slot_decoder import SlotDecoder
 
 

@@ -19,7 +19,8 @@ _SKIP_TRITON = triton_skip_reason()  # a missing triton skips only the kernel te
 import vocoder_svc.slot_kernels as SK  # noqa: E402
 
 from vocoder_svc import window_attention as WA  # noqa: E402
-from vocoder_svc.codec import apply_rope, build_codec, tiny_v2  # noqa: E402
+from vocoder_svc.codec import apply_rope, tiny_v2  # noqa: E402
+from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
 from vocoder_svc.slot_decoder import SlotDecoder, rope_freq  # noqa: E402
 
 needs_triton = pytest.mark.skipif(_SKIP_TRITON is not None, reason=_SKIP_TRITON or "")

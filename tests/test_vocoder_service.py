@@ -25,7 +25,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chorus.audio import encode_pcm16
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from vocoder_svc.codec import build_codec, tiny_v2
+from vocoder_svc.codec import tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc.server import (DecodeWorker, Metrics, SlotWorker, VocoderServicer, check_batch_invariance,
                               resolve_engine)
 from vocoder_svc.slot_decoder import SlotDecoder

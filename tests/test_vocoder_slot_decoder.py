@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vocoder_svc.codec import build_codec, rope_cos_sin, tiny_v2, window_mask
+from vocoder_svc.codec import rope_cos_sin, tiny_v2, window_mask
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc.slot_decoder import SlotDecoder, default_buckets, rope_freq
 from vocoder_svc.window_attention import chunk_window_mask
 

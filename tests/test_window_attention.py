@@ -18,7 +18,8 @@ from helpers import triton_skip_reason  # noqa: E402
 _SKIP_TRITON = triton_skip_reason()  # a missing triton skips only the kernel tests
 import vocoder_svc.window_attention as WA  # noqa: E402
 
-from vocoder_svc.codec import build_codec, tiny_v2, window_mask  # noqa: E402
+from vocoder_svc.codec import tiny_v2, window_mask  # noqa: E402
+from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
 from vocoder_svc.slot_decoder import SlotDecoder  # noqa: E402
 
 needs_triton = pytest.mark.skipif(_SKIP_TRITON is not None, reason=_SKIP_TRITON or "")

@@ -98,7 +98,8 @@ from prometheus_client import start_http_server
 from chorus.audio import decode_audio, encode_pcm16, prepare_reference
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from chorus.watchdog import add_stall_flag, stall_limit
-from vocoder_svc.codec import (MossAudioTokenizer, StreamState, build_codec, full_v2, load_codec, tiny_v2)
+from vocoder_svc.codec import MossAudioTokenizer, StreamState, full_v2, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec, load_codec
 from vocoder_svc.decode_process import HOST_SILENCE_S, DecodeProcess, DecoderGone
 from vocoder_svc.engines import (DEFAULT_CODEBOOKS, DecodeWorker, SlotStream, SlotWorker,
                                  StreamTooLong)
