@@ -21,7 +21,8 @@ import vocoder_svc.slot_kernels as SK  # noqa: E402
 from vocoder_svc import window_attention as WA  # noqa: E402
 from vocoder_svc.codec import apply_rope, tiny_v2  # noqa: E402
 from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
-from vocoder_svc.slot_decoder import SlotDecoder, rope_freq  # noqa: E402
+from vocoder_svc.slot_decoder import SlotDecoder  # noqa: E402
+from vocoder_svc.slot_plan import rope_freq  # noqa: E402
 
 needs_triton = pytest.mark.skipif(_SKIP_TRITON is not None, reason=_SKIP_TRITON or "")
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16

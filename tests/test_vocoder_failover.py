@@ -26,7 +26,7 @@ from scheduler_svc.scheduler import FinishEvent, FrameEvent, Request
 from scheduler_svc.vocoder_client import VocoderPool, format_address, parse_target, resolve
 from vocoder_svc.codec import tiny_v2
 from vocoder_svc.codec_checkpoint import build_codec
-from vocoder_svc.server import VocoderServicer
+from vocoder_svc.servicer import VocoderServicer
 
 from helpers import free_port, make_cluster, metric
 

@@ -27,9 +27,13 @@ from chorus.audio import encode_pcm16
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import tiny_v2
 from vocoder_svc.codec_checkpoint import build_codec
-from vocoder_svc.server import (DecodeWorker, Metrics, SlotWorker, VocoderServicer, check_batch_invariance,
-                              resolve_engine)
+from vocoder_svc.decoder_build import resolve_engine
+from vocoder_svc.metrics import Metrics
+from vocoder_svc.selfcheck import check_batch_invariance
+from vocoder_svc.servicer import VocoderServicer
 from vocoder_svc.slot_decoder import SlotDecoder
+from vocoder_svc.slot_worker import SlotWorker
+from vocoder_svc.stream_worker import DecodeWorker
 
 from helpers import free_port, still_running
 
@@ -801,7 +805,8 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
     import zmq
 
     from chorus.v1 import vocoder_decoder_pb2 as dpb
-    from vocoder_svc.decode_process import host_endpoints, host_in_thread
+    from vocoder_svc.decode_process import host_in_thread
+    from vocoder_svc.decoder_client import host_endpoints
 
     path = str(tmp_path / "decoder")
     decoder = host_in_thread(path, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2", "--graphs", "emulate",

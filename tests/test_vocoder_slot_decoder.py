@@ -17,7 +17,8 @@ import torch
 
 from vocoder_svc.codec import rope_cos_sin, tiny_v2, window_mask
 from vocoder_svc.codec_checkpoint import build_codec
-from vocoder_svc.slot_decoder import SlotDecoder, default_buckets, rope_freq
+from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
+from vocoder_svc.slot_plan import rope_freq
 from vocoder_svc.window_attention import chunk_window_mask
 
 F64 = torch.float64
@@ -350,7 +351,7 @@ def test_launch_pcm_runs_ahead_of_results(v2_32):
     pinned staging buffer per unread step)."""
     import threading
 
-    from vocoder_svc.slot_decoder import STAGING_BUFFERS
+    from vocoder_svc.slot_pcm import STAGING_BUFFERS
 
     codes = codes_for(15, n_q=12, b=2, seed=22)
     ref = SlotDecoder(v2_32, slots=2, n_q=12)

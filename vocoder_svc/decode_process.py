@@ -6,7 +6,7 @@ PCM conversion) while gRPC's C core holds it for each 384 KB PCM message it
 writes (250-440 us per chunk per side, benchmarks/grpc_pcm_bench.py), so on an
 H200 one process stalled at ~1,500 s of audio per second with its steps
 stretched from 61 to 79 ms. Here the child owns the slot decoder, its CUDA
-graphs and the step loop (SlotWorker, unchanged); the gRPC process keeps
+graphs and the step loop (SlotWorker); the gRPC process keeps
 the calls, the chunking, Encode and the metrics, and only moves bytes.
 
 Wire (protos/chorus/v1/vocoder_decoder.proto, ZeroMQ PUSH -> PULL over ipc
@@ -21,7 +21,7 @@ The decoder can also live in another process that outlives the gRPC one:
 `gpu_worker --host-vocoder-decoder DIR` serves it from a thread (host_in_thread),
 so on one GPU the codec shares the worker's CUDA context instead of
 time-slicing against it, and `vocoder_svc.server --attach-decoder DIR`
-connects to it (DecodeProcess(attach=DIR)) instead of starting a child. It
+connects to it (vocoder_svc/decoder_client.py: DecodeProcess(attach=DIR)) instead of starting a child. It
 says hello first, and it takes a heartbeat's silence for the decoder's death.
 Or the decoder is a process of its own in front of which N vocoder processes
 attach, one per DIR/i (host_main; `chorus up --shared-vocoder-decoder`): one
@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -53,232 +50,18 @@ from typing import Callable
 import numpy as np
 import torch
 import zmq
-import zmq.asyncio
 
-from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
-from vocoder_svc.engines import StepReport, SlotStream, SlotWorker, StreamTooLong
-from vocoder_svc.metrics import Metrics
+from chorus.v1 import vocoder_decoder_pb2 as dpb
+from vocoder_svc.decoder_build import build_slot_decoder, make_codec, stall_exit_seconds
+from vocoder_svc.decoder_client import host_endpoints
+from vocoder_svc.metrics import StepReport
+from vocoder_svc.server import add_arguments
+from vocoder_svc.slot_worker import SlotStream, SlotWorker, StreamTooLong
 
 log = logging.getLogger("chorus.vocoder")
 
+HOST_HEARTBEAT_S = 1.0
 
-class DecoderGone(RuntimeError):
-    """The decode process exited: open jobs cannot finish on this replica."""
-
-
-# Flags the child needs to build the same codec and slot decoder as the parent would have.
-_FORWARDED = ("codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "slots", "buckets",
-              "graph_frames", "graphs", "slot_codebooks", "seed", "torch_threads", "launch_ahead_streams",
-              "step_frames", "stall_exit_s")
-_FORWARDED_SWITCHES = ("priority_first_chunks",)
-
-
-def child_argv(args: argparse.Namespace) -> list[str]:
-    out = []
-    for name in _FORWARDED:
-        value = getattr(args, name, None)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    out += [f"--{name.replace('_', '-')}" for name in _FORWARDED_SWITCHES if getattr(args, name, False)]
-    return out
-
-
-# ---- the gRPC process's side -------------------------------------------------------------------
-
-class RemoteStream:
-    """A Decode call's stream in the decode process (SlotStream's stand-in on this side)."""
-
-    __slots__ = ("id", "released")
-
-    def __init__(self, stream_id: int) -> None:
-        self.id = stream_id
-        self.released = False
-
-
-class DecodeProcess:
-    """Starts the decode process (or, with `attach`, connects to a decoder that gpu_worker hosts) and
-    speaks SlotWorker's interface to it: open, submit (a future of wire PCM bytes), release,
-    close. Use from one asyncio loop."""
-
-    def __init__(self, args: argparse.Namespace, metrics: Metrics,
-                 on_exit: Callable[[str], None] = lambda reason: None, attach: str | None = None):
-        """on_exit(reason): called once if the decoder is gone while the service still runs.
-        attach: the directory a hosted decoder serves under (host_endpoints); no child is started."""
-        self.metrics, self.on_exit = metrics, on_exit
-        self._tmp = None if attach else tempfile.TemporaryDirectory(prefix="chorus-vocoder-")
-        self._ctx = zmq.asyncio.Context()
-        self._jobs = self._ctx.socket(zmq.PUSH)
-        self._results = self._ctx.socket(zmq.PULL)
-        for sock in (self._jobs, self._results):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        if attach:
-            os.makedirs(attach, exist_ok=True)
-        jobs, results = host_endpoints(attach or self._tmp.name)
-        self._jobs.bind(jobs)
-        self._results.bind(results)
-        # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
-        self.proc = None if attach else subprocess.Popen(
-            [sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs, "--results", results,
-             *child_argv(args)])
-        self.ready: dpb.DecoderReady | None = None
-        self.gone: str | None = None
-        self._closing = False
-        self._heard = time.monotonic()
-        self.silence_s = getattr(args, "attach_silence_s", HOST_SILENCE_S)
-        # Ids from a random base: a hosted decoder may still answer an earlier gRPC process's jobs.
-        self._ids = itertools.count(secrets.randbits(40) << 20)
-        self._open: dict[int, tuple[asyncio.Future, RemoteStream]] = {}  # job id -> (future, stream)
-        self._tasks: list[asyncio.Task] = []
-
-    @property
-    def pid(self) -> int:
-        """The decoder's process: the child, or the worker hosting it."""
-        return self.ready.pid if self.ready is not None else self.proc.pid
-
-    # What the servicer reads off a slot decoder.
-    @property
-    def n_q(self) -> int:
-        return self.ready.n_q
-
-    @property
-    def max_stream_frames(self) -> int:
-        return self.ready.max_stream_frames
-
-    async def start(self, timeout: float = 1800.0) -> dpb.DecoderReady:
-        """Wait for the decoder's ready message (it loads the codec and captures its graphs first; a
-        hosted one may not have started yet)."""
-        deadline = time.monotonic() + timeout
-        self._send(dpb.DecoderInput(hello=True))  # a hosted decoder drops an earlier process's streams
-        while self.ready is None:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SystemExit(f"vocoder: the decode process exited with {self.proc.returncode} before it was "
-                                 f"ready (its output is above)")
-            if time.monotonic() > deadline:
-                if self.proc is not None:
-                    self.proc.kill()
-                raise SystemExit(f"vocoder: the decoder was not ready after {timeout:.0f} s")
-            if await self._results.poll(200):
-                msg = dpb.DecoderOutput.FromString((await self._results.recv_multipart())[0])
-                # A hosted decoder that was already up answers our hello after its own start-up ready
-                # (meant for nobody): either will do, it is the same decoder.
-                if msg.WhichOneof("kind") == "ready":
-                    self.ready = msg.ready
-        self._heard = time.monotonic()
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
-        return self.ready
-
-    def open(self) -> RemoteStream:
-        return RemoteStream(next(self._ids))
-
-    def submit(self, stream: RemoteStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
-        if self.gone is not None:
-            raise DecoderGone(self.gone)
-        if stream.released:
-            raise RuntimeError("decode stream already released")
-        job = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._open[job] = (fut, stream)
-        codes = np.ascontiguousarray(codes, dtype="<i4")
-        matrix = common_pb2.IntMatrix(rows=codes.shape[0], cols=codes.shape[1], data=codes.tobytes())
-        self._send(dpb.DecoderInput(jobs=[dpb.DecoderJob(job=job, stream=stream.id, codes=matrix, int16=int16)]))
-        return fut
-
-    def release(self, stream: RemoteStream) -> None:
-        if stream.released:
-            return
-        stream.released = True
-        for job in [j for j, (_, s) in self._open.items() if s is stream]:
-            fut, _ = self._open.pop(job)
-            fut.cancel()
-        if self.gone is None:
-            self._send(dpb.DecoderInput(released=[stream.id]))
-
-    def _send(self, msg: dpb.DecoderInput) -> None:
-        self._jobs.send(msg.SerializeToString())  # no high-water mark: never blocks
-
-    async def _read(self) -> None:
-        while True:
-            frames = await self._results.recv_multipart(copy=True)
-            self._heard = time.monotonic()
-            try:
-                self._handle(frames)
-            except Exception:  # noqa: BLE001 - one bad message must not leave every call waiting
-                log.exception("bad message from the decode process")
-
-    def _handle(self, frames: list[bytes]) -> None:
-        msg = dpb.DecoderOutput.FromString(frames[0])
-        kind = msg.WhichOneof("kind")
-        if kind == "done":
-            done = msg.done
-            entry = self._open.pop(done.job, None)
-            if entry is None or entry[0].done():  # released meanwhile
-                return
-            fut = entry[0]
-            if done.error == dpb.DecoderJobDone.NONE:
-                fut.set_result(frames[1])
-            elif done.error == dpb.DecoderJobDone.STREAM_TOO_LONG:
-                fut.set_exception(StreamTooLong(done.message))
-            else:
-                fut.set_exception(RuntimeError(done.message))
-        elif kind == "ready" and msg.ready.incarnation != self.ready.incarnation:
-            self._lost(f"the vocoder's decoder restarted (pid {msg.ready.pid}): its streams are gone")
-        elif kind == "report":
-            r = msg.report
-            self.metrics.record_step(StepReport(r.free_slots, r.waiting_streams,
-                                                      r.step_ms if r.stepped else None, r.step_streams, r.graphed,
-                                                      r.step_frames, r.queue_wait_ms, r.launched_ahead))
-
-    async def _watch(self) -> None:
-        if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
-            while time.monotonic() - self._heard < self.silence_s and self.gone is None:
-                await asyncio.sleep(0.2)
-            if self.gone is None:
-                self._lost(f"the vocoder's hosted decoder (pid {self.ready.pid}) went silent for "
-                           f"{self.silence_s:g} s")
-            return
-        while self.proc.poll() is None:
-            await asyncio.sleep(0.2)
-        self._lost(f"the vocoder's decode process exited with {self.proc.returncode}")
-
-    def _lost(self, reason: str) -> None:
-        """The decoder is gone: fail every open job (their calls end UNAVAILABLE) and tell the service."""
-        if self._closing or self.gone is not None:
-            return
-        self.gone = reason
-        for fut, _ in self._open.values():
-            if not fut.done():
-                fut.set_exception(DecoderGone(self.gone))
-        self._open.clear()
-        self.on_exit(self.gone)
-
-    def close(self) -> None:
-        """Stop the child (after the calls have drained: it ignores SIGTERM/SIGINT so that a signal to
-        the whole process group does not cut them off). A hosted decoder keeps running (it belongs to
-        the worker): it only hears that this process's streams are released."""
-        if self._closing:
-            return
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self.proc is None:
-            streams = {s.id for _, s in self._open.values()}
-            if streams and self.gone is None:
-                self._send(dpb.DecoderInput(released=sorted(streams)))
-        elif self.proc.poll() is None:
-            self._send(dpb.DecoderInput(shutdown=True))
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._ctx.destroy(linger=0 if self.proc is not None else 500)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-
-# ---- the decode process -------------------------------------------------------------------------
 
 class _Replies:
     """The child's one PUSH socket, shared by the slot decoder thread (answers, reports) and the main
@@ -331,8 +114,6 @@ class Decoder:
 
     def __init__(self, args: argparse.Namespace, endpoints: list[tuple[str, str]], *, cuda_stream=None,
                  hosted: bool = False):
-        from vocoder_svc.server import build_slot_decoder, make_codec, stall_exit_seconds
-
         self._ctx = zmq.Context()
         self._inboxes: list[zmq.Socket] = []
         self._fronts: list[_Replies] = []
@@ -404,15 +185,6 @@ class Decoder:
         return msg.shutdown
 
 
-HOST_HEARTBEAT_S = 1.0
-HOST_SILENCE_S = 10.0  # default --attach-silence-s: an attached process gives its decoder up after this long unheard
-
-
-def host_endpoints(path: str) -> tuple[str, str]:
-    """(jobs, results) ipc endpoints under a directory shared by the decoder's host and one vocoder."""
-    return f"ipc://{path}/jobs", f"ipc://{path}/results"
-
-
 def front_dirs(path: str, fronts: int) -> list[str]:
     """The directories of a shared decoder's fronts (host_main --fronts): `vocoder_svc.server
     --attach-decoder` takes one each."""
@@ -427,8 +199,6 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
     graphs captured before this returns (never while the worker captures or replays its own);
     `vocoder_svc.server --attach-decoder path` connects to it. vocoder_argv: the vocoder's flags
     (--preset, --slots, ...); --device is the worker's."""
-    from vocoder_svc.server import add_arguments
-
     parser = argparse.ArgumentParser(prog="--vocoder-decoder-args")
     add_arguments(parser)
     args = parser.parse_args([*vocoder_argv, "--device", device])
@@ -451,8 +221,6 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
 
 
 def child_main(argv: list[str] | None = None) -> None:
-    from vocoder_svc.server import add_arguments
-
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", required=True, help="ZeroMQ endpoint the parent sends DecoderInput on")
@@ -474,8 +242,6 @@ def host_main(argv: list[str] | None = None) -> None:
     replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
     then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
     until a process attaches in its place (its hello releases them), as with a hosted decoder."""
-    from vocoder_svc.server import add_arguments
-
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process --fronts-dir DIR",
                                      description=host_main.__doc__)
     parser.add_argument("--fronts-dir", required=True, metavar="DIR", help="serve the fronts under DIR/0 ... DIR/N-1")

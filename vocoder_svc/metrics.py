@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from vocoder_svc.engines import StepReport
+
+@dataclass
+class StepReport:
+    """What the slot decoder thread tells the metrics: slot gauges, and after a step what it did."""
+
+    free_slots: int
+    waiting_streams: int
+    step_ms: float | None = None  # None: no step (a gauge update only)
+    step_streams: int = 0
+    graphed: bool = False
+    step_frames: int = 0          # frames per stream in the step
+    queue_wait_ms: float = 0.0    # from the step's oldest job's submit to the step's launch
+    launched_ahead: bool = False  # launched while the step before it still ran on the device
 
 
 class Metrics:
@@ -55,7 +66,7 @@ class Metrics:
 
 
     def record_step(self, report: StepReport) -> None:
-        """A SlotWorker's report (vocoder_svc/engines.py): slot gauges, and a step's figures."""
+        """A SlotWorker's report (vocoder_svc/slot_worker.py): slot gauges, and a step's figures."""
         self.free_slots.set(report.free_slots)
         self.waiting_streams.set(report.waiting_streams)
         if report.step_ms is not None:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from vocoder_svc.codec import MossAudioTokenizer
-from vocoder_svc.engines import DEFAULT_CODEBOOKS
+from vocoder_svc.codec_config import DEFAULT_CODEBOOKS
 from vocoder_svc.slot_decoder import SlotDecoder
 
 
