@@ -24,13 +24,13 @@ time-slicing against it, and `vocoder_svc.server --attach-decoder DIR`
 connects to it (vocoder_svc/decoder_client.py: DecodeProcess(attach=DIR)) instead of starting a child. It
 says hello first, and it takes a heartbeat's silence for the decoder's death.
 Or the decoder is a process of its own in front of which N vocoder processes
-attach, one per DIR/i (host_main; `chorus up --shared-vocoder-decoder`): one
+attach, one per DIR/i (`chorus up --shared-vocoder-decoder`): one
 CUDA context and one slot decoder for a GPU of the vocoder's own, with the gRPC
 work spread over N processes. Each front has its own socket pair; a front's
 hello releases only its own streams, and every front hears a heartbeat.
 
-    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... <vocoder flags>   (started by the server)
-    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags>   (host_main: one decoder,
+    python -m vocoder_svc.decode_process --fronts-dir DIR --child <vocoder flags>   (started by the server)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags>   (one decoder,
         N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
 """
 
@@ -42,7 +42,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 from typing import Callable
@@ -53,7 +52,7 @@ import zmq
 
 from chorus.v1 import vocoder_decoder_pb2 as dpb
 from vocoder_svc.decoder_build import build_slot_decoder, make_codec, stall_exit_seconds
-from vocoder_svc.decoder_client import host_endpoints
+from vocoder_svc.decoder_client import front_dirs, host_endpoints
 from vocoder_svc.metrics import StepReport
 from vocoder_svc.server import add_arguments
 from vocoder_svc.slot_worker import SlotStream, SlotWorker, StreamTooLong
@@ -107,8 +106,8 @@ def _exit_with_parent() -> None:
 class Decoder:
     """The decode side: one SlotDecoder and its SlotWorker, answering DecoderInput from gRPC
     processes ("fronts") with DecoderOutput, each front on its own (jobs, results) endpoint pair.
-    Runs as one gRPC process's child (child_main), as a thread of the worker's process
-    (host_in_thread), or as a process of its own behind several fronts (host_main): one CUDA
+    Runs as a process of its own (main): one gRPC process's child, or shared by several fronts; or
+    as a thread of the worker's process (host_in_thread). Shared, it is one CUDA
     context and one slot decoder whose steps mix every front's streams, while the fronts' gRPC work
     (250-440 us of host time a PCM chunk, benchmarks/grpc_pcm_bench.py) is spread over their processes."""
 
@@ -185,12 +184,6 @@ class Decoder:
         return msg.shutdown
 
 
-def front_dirs(path: str, fronts: int) -> list[str]:
-    """The directories of a shared decoder's fronts (host_main --fronts): `vocoder_svc.server
-    --attach-decoder` takes one each."""
-    return [os.path.join(path, str(i)) for i in range(fronts)]
-
-
 def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
     """The vocoder's decoder as a daemon thread of this (the worker's) process, on `device`: one
     CUDA context with the worker, so the GPU interleaves the two processes' kernels instead of
@@ -220,45 +213,43 @@ def host_in_thread(path: str, vocoder_argv: list[str], device: str) -> Decoder:
     return decoder
 
 
-def child_main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One decoder behind N vocoder gRPC processes ("fronts"), front i attached under DIR/i: the child
+    a vocoder starts for itself (--child, one front), or a process of its own shared by N
+    `vocoder_svc.server --attach-decoder DIR/i` processes. Why share one: one vocoder process cannot
+    feed an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md), and two replicas
+    are two CUDA contexts that take turns on the GPU. A shared decoder stops on SIGTERM/SIGINT; its
+    fronts then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its
+    slots until a process attaches in its place (its hello releases them), as with a hosted decoder."""
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", required=True, help="ZeroMQ endpoint the parent sends DecoderInput on")
-    parser.add_argument("--results", required=True, help="ZeroMQ endpoint the parent reads DecoderOutput on")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
-        signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    decoder = Decoder(args, [(args.jobs, args.results)])
-    print(f"vocoder: decode process {os.getpid()} ready", flush=True)
-    decoder.serve()
-
-
-def host_main(argv: list[str] | None = None) -> None:
-    """A decoder of its own behind several vocoder gRPC processes (`--fronts-dir DIR --fronts N`), each
-    started with `vocoder_svc.server --attach-decoder DIR/i`. Why: one vocoder process cannot feed
-    an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md), and two
-    replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
-    then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
-    until a process attaches in its place (its hello releases them), as with a hosted decoder."""
-    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process --fronts-dir DIR",
-                                     description=host_main.__doc__)
     parser.add_argument("--fronts-dir", required=True, metavar="DIR", help="serve the fronts under DIR/0 ... DIR/N-1")
-    parser.add_argument("--fronts", type=int, default=2, metavar="N", help="vocoder gRPC processes (default 2)")
+    parser.add_argument("--fronts", type=int, default=1, metavar="N",
+                        help="vocoder gRPC processes in front of this decoder (default: %(default)s)")
+    parser.add_argument("--child", action="store_true",
+                        help="started by its one front: exit when that process is gone, and leave SIGINT/SIGTERM "
+                             "to it (it drains its calls, then sends shutdown)")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.fronts < 1:
-        raise SystemExit(f"--fronts {args.fronts}: at least 1")
+    if args.fronts < 1 or (args.child and args.fronts != 1):
+        raise SystemExit(f"--fronts {args.fronts}: at least 1, and exactly 1 with --child")
     dirs = front_dirs(args.fronts_dir, args.fronts)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-    decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=True)  # its streams, as a child's
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: os._exit(0))
-    print(f"vocoder decoder {os.getpid()} for {args.fronts} fronts ready on {args.fronts_dir}", flush=True)
+    if args.child:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    else:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: os._exit(0))
+    decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=not args.child)
+    if args.child:
+        print(f"vocoder: decode process {os.getpid()} ready", flush=True)
+    else:
+        print(f"vocoder decoder {os.getpid()} for {args.fronts} fronts ready on {args.fronts_dir}", flush=True)
     decoder.serve(HOST_HEARTBEAT_S)
 
 
 if __name__ == "__main__":
-    host_main() if "--fronts-dir" in sys.argv[1:] else child_main()
+    main()

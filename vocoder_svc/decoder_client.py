@@ -51,6 +51,12 @@ def child_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def front_dirs(path: str, fronts: int) -> list[str]:
+    """The directories of a decode process's fronts (its --fronts-dir and --fronts): `vocoder_svc.server
+    --attach-decoder` takes one each; a child decode process has one."""
+    return [os.path.join(path, str(i)) for i in range(fronts)]
+
+
 def host_endpoints(path: str) -> tuple[str, str]:
     """(jobs, results) ipc endpoints under a directory shared by the decoder's host and one vocoder."""
     return f"ipc://{path}/jobs", f"ipc://{path}/results"
@@ -84,14 +90,16 @@ class DecodeProcess:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        if attach:
-            os.makedirs(attach, exist_ok=True)
-        jobs, results = host_endpoints(attach or self._tmp.name)
+        # A child is a decode process with this process as its one front (the same protocol and code
+        # as a shared one), under a directory of its own.
+        front = attach or front_dirs(self._tmp.name, 1)[0]
+        os.makedirs(front, exist_ok=True)
+        jobs, results = host_endpoints(front)
         self._jobs.bind(jobs)
         self._results.bind(results)
         # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
         self.proc = None if attach else subprocess.Popen(
-            [sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs, "--results", results,
+            [sys.executable, "-m", "vocoder_svc.decode_process", "--fronts-dir", self._tmp.name, "--child",
              *child_argv(args)])
         self.ready: dpb.DecoderReady | None = None
         self.gone: str | None = None
