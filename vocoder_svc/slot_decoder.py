@@ -286,7 +286,7 @@ class SlotDecoder(GraphCapture, PcmLaunch):
         """A free slot holding a fresh stream. RuntimeError when all are taken."""
         with self._lock:
             if not self._free:
-                raise RuntimeError(f"all {self.slots} slot decoder slots are in use")
+                raise RuntimeError(f"all {self.slots} slots are in use")
             slot = self._free.pop()
             self._reset(slot)
             self._active.add(slot)
