@@ -184,7 +184,7 @@ class Cluster:
     # The vocoder's decoder in the worker's process (one replica, the worker's device): see
     # gpu_worker --host-vocoder-decoder.
     colocate_vocoder: bool = False
-    # The vocoder replicas in front of one decoder process: see vocoder_svc.decode_process.host_main.
+    # The vocoder replicas in front of one decoder process: see vocoder_svc.decode_process.main.
     shared_decoder: bool = False
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
@@ -220,7 +220,7 @@ class Cluster:
         if self.colocate_vocoder:
             worker.host_vocoder_decoder = attach[0] = decoder_dir
         elif self.shared_decoder:
-            from vocoder_svc.decode_process import front_dirs  # only where the vocoder's code is wanted
+            from vocoder_svc.decoder_client import front_dirs  # only where the vocoder's code is wanted
             services.append(Service("decoder", py + [
                 "vocoder_svc.decode_process", "--fronts-dir", decoder_dir, "--fronts", str(len(self.vocoder_ports)),
                 "--config-proto", write_proto(vocoder, os.path.join(tmp, "decoder.pb"))]))

@@ -1,5 +1,5 @@
 """Where Chorus's Triton kernels run, and the pieces they share
-(gpu_worker/kernels.py, vocoder_svc/window_attention.py, vocoder_svc/session_kernels.py).
+(gpu_worker/kernels.py, vocoder_svc/window_attention.py, vocoder_svc/slot_kernels.py).
 
 Triton is imported only where it can run: with CUDA, or in interpreter mode
 (TRITON_INTERPRET=1, which runs kernels on CPU tensors; tests/conftest.py sets

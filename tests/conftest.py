@@ -10,7 +10,8 @@ import torch
 if importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vocoder_svc.codec import build_codec, tiny_v1, tiny_v2
+from vocoder_svc.codec import tiny_v1, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
 
 from helpers import make_cluster
 

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from chorus import audio
 from chorus.v1 import common_pb2
 from vocoder_svc import codec as C
-from vocoder_svc.codec import (CodecConfig, build_codec, checkpoint_names, full_v1, full_v2, load_codec, tiny_v1,
-                               tiny_v2)
+from vocoder_svc.codec import CodecConfig, full_v1, full_v2, tiny_v1, tiny_v2
+from vocoder_svc.codec_checkpoint import _skeleton, build_codec, checkpoint_names, load_codec
 
 F64 = torch.float64
 # Tiny models: one intra-op thread is faster, and far faster on a shared, busy machine.
@@ -57,11 +57,11 @@ def decoder_ladder(model, t, device="cpu", dtype=torch.float32):
 
 def test_shape_ladder_full_sizes_on_meta():
     t = 3
-    v1 = C._skeleton(full_v1())
+    v1 = _skeleton(full_v1())
     assert decoder_ladder(v1, t, "meta")[:-1] == [
         (768, t), (1280, t), (640, 2 * t), (768, 2 * t), (384, 4 * t), (768, 4 * t), (384, 8 * t), (240, 8 * t),
         (1, 1920 * t)]
-    v2 = C._skeleton(full_v2())
+    v2 = _skeleton(full_v2())
     assert decoder_ladder(v2, t, "meta") == [
         (768, t), (1280, t), (640, 2 * t), (768, 2 * t), (384, 4 * t), (768, 4 * t), (384, 8 * t), (768, 8 * t),
         (384, 16 * t), (768, 16 * t), (384, 32 * t), (240, 32 * t), (1, 7680 * t), (2, 3840 * t)]

@@ -24,8 +24,9 @@ from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import FinishEvent, FrameEvent, Request
 from scheduler_svc.vocoder_client import VocoderPool, format_address, parse_target, resolve
-from vocoder_svc.codec import build_codec, tiny_v2
-from vocoder_svc.server import VocoderServicer
+from vocoder_svc.codec import tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.servicer import VocoderServicer
 
 from helpers import free_port, make_cluster, metric
 
@@ -401,15 +402,15 @@ def test_relay_gives_up_after_max_failovers_and_does_not_retry_bad_requests():
 
 
 def test_decode_process_death_fails_over_byte_identical():
-    """Vocoders running their session in a decode process (one bucket, so any replica gives the same
+    """Vocoders running their slot decoder in a decode process (one bucket, so any replica gives the same
     bytes): SIGKILL of one replica's decode process mid-stream ends its calls UNAVAILABLE, the
     scheduler replays them on the other replica, every client's audio is byte-identical to the
     fault-free run, and the replica whose decoder died exits non-zero."""
     from chorus.launcher import child_pids
 
-    session = ["--engine", "slots", "--decode-process", "on", "--slots", "4", "--buckets", "4", "--graphs", "off"]
+    slots_args = ["--engine", "slots", "--decode-process", "on", "--slots", "4", "--buckets", "4", "--graphs", "off"]
     c = make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
-                     scheduler_args=["--max-queue", "16"], vocoder_ports=[0, 0], vocoder_args=session)
+                     scheduler_args=["--max-queue", "16"], vocoder_ports=[0, 0], vocoder_args=slots_args)
     with c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
         synthesize(stub, request(1, frames=3), timeout=120)  # warm-up

@@ -25,10 +25,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chorus.audio import encode_pcm16
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from vocoder_svc.codec import build_codec, tiny_v2
-from vocoder_svc.server import (DecodeWorker, Metrics, SessionWorker, VocoderServicer, check_batch_invariance,
-                              resolve_engine)
-from vocoder_svc.session import CodecSession
+from vocoder_svc.codec import tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.decoder_build import resolve_engine
+from vocoder_svc.metrics import Metrics
+from vocoder_svc.selfcheck import check_batch_invariance
+from vocoder_svc.servicer import VocoderServicer
+from vocoder_svc.slot_decoder import SlotDecoder
+from vocoder_svc.slot_worker import SlotWorker
+from vocoder_svc.stream_worker import DecodeWorker
 
 from helpers import free_port, still_running
 
@@ -370,13 +375,13 @@ def _refused(stub) -> bool:
     return False
 
 
-# ---- the session engine (CodecSession) on CPU --------------------------------------------------------
+# ---- the slots engine (SlotDecoder) on CPU --------------------------------------------------------
 
-SESSION_SLOTS = 3
+SLOTS = 3
 
 
 class InProcessVocoder:
-    """A VocoderServicer served by grpc.aio on a private event loop thread; tests see its session."""
+    """A VocoderServicer served by grpc.aio on a private event loop thread; tests see its slot decoder."""
 
     def __init__(self, servicer: VocoderServicer):
         self.servicer = servicer
@@ -412,12 +417,12 @@ def tiny_codec():
 
 
 @pytest.fixture(scope="module")
-def session_vocoder(tiny_codec):
+def slots_vocoder(tiny_codec):
     # Emulated graphs for the service's chunk sizes (5, 25): the graph bookkeeping runs, replays are eager.
-    session = CodecSession(tiny_codec, slots=SESSION_SLOTS, n_q=12, graphs="emulate", graph_frames=[5, 25])
-    session.capture()
+    slot_decoder = SlotDecoder(tiny_codec, slots=SLOTS, n_q=12, graphs="emulate", graph_frames=[5, 25])
+    slot_decoder.capture()
     v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
-                                         session=session))
+                                         slot_decoder=slot_decoder))
     yield v
     v.close()
 
@@ -458,11 +463,11 @@ def decode_33_at_once(stub_of_seed: dict, codec) -> None:
 
 def settled(v: InProcessVocoder) -> bool:
     """No call open and every slot back (slots are freed on the worker thread, after the call ends)."""
-    return v.info().active_streams == 0 and v.servicer.session.free_slots == SESSION_SLOTS
+    return v.info().active_streams == 0 and v.servicer.slot_decoder.free_slots == SLOTS
 
 
-def test_session_engine_decode_matches_offline(session_vocoder, tiny_codec):
-    v = session_vocoder
+def test_slots_engine_decode_matches_offline(slots_vocoder, tiny_codec):
+    v = slots_vocoder
     codes = random_codes(33, seed=21)
     responses = list(v.stub.Decode(decode_requests(codes, [33]), timeout=60))
     assert [(r.first_frame, r.frames, r.first_sample) for r in responses] == [(0, 5, 0), (5, 25, 5 * HOP),
@@ -470,19 +475,19 @@ def test_session_engine_decode_matches_offline(session_vocoder, tiny_codec):
     assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
     again = list(v.stub.Decode(decode_requests(codes, [1] * 7 + [4, 22]), timeout=60))
     assert b"".join(r.pcm for r in again) == b"".join(r.pcm for r in responses)  # arrival never matters
-    # Codebooks other than the session's go through the stream engine.
+    # Codebooks other than the slot decoder's go through the stream engine.
     few = random_codes(9, seed=22)[:, :8]
     reqs = [start(codebooks=8), vocoder_pb2.DecodeRequest(frames=matrix(few)), vocoder_pb2.DecodeRequest(end=True)]
     assert_close(pcm_of(v.stub.Decode(iter(reqs), timeout=60)), offline_pcm(tiny_codec, few))
     assert wait_for(lambda: settled(v))
     steps = v.servicer.metrics.registry.get_sample_value
     # 5 and 25 frames are graphed, and so are the 3-frame tails: padded to 25 frames, PCM cut back
-    assert steps("chorus_vocoder_session_steps_total", {"path": "graph"}) >= 6
-    assert steps("chorus_vocoder_session_steps_total", {"path": "eager"}) is None
+    assert steps("chorus_vocoder_slot_steps_total", {"path": "graph"}) >= 6
+    assert steps("chorus_vocoder_slot_steps_total", {"path": "eager"}) is None
 
 
-def test_session_engine_concurrent_streams_with_different_chunks(session_vocoder, tiny_codec):
-    v = session_vocoder
+def test_slots_engine_concurrent_streams_with_different_chunks(slots_vocoder, tiny_codec):
+    v = slots_vocoder
     configs = {0: (5, 25, [40]), 1: (3, 7, [2] * 20), 2: (5, 25, [1] * 40)}  # first, chunk, message sizes
     results: dict[int, np.ndarray] = {}
     barrier = threading.Barrier(len(configs))
@@ -536,12 +541,12 @@ def _open_stream(stub, codes: np.ndarray):
     return outbox, got, call
 
 
-def test_session_engine_frees_slots_on_cancel_and_error(session_vocoder):
-    v = session_vocoder
-    session = v.servicer.session
+def test_slots_engine_frees_slots_on_cancel_and_error(slots_vocoder):
+    v = slots_vocoder
+    slot_decoder = v.servicer.slot_decoder
     outbox, got, call = _open_stream(v.stub, random_codes(7, seed=40))
     assert got.get(timeout=30).frames == 5  # first step done: the stream holds a slot
-    assert v.info().active_streams == 1 and session.free_slots == SESSION_SLOTS - 1
+    assert v.info().active_streams == 1 and slot_decoder.free_slots == SLOTS - 1
     call.cancel()
     outbox.put(None)
     assert wait_for(lambda: settled(v))
@@ -549,37 +554,37 @@ def test_session_engine_frees_slots_on_cancel_and_error(session_vocoder):
     bad = random_codes(3, seed=41)
     bad[0, 0] = 4096
     outbox, got, call = _open_stream(v.stub, random_codes(6, seed=42))
-    assert got.get(timeout=30).frames == 5 and session.free_slots == SESSION_SLOTS - 1
+    assert got.get(timeout=30).frames == 5 and slot_decoder.free_slots == SLOTS - 1
     outbox.put(vocoder_pb2.DecodeRequest(frames=matrix(bad)))
     outbox.put(None)
     err = got.get(timeout=30)
     assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert wait_for(lambda: settled(v))
     sample = v.servicer.metrics.registry.get_sample_value
-    assert sample("chorus_vocoder_session_free_slots") == SESSION_SLOTS
+    assert sample("chorus_vocoder_free_slots") == SLOTS
     assert sample("chorus_vocoder_active_streams") == 0
 
 
-def test_session_engine_queues_streams_beyond_slots(session_vocoder, tiny_codec):
+def test_slots_engine_queues_streams_beyond_slots(slots_vocoder, tiny_codec):
     """With every slot held, a new stream's first step waits (no error) until a call ends; a waiting
     stream that is cancelled leaves nothing behind."""
-    v = session_vocoder
-    session = v.servicer.session
-    holders = [_open_stream(v.stub, random_codes(5, seed=50 + i)) for i in range(SESSION_SLOTS)]
+    v = slots_vocoder
+    slot_decoder = v.servicer.slot_decoder
+    holders = [_open_stream(v.stub, random_codes(5, seed=50 + i)) for i in range(SLOTS)]
     for _, got, _ in holders:
         assert got.get(timeout=30).frames == 5
-    assert session.free_slots == 0
+    assert slot_decoder.free_slots == 0
     waiting_codes = random_codes(12, seed=60)
     outbox, got, call = _open_stream(v.stub, waiting_codes[:5])
     quitter = _open_stream(v.stub, random_codes(5, seed=61))
-    gauge = lambda: v.servicer.metrics.registry.get_sample_value("chorus_vocoder_session_waiting_streams")  # noqa: E731
+    gauge = lambda: v.servicer.metrics.registry.get_sample_value("chorus_vocoder_waiting_streams")  # noqa: E731
     assert wait_for(lambda: gauge() == 2)
     with pytest.raises(queue.Empty):
         got.get(timeout=1.0)  # queued, not failed
-    assert v.info().active_streams == SESSION_SLOTS + 2
+    assert v.info().active_streams == SLOTS + 2
     quitter[2].cancel()  # gives up while waiting: it never held a slot
     quitter[0].put(None)
-    assert wait_for(lambda: v.info().active_streams == SESSION_SLOTS + 1)
+    assert wait_for(lambda: v.info().active_streams == SLOTS + 1)
     h_out, h_got, _ = holders[0]
     h_out.put(vocoder_pb2.DecodeRequest(end=True))  # one holder finishes: its slot goes to the waiting stream
     h_out.put(None)
@@ -600,10 +605,10 @@ def test_session_engine_queues_streams_beyond_slots(session_vocoder, tiny_codec)
     assert wait_for(lambda: settled(v)) and gauge() == 0
 
 
-def test_session_worker_runs_first_chunks_first(tiny_codec):
+def test_slot_worker_runs_first_chunks_first(tiny_codec):
     """A new stream's first step (its listener hears nothing yet) goes before an older steady step."""
-    session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])
-    worker = SessionWorker(session, Metrics().record_session)
+    slot_decoder = SlotDecoder(tiny_codec, slots=4, n_q=12, buckets=[4])
+    worker = SlotWorker(slot_decoder, Metrics().record_step)
     codes = random_codes(10, 1)
     order: list[str] = []
 
@@ -626,12 +631,12 @@ def test_session_worker_runs_first_chunks_first(tiny_codec):
     assert order == ["first chunk", "steady"]
 
 
-def test_session_worker_batches_same_frame_counts(tiny_codec):
-    """Steps due together with the same T are one session step (different T: separate steps); each
+def test_slot_worker_batches_same_frame_counts(tiny_codec):
+    """Steps due together with the same T are one decoder step (different T: separate steps); each
     stream's PCM is bitwise what it is alone in the same bucket."""
-    session = CodecSession(tiny_codec, slots=4, n_q=12, buckets=[4])  # one bucket: any grouping, same bytes
+    slot_decoder = SlotDecoder(tiny_codec, slots=4, n_q=12, buckets=[4])  # one bucket: any grouping, same bytes
     metrics = Metrics()
-    worker = SessionWorker(session, metrics.record_session)
+    worker = SlotWorker(slot_decoder, metrics.record_step)
     codes = [random_codes(10, seed) for seed in range(4)]
 
     async def run(streams: list[int], sizes: dict[int, list[int]]) -> dict[int, bytes]:
@@ -650,7 +655,7 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
 
     try:
         mixed = asyncio.run(run([0, 1, 2, 3], {0: [5, 5], 1: [5, 5], 2: [3, 7], 3: [5, 5]}))
-        assert wait_for(lambda: session.free_slots == 4)
+        assert wait_for(lambda: slot_decoder.free_slots == 4)
         alone = {s: asyncio.run(run([s], {s: [5, 5] if s != 2 else [3, 7]}))[s] for s in range(4)}
     finally:
         worker.close()
@@ -659,16 +664,16 @@ def test_session_worker_batches_same_frame_counts(tiny_codec):
     # mixed: per round one step of three streams (T=5) and one of one (T=3 / T=7); then 4 solo runs x 2 steps
     assert sample("chorus_vocoder_decode_batch_streams_count") == 2 * 2 + 4 * 2
     assert sample("chorus_vocoder_decode_batch_streams_sum") == 2 * 4 + 4 * 2
-    assert session.free_slots == 4 and sample("chorus_vocoder_session_free_slots") == 4
+    assert slot_decoder.free_slots == 4 and sample("chorus_vocoder_free_slots") == 4
 
 
-def test_session_engine_cli(tiny_codec):
+def test_slots_engine_cli(tiny_codec):
     """--engine slots on CPU with emulated graphs: capture progress, the self-check line, a decode."""
     proc, address, seen, _ = start_vocoder("--metrics-port", "0", "--engine", "slots", "--slots", "2",
                                            "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "1", timeout=60)
     try:
         text = "".join(seen)
-        assert "session engine: 2 slots, buckets [1, 2], 12 codebooks" in text
+        assert "slots engine: 2 slots, buckets [1, 2], 12 codebooks" in text
         assert re.search(r"captured graph 4/4 \(bucket 1, 5 frames\)", text), text
         assert "bitwise independent of its neighbours" in text and "graph == eager bitwise" in text
         with grpc.insecure_channel(address) as ch:
@@ -689,13 +694,13 @@ def test_engine_choice():
     assert resolve_engine("slots", "cpu") == "slots" and resolve_engine("stream", "cuda") == "stream"
 
 
-def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
-    """A stream past the session's exact-position limit ends with OUT_OF_RANGE (no failover) after the
+def test_slots_engine_stream_limit_is_out_of_range(tiny_codec):
+    """A stream past the slot decoder's exact-position limit ends with OUT_OF_RANGE (no failover) after the
     chunks that fit, and frees its slot."""
-    session = CodecSession(tiny_codec, slots=1, n_q=12)
-    session._max_mult = (1 << 24) // 12  # max_stream_frames = 12 instead of 2184
-    assert session.max_stream_frames == 12
-    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=5, session=session))
+    slot_decoder = SlotDecoder(tiny_codec, slots=1, n_q=12)
+    slot_decoder._max_mult = (1 << 24) // 12  # max_stream_frames = 12 instead of 2184
+    assert slot_decoder.max_stream_frames == 12
+    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=5, slot_decoder=slot_decoder))
     try:
         got = []
         with pytest.raises(grpc.RpcError) as e:
@@ -703,15 +708,15 @@ def test_session_engine_stream_limit_is_out_of_range(tiny_codec):
                 got.append(r.frames)
         assert got in ([5], [5, 5])  # the chunks that fit (grpc may drop the last one queued before the abort)
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "longer than 12 frames" in e.value.details()
-        assert wait_for(lambda: v.info().active_streams == 0 and session.free_slots == 1)
+        assert wait_for(lambda: v.info().active_streams == 0 and slot_decoder.free_slots == 1)
     finally:
         v.close()
 
 
-# ---- the session engine in a decode process (--decode-process on) ------------------------------------
+# ---- the slots engine in a decode process (--decode-process on) ------------------------------------
 
 def _start_decode_process_vocoder(metrics_port: int = 0):
-    """The vocoder with its session in a child process (2 slots, emulated graphs); returns (proc, address,
+    """The vocoder with its slot decoder in a child process (2 slots, emulated graphs); returns (proc, address,
     decode process pid, output lines)."""
     proc, address, seen, lines = start_vocoder(
         "--metrics-port", str(metrics_port), "--engine", "slots", "--decode-process", "on", "--slots", "2",
@@ -736,11 +741,11 @@ def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
 
             outbox, got, call = _open_stream(stub, random_codes(7, 9))
             assert got.get(timeout=30).frames == 5
-            assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 1)
+            assert wait_for(lambda: metric("chorus_vocoder_free_slots") == 1)
             call.cancel()
             outbox.put(None)
-            assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 2)
-            assert metric('chorus_vocoder_session_steps_total{path="graph"}') >= 4
+            assert wait_for(lambda: metric("chorus_vocoder_free_slots") == 2)
+            assert metric('chorus_vocoder_slot_steps_total{path="graph"}') >= 4
             assert metric("chorus_vocoder_decode_step_ms_count") >= 7
             assert metric("chorus_vocoder_active_streams") == 0
 
@@ -802,7 +807,8 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
     from chorus.v1 import vocoder_decoder_pb2 as dpb
     from chorus.config import parse
     from vocoder_svc.config import VocoderConfig
-    from vocoder_svc.decode_process import host_endpoints, host_in_thread
+    from vocoder_svc.decode_process import host_in_thread
+    from vocoder_svc.decoder_client import host_endpoints
 
     path = str(tmp_path / "decoder")
     decoder = host_in_thread(path, parse(VocoderConfig, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2",
@@ -825,16 +831,16 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
             with grpc.insecure_channel(address) as ch:
                 stub = vocoder_pb2_grpc.VocoderStub(ch)
                 # The first vocoder's stream holds a slot when it dies; the second's hello frees it.
-                assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 2)
+                assert wait_for(lambda: metric("chorus_vocoder_free_slots") == 2)
                 decode_33_at_once({round_: stub}, tiny_codec)
                 if round_ == 0:
                     outbox, got, _ = _open_stream(stub, random_codes(7, 9))
                     assert got.get(timeout=30).frames == 5
-                    assert wait_for(lambda: metric("chorus_vocoder_session_free_slots") == 1)
+                    assert wait_for(lambda: metric("chorus_vocoder_free_slots") == 1)
                     proc.kill()
                     proc.wait()
                     outbox.put(None)
-        assert wait_for(lambda: decoder.worker.session.free_slots == 2)
+        assert wait_for(lambda: decoder.worker.slot_decoder.free_slots == 2)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -932,7 +938,7 @@ def test_shared_decoder_cluster_serves_audio_of_its_codes(tiny_codec):
                       shared_decoder=True) as cluster:
         assert any("for 2 fronts ready on" in line for line in cluster.service("decoder").lines)
         for name in ("vocoder0", "vocoder1"):
-            assert any("session engine in the decoder hosted by process" in line
+            assert any("slots engine in the decoder hosted by process" in line
                        for line in cluster.service(name).lines), cluster.service(name).lines
         stub = tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
         replies = []
@@ -948,8 +954,8 @@ def test_shared_decoder_cluster_serves_audio_of_its_codes(tiny_codec):
             assert_close(r.pcm(), offline_pcm(tiny_codec, r.code_frames().astype(np.int32)))
 
 
-class FakeSession:
-    """What SessionWorker calls on a CodecSession, without a codec: 4 slots; tests override
+class FakeSlotDecoder:
+    """What SlotWorker calls on a SlotDecoder, without a codec: 4 slots; tests override
     launch_pcm (and uses_priority_stream) to record the steps the worker forms."""
 
     slots, n_q, max_stream_frames, last_step_graphed = 4, 12, 1000, True
@@ -975,7 +981,7 @@ class FakeSession:
         return False
 
 
-def test_session_worker_launches_ahead_only_under_load():
+def test_slot_worker_launches_ahead_only_under_load():
     """A step is launched while the previous one still runs on the device only if it carries at least
     launch_ahead_streams streams; a smaller one (e.g. a new stream's first chunk) waits for the device
     first, so it never queues behind more than the running step."""
@@ -995,7 +1001,7 @@ def test_session_worker_launches_ahead_only_under_load():
         def result(self) -> dict[int, bytes]:
             return {s: b"pcm" for s in self.slots}
 
-    class Session(FakeSession):
+    class SlotDecoderStub(FakeSlotDecoder):
         def uses_priority_stream(self, t: int) -> bool:
             return t == 7
 
@@ -1004,7 +1010,7 @@ def test_session_worker_launches_ahead_only_under_load():
             return Pending(len(codes), list(codes))
 
     reports = []
-    worker = SessionWorker(Session(), reports.append, launch_ahead_streams=2)
+    worker = SlotWorker(SlotDecoderStub(), reports.append, launch_ahead_streams=2)
 
     async def run() -> None:
         a, b, c = worker.open(), worker.open(), worker.open()
@@ -1028,7 +1034,7 @@ def test_session_worker_launches_ahead_only_under_load():
     assert [r.launched_ahead for r in reports if r.step_ms is not None] == [False, False, True, True]
 
 
-def test_session_worker_decodes_chunks_in_step_frame_pieces():
+def test_slot_worker_decodes_chunks_in_step_frame_pieces():
     """--step-frames 5: a 25-frame chunk is decoded as five 5-frame steps, the first of them together
     with a new stream's 5-frame first chunk, and its caller gets the five pieces' PCM as one chunk;
     an error in a piece fails the chunk once and skips the pieces not yet run."""
@@ -1048,7 +1054,7 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
         def result(self) -> dict[int, bytes]:
             return self.pcm
 
-    class Session(FakeSession):
+    class SlotDecoderStub(FakeSlotDecoder):
         fail_at = -1
 
         def launch_pcm(self, codes, int16=()):
@@ -1057,8 +1063,8 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
                 raise RuntimeError("device fault")
             return Pending(codes)
 
-    session = Session()
-    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1, step_frames=5)
+    slot_decoder = SlotDecoderStub()
+    worker = SlotWorker(slot_decoder, lambda report: None, launch_ahead_streams=1, step_frames=5)
     shared: list[str] = []
 
     async def run() -> tuple[bytes, bytes]:
@@ -1070,7 +1076,7 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
             first = worker.submit(b, random_codes(5, 3))
         out = await asyncio.gather(steady, first)
         shared.extend(events)
-        session.fail_at = 2  # the second piece of the next chunk fails
+        slot_decoder.fail_at = 2  # the second piece of the next chunk fails
         events.clear()
         with pytest.raises(RuntimeError, match="device fault"):
             await worker.submit(a, random_codes(15, 4))
@@ -1088,8 +1094,8 @@ def test_session_worker_decodes_chunks_in_step_frame_pieces():
     assert events == ["launch [0] x [5]", "launch [0] x [5]"]  # the failed chunk's third piece never ran
 
 
-class StepRecorder(FakeSession):
-    """A FakeSession that records each step ("launch [slots] x [frames]") and answers at once with 4
+class StepRecorder(FakeSlotDecoder):
+    """A FakeSlotDecoder that records each step ("launch [slots] x [frames]") and answers at once with 4
     bytes a frame, (step, frame), step counted from the first launch since `events` was cleared."""
 
     graph_mode = None
@@ -1112,7 +1118,7 @@ def step_pcm(step: int, frames: range) -> bytes:
     return b"".join(b"%02d%02d" % (step, f) for f in frames)
 
 
-def drive(worker: SessionWorker, calls):
+def drive(worker: SlotWorker, calls):
     """Run the coroutine function `calls` against the worker, then close it."""
     try:
         return asyncio.run(calls())
@@ -1120,11 +1126,11 @@ def drive(worker: SessionWorker, calls):
         worker.close()
 
 
-def test_session_worker_decodes_a_backlog_one_chunk_a_step():
+def test_slot_worker_decodes_a_backlog_one_chunk_a_step():
     """A stream that fell behind (three 5-frame chunks queued) has one chunk decoded a step: the first
     beside a new stream's first chunk (which leads) and the other streams' chunks of that size."""
-    session = StepRecorder()
-    worker = SessionWorker(session, lambda report: None, launch_ahead_streams=1)
+    slot_decoder = StepRecorder()
+    worker = SlotWorker(slot_decoder, lambda report: None, launch_ahead_streams=1)
 
     async def run() -> list[bytes]:
         a, b, c = (worker.open() for _ in range(3))
@@ -1140,45 +1146,45 @@ def test_session_worker_decodes_a_backlog_one_chunk_a_step():
         return out
 
     out = drive(worker, run)
-    assert session.events == ["launch [0, 1] x [5, 5]", "launch [0, 1, 2] x [5, 5, 5]",
+    assert slot_decoder.events == ["launch [0, 1] x [5, 5]", "launch [0, 1, 2] x [5, 5, 5]",
                               "launch [0] x [5]", "launch [0] x [5]"]
     assert out == [step_pcm(1, range(5)), step_pcm(2, range(5)), step_pcm(3, range(5)),
                    step_pcm(1, range(5)), step_pcm(1, range(5))]
 
 
-def test_session_engine_step_frames_match_offline(tiny_codec):
-    """--step-frames 5 on a real session: chunks of 5, 25 and a 12-frame tail come back as those
+def test_slots_engine_step_frames_match_offline(tiny_codec):
+    """--step-frames 5 on a real slot decoder: chunks of 5, 25 and a 12-frame tail come back as those
     chunks, decoded in 5-frame graph steps (1 + 5 + 3: the tail is padded to 15, not 25), with the
     offline decode's audio."""
-    session = CodecSession(tiny_codec, slots=SESSION_SLOTS, n_q=12, graphs="emulate", graph_frames=[5])
-    session.capture()
+    slot_decoder = SlotDecoder(tiny_codec, slots=SLOTS, n_q=12, graphs="emulate", graph_frames=[5])
+    slot_decoder.capture()
     v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
-                                         session=session, step_frames=5))
+                                         slot_decoder=slot_decoder, step_frames=5))
     try:
         sample = v.servicer.metrics.registry.get_sample_value
         codes = random_codes(42, seed=31)
         responses = list(v.stub.Decode(decode_requests(codes, [42]), timeout=60))
         assert [(r.first_frame, r.frames) for r in responses] == [(0, 5), (5, 25), (30, 12)]
         assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
-        assert sample("chorus_vocoder_session_steps_total", {"path": "graph"}) == 9
+        assert sample("chorus_vocoder_slot_steps_total", {"path": "graph"}) == 9
         assert wait_for(lambda: settled(v))
     finally:
         v.close()
 
 
-def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):
+def test_slots_engine_pads_short_last_steps(slots_vocoder, tiny_codec):
     """A stream's last step shorter than its chunk runs padded to the chunk (graphed, with code-0
     frames) and comes back cut to its real frames: a 3-frame stream is one 5-frame graph step and
     3 frames of audio equal to the offline decode (the codec is causal)."""
-    v = session_vocoder
+    v = slots_vocoder
     sample = v.servicer.metrics.registry.get_sample_value
-    before = sample("chorus_vocoder_session_steps_total", {"path": "graph"}) or 0
+    before = sample("chorus_vocoder_slot_steps_total", {"path": "graph"}) or 0
     codes = random_codes(3, seed=23)
     responses = list(v.stub.Decode(decode_requests(codes, [3]), timeout=60))
     assert [(r.first_frame, r.frames, r.num_samples) for r in responses] == [(0, 3, 3 * HOP)]
     assert len(responses[0].pcm) == 3 * HOP * 2 * 4
     assert_close(pcm_of(responses), offline_pcm(tiny_codec, codes))
-    assert sample("chorus_vocoder_session_steps_total", {"path": "graph"}) == before + 1
+    assert sample("chorus_vocoder_slot_steps_total", {"path": "graph"}) == before + 1
     assert wait_for(lambda: settled(v))
 
 
@@ -1186,7 +1192,7 @@ def test_session_engine_pads_short_last_steps(session_vocoder, tiny_codec):
 
 def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
     """A decoder process of its own behind two vocoders (`--attach-decoder DIR/0` and `DIR/1`): streams on
-    both decode to the offline PCM in one session; the step metrics are the first front's only (summed over
+    both decode to the offline PCM in one slot decoder; the step metrics are the first front's only (summed over
     the fronts, a step counts once); an idle front keeps hearing the decoder while the other one is busy;
     and a front's SIGKILL frees only its own slot once a new front attaches in its place."""
     from vocoder_svc.decode_process import front_dirs
@@ -1226,16 +1232,16 @@ def test_shared_decoder_serves_every_front(tiny_codec, tmp_path):
         assert got.get(timeout=30).frames == 5
         outbox0, got0, _ = _open_stream(stubs[0], random_codes(7, 12))
         assert got0.get(timeout=30).frames == 5
-        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 2)
+        assert wait_for(lambda: metric(0, "chorus_vocoder_free_slots") == 2)
         procs[1].kill()
         procs[1].wait()
         outbox.put(None)
         proc, address, _, _ = start_vocoder("--metrics-port", str(ports[1]), "--attach-decoder", front_dirs(path, 2)[1],
                                             "--attach-silence-s", "4", "--grace", "1")
         procs.append(proc)
-        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 3)
+        assert wait_for(lambda: metric(0, "chorus_vocoder_free_slots") == 3)
         outbox0.put(None)
-        assert wait_for(lambda: metric(0, "chorus_vocoder_session_free_slots") == 4)
+        assert wait_for(lambda: metric(0, "chorus_vocoder_free_slots") == 4)
         for ch in fronts:
             ch.close()
     finally:

@@ -18,8 +18,9 @@ from helpers import triton_skip_reason  # noqa: E402
 _SKIP_TRITON = triton_skip_reason()  # a missing triton skips only the kernel tests
 import vocoder_svc.window_attention as WA  # noqa: E402
 
-from vocoder_svc.codec import build_codec, tiny_v2, window_mask  # noqa: E402
-from vocoder_svc.session import CodecSession  # noqa: E402
+from vocoder_svc.codec import tiny_v2, window_mask  # noqa: E402
+from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
+from vocoder_svc.slot_decoder import SlotDecoder  # noqa: E402
 
 needs_triton = pytest.mark.skipif(_SKIP_TRITON is not None, reason=_SKIP_TRITON or "")
 F32, F64 = torch.float32, torch.float64
@@ -31,10 +32,10 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _inputs(gen, b, h, tk, d, w, offsets, rows=None, n_rows=None, dtype=F32, session_strides=True):
-    """q, k, v [B, H, Tk, D] (as the session makes them: q/k contiguous, v a strided view of the fused
+def _inputs(gen, b, h, tk, d, w, offsets, rows=None, n_rows=None, dtype=F32, decoder_strides=True):
+    """q, k, v [B, H, Tk, D] (as the slot decoder makes them: q/k contiguous, v a strided view of the fused
     projection), rings [R, H, W, D] full of random finite values, rows, offset."""
-    if session_strides:
+    if decoder_strides:
         qkv = torch.randn(b, tk, 3, h, d, generator=gen, dtype=dtype).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0].contiguous(), qkv[1].contiguous(), qkv[2]
     else:
@@ -126,10 +127,10 @@ def test_kernel_whole_and_edge_blocks(config, tk, w):
 @needs_triton
 def test_kernel_contiguous_inputs_and_output_layout():
     gen = torch.Generator().manual_seed(3)
-    q, k, v, kc, vc, rows, offset = _inputs(gen, 2, 2, 9, 16, 6, [4, 9], session_strides=False)
+    q, k, v, kc, vc, rows, offset = _inputs(gen, 2, 2, 9, 16, 6, [4, 9], decoder_strides=False)
     _compare(q, k, v, kc, vc, rows, offset, 6)
     out = WA.window_attention(q, k, v, kc, vc, rows, offset, 6, impl="triton")
-    assert out.transpose(1, 2).is_contiguous()  # [B, Tk, H, D]: the session's reshape to [B, Tk, H*D] is a view
+    assert out.transpose(1, 2).is_contiguous()  # [B, Tk, H, D]: the slot decoder's reshape to [B, Tk, H*D] is a view
 
 
 def test_impl_errors():
@@ -225,18 +226,18 @@ def test_ring_batched_step_equals_per_row():
     assert index.numel() == 3 * 2 * 6 and index.unique().numel() == index.numel()  # min(Tk, W) slots, no collisions
 
 
-# ---- the session with the kernel ------------------------------------------------------------------------------
+# ---- the slot decoder with the kernel ------------------------------------------------------------------------------
 
 @needs_triton
-def test_session_triton_attention_equals_torch():
-    """CodecSession on the tiny v2 codec (head dim 16, every window 4 tokens, Tk up to 32x the frames) with
+def test_slot_decoder_triton_attention_equals_torch():
+    """SlotDecoder on the tiny v2 codec (head dim 16, every window 4 tokens, Tk up to 32x the frames) with
     the kernel (interpreted) against the torch path: two streams, mixed chunk sizes, past every window."""
     codec = build_codec(tiny_v2(window=4), seed=1, dtype=F32)
     g = torch.Generator().manual_seed(13)
     codes = torch.randint(0, 1024, (12, 2, 6), generator=g)
     outs = {}
     for impl in ("torch", "triton"):
-        s = CodecSession(codec, slots=2, n_q=12, attention=impl)
+        s = SlotDecoder(codec, slots=2, n_q=12, attention=impl)
         a, b = s.acquire(), s.acquire()
         chunks, i = [], 0
         for p in (4, 2):

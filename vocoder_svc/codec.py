@@ -19,10 +19,10 @@ absolute positions of the last W tokens (a cache, concatenated with the new
 chunk; never a ring), so a chunked decode equals the offline decode for any
 partition of the frames.
 
-The configuration lives in codec_config.py, the elementary maps in
-codec_ops.py and building/loading in codec_checkpoint.py; this module owns the
-nn.Modules and MossAudioTokenizer, and re-exports the public names of the
-other three so `from vocoder_svc.codec import ...` keeps working.
+The configuration lives in codec_config.py and the elementary maps in
+codec_ops.py (both re-exported here); this module owns the nn.Modules and
+MossAudioTokenizer. Building and loading one (build_codec, load_codec) is
+codec_checkpoint.py, which imports this module.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vocoder_svc.codec_checkpoint import (_skeleton, build_codec, checkpoint_names, load_codec, read_checkpoint,
-                                          save_codec)
 from vocoder_svc.codec_config import (PATCH, PRESETS, TRANSFORMER, CodecConfig, QuantizerConfig, StageConfig,
                                       full_v1, full_v2, tiny_v1, tiny_v2)
 from vocoder_svc.codec_ops import (ATTENTION_QUERY_BLOCK, _layer_norm, apply_rope, deinterleave, fold_weight_norm,
@@ -54,8 +52,6 @@ __all__ = [
     "LN_EPS", "batch_invariant", "Linear", "KVCache", "StageCache", "Attention", "LayerScale", "TransformerLayer",
     "Transformer", "ProjectedTransformer", "PatchedPretransform", "WNConv1x1", "LFQ", "ResidualLFQ", "StreamState",
     "MossAudioTokenizer",
-    # codec_checkpoint
-    "build_codec", "checkpoint_names", "read_checkpoint", "load_codec", "save_codec", "_skeleton",
 ]
 
 LN_EPS = 1e-5

@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
 
+from vocoder_svc.codec import MossAudioTokenizer
 from vocoder_svc.codec_config import CodecConfig
 from vocoder_svc.codec_ops import fold_weight_norm
-
-if TYPE_CHECKING:
-    from vocoder_svc.codec import MossAudioTokenizer
 
 
 # =============================================================================
@@ -36,8 +34,6 @@ def _set_tensor(model: nn.Module, name: str, value: Tensor) -> None:
 
 
 def _skeleton(config: CodecConfig) -> MossAudioTokenizer:
-    from vocoder_svc.codec import MossAudioTokenizer  # deferred: codec.py re-exports this module
-
     with torch.device("meta"):
         return MossAudioTokenizer(config)
 

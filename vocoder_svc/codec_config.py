@@ -410,3 +410,6 @@ def tiny_v1(window: int | None = None) -> CodecConfig:
 
 PRESETS = {"tiny": tiny_v2, "tiny_v2": tiny_v2, "tiny_v1": tiny_v1, "full": full_v2, "full_v2": full_v2,
            "full_v1": full_v1}
+
+# Codebooks per frame a stream decodes when it names none: MOSS-TTS Local v1.5's n_vq.
+DEFAULT_CODEBOOKS = 12

@@ -9,9 +9,9 @@ from typing import ClassVar
 
 from chorus.config import ConfigError, setting
 from chorus.watchdog import stall_exit_setting
+from vocoder_svc.codec_config import DEFAULT_CODEBOOKS
 
 MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
-DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
 
 
 def _int_list(text: str, key: str) -> list[int]:

@@ -1,17 +1,17 @@
-"""The session engine in its own process (--decode-process).
+"""The slots engine in its own process (--decode-process).
 
 Why: in one process the decode thread and gRPC's threads share one GIL. A
 64-stream step takes the GIL hundreds of times (launches, graph replays, the
 PCM conversion) while gRPC's C core holds it for each 384 KB PCM message it
 writes (250-440 us per chunk per side, benchmarks/grpc_pcm_bench.py), so on an
 H200 one process stalled at ~1,500 s of audio per second with its steps
-stretched from 61 to 79 ms. Here the child owns the codec session, its CUDA
-graphs and the step loop (SessionWorker, unchanged); the gRPC process keeps
+stretched from 61 to 79 ms. Here the child owns the slot decoder, its CUDA
+graphs and the step loop (SlotWorker); the gRPC process keeps
 the calls, the chunking, Encode and the metrics, and only moves bytes.
 
 Wire (protos/chorus/v1/vocoder_decoder.proto, ZeroMQ PUSH -> PULL over ipc
 each way): DecoderInput down (jobs, then releases), DecoderOutput up (ready
-once, then job answers with their PCM as a second frame, and the session's
+once, then job answers with their PCM as a second frame, and the slot decoder's
 reports for the metrics). The child exits when its parent is gone; the parent
 fails every open job when the child is gone (the calls end UNAVAILABLE, so
 the scheduler replays them on another replica) and the service stops with
@@ -21,18 +21,18 @@ The decoder can also live in another process that outlives the gRPC one:
 `gpu_worker --host-vocoder-decoder DIR` serves it from a thread (host_in_thread),
 so on one GPU the codec shares the worker's CUDA context instead of
 time-slicing against it, and `vocoder_svc.server --attach-decoder DIR`
-connects to it (DecodeProcess(attach=DIR)) instead of starting a child. It
+connects to it (vocoder_svc/decoder_client.py: DecodeProcess(attach=DIR)) instead of starting a child. It
 says hello first, and it takes a heartbeat's silence for the decoder's death.
 Or the decoder is a process of its own in front of which N vocoder processes
-attach, one per DIR/i (host_main; `chorus up --shared-vocoder-decoder`): one
-CUDA context and one session for a GPU of the vocoder's own, with the gRPC
+attach, one per DIR/i (`chorus up --shared-vocoder-decoder`): one
+CUDA context and one slot decoder for a GPU of the vocoder's own, with the gRPC
 work spread over N processes. Each front has its own socket pair; a front's
 hello releases only its own streams, and every front hears a heartbeat.
 
-    python -m vocoder_svc.decode_process --jobs ipc://... --results ipc://... --config-proto FILE   (started by
-        the server, FILE a serialized chorus.v1.VocoderConfig)
-    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags or --config FILE>   (host_main:
-        one decoder, N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --child --config-proto FILE   (started by the
+        server; FILE a serialized chorus.v1.VocoderConfig)
+    python -m vocoder_svc.decode_process --fronts-dir DIR --fronts N <vocoder flags or --config FILE>
+        (one decoder, N `vocoder_svc.server --attach-decoder DIR/i` processes in front of it)
 """
 
 from __future__ import annotations
@@ -40,14 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 import secrets
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -55,220 +51,22 @@ from typing import Callable
 import numpy as np
 import torch
 import zmq
-import zmq.asyncio
 
-from chorus.config import ConfigError, add_config_flags, parse, write_proto
-from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
+from chorus.config import ConfigError, add_config_flags, parse
+from chorus.v1 import vocoder_decoder_pb2 as dpb
 from vocoder_svc.config import VocoderConfig
-from vocoder_svc.engines import SessionReport, SessionStream, SessionWorker, StreamTooLong
-from vocoder_svc.metrics import Metrics
+from vocoder_svc.decoder_build import build_slot_decoder, make_codec, stall_exit_seconds
+from vocoder_svc.decoder_client import front_dirs, host_endpoints
+from vocoder_svc.metrics import StepReport
+from vocoder_svc.slot_worker import SlotStream, SlotWorker, StreamTooLong
 
 log = logging.getLogger("chorus.vocoder")
 
+HOST_HEARTBEAT_S = 1.0
 
-class DecoderGone(RuntimeError):
-    """The decode process exited: open jobs cannot finish on this replica."""
-
-
-# ---- the gRPC process's side -------------------------------------------------------------------
-
-class RemoteStream:
-    """A Decode call's stream in the decode process (SessionStream's stand-in on this side)."""
-
-    __slots__ = ("id", "released")
-
-    def __init__(self, stream_id: int) -> None:
-        self.id = stream_id
-        self.released = False
-
-
-class DecodeProcess:
-    """Starts the decode process (or, with `attach`, connects to a decoder that gpu_worker hosts) and
-    speaks SessionWorker's interface to it: open, submit (a future of wire PCM bytes), release,
-    close. Use from one asyncio loop."""
-
-    def __init__(self, args: VocoderConfig, metrics: Metrics,
-                 on_exit: Callable[[str], None] = lambda reason: None, attach: str | None = None):
-        """on_exit(reason): called once if the decoder is gone while the service still runs.
-        attach: the directory a hosted decoder serves under (host_endpoints); no child is started."""
-        self.metrics, self.on_exit = metrics, on_exit
-        self._tmp = None if attach else tempfile.TemporaryDirectory(prefix="chorus-vocoder-")
-        self._ctx = zmq.asyncio.Context()
-        self._jobs = self._ctx.socket(zmq.PUSH)
-        self._results = self._ctx.socket(zmq.PULL)
-        for sock in (self._jobs, self._results):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        if attach:
-            os.makedirs(attach, exist_ok=True)
-        jobs, results = host_endpoints(attach or self._tmp.name)
-        self._jobs.bind(jobs)
-        self._results.bind(results)
-        # The child's progress lines (graph capture, self-check) go to this process's stdout/stderr.
-        self.proc = None if attach else subprocess.Popen(
-            [sys.executable, "-m", "vocoder_svc.decode_process", "--jobs", jobs, "--results", results,
-             "--config-proto", write_proto(args, os.path.join(self._tmp.name, "config.pb"))])
-        self.ready: dpb.DecoderReady | None = None
-        self.gone: str | None = None
-        self._closing = False
-        self._heard = time.monotonic()
-        self.silence_s = getattr(args, "attach_silence_s", HOST_SILENCE_S)
-        # Ids from a random base: a hosted decoder may still answer an earlier gRPC process's jobs.
-        self._ids = itertools.count(secrets.randbits(40) << 20)
-        self._open: dict[int, tuple[asyncio.Future, RemoteStream]] = {}  # job id -> (future, stream)
-        self._tasks: list[asyncio.Task] = []
-
-    @property
-    def pid(self) -> int:
-        """The decoder's process: the child, or the worker hosting it."""
-        return self.ready.pid if self.ready is not None else self.proc.pid
-
-    # What the servicer reads off a session.
-    @property
-    def n_q(self) -> int:
-        return self.ready.n_q
-
-    @property
-    def max_stream_frames(self) -> int:
-        return self.ready.max_stream_frames
-
-    async def start(self, timeout: float = 1800.0) -> dpb.DecoderReady:
-        """Wait for the decoder's ready message (it loads the codec and captures its graphs first; a
-        hosted one may not have started yet)."""
-        deadline = time.monotonic() + timeout
-        self._send(dpb.DecoderInput(hello=True))  # a hosted decoder drops an earlier process's streams
-        while self.ready is None:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SystemExit(f"vocoder: the decode process exited with {self.proc.returncode} before it was "
-                                 f"ready (its output is above)")
-            if time.monotonic() > deadline:
-                if self.proc is not None:
-                    self.proc.kill()
-                raise SystemExit(f"vocoder: the decoder was not ready after {timeout:.0f} s")
-            if await self._results.poll(200):
-                msg = dpb.DecoderOutput.FromString((await self._results.recv_multipart())[0])
-                # A hosted decoder that was already up answers our hello after its own start-up ready
-                # (meant for nobody): either will do, it is the same decoder.
-                if msg.WhichOneof("kind") == "ready":
-                    self.ready = msg.ready
-        self._heard = time.monotonic()
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
-        return self.ready
-
-    def open(self) -> RemoteStream:
-        return RemoteStream(next(self._ids))
-
-    def submit(self, stream: RemoteStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
-        if self.gone is not None:
-            raise DecoderGone(self.gone)
-        if stream.released:
-            raise RuntimeError("decode stream already released")
-        job = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._open[job] = (fut, stream)
-        codes = np.ascontiguousarray(codes, dtype="<i4")
-        matrix = common_pb2.IntMatrix(rows=codes.shape[0], cols=codes.shape[1], data=codes.tobytes())
-        self._send(dpb.DecoderInput(jobs=[dpb.DecoderJob(job=job, stream=stream.id, codes=matrix, int16=int16)]))
-        return fut
-
-    def release(self, stream: RemoteStream) -> None:
-        if stream.released:
-            return
-        stream.released = True
-        for job in [j for j, (_, s) in self._open.items() if s is stream]:
-            fut, _ = self._open.pop(job)
-            fut.cancel()
-        if self.gone is None:
-            self._send(dpb.DecoderInput(released=[stream.id]))
-
-    def _send(self, msg: dpb.DecoderInput) -> None:
-        self._jobs.send(msg.SerializeToString())  # no high-water mark: never blocks
-
-    async def _read(self) -> None:
-        while True:
-            frames = await self._results.recv_multipart(copy=True)
-            self._heard = time.monotonic()
-            try:
-                self._handle(frames)
-            except Exception:  # noqa: BLE001 - one bad message must not leave every call waiting
-                log.exception("bad message from the decode process")
-
-    def _handle(self, frames: list[bytes]) -> None:
-        msg = dpb.DecoderOutput.FromString(frames[0])
-        kind = msg.WhichOneof("kind")
-        if kind == "done":
-            done = msg.done
-            entry = self._open.pop(done.job, None)
-            if entry is None or entry[0].done():  # released meanwhile
-                return
-            fut = entry[0]
-            if done.error == dpb.DecoderJobDone.NONE:
-                fut.set_result(frames[1])
-            elif done.error == dpb.DecoderJobDone.STREAM_TOO_LONG:
-                fut.set_exception(StreamTooLong(done.message))
-            else:
-                fut.set_exception(RuntimeError(done.message))
-        elif kind == "ready" and msg.ready.incarnation != self.ready.incarnation:
-            self._lost(f"the vocoder's decoder restarted (pid {msg.ready.pid}): its streams are gone")
-        elif kind == "report":
-            r = msg.report
-            self.metrics.record_session(SessionReport(r.free_slots, r.waiting_streams,
-                                                      r.step_ms if r.stepped else None, r.step_streams, r.graphed,
-                                                      r.step_frames, r.queue_wait_ms, r.launched_ahead))
-
-    async def _watch(self) -> None:
-        if self.proc is None:  # hosted: its heartbeat stops when the worker's process is gone
-            while time.monotonic() - self._heard < self.silence_s and self.gone is None:
-                await asyncio.sleep(0.2)
-            if self.gone is None:
-                self._lost(f"the vocoder's hosted decoder (pid {self.ready.pid}) went silent for "
-                           f"{self.silence_s:g} s")
-            return
-        while self.proc.poll() is None:
-            await asyncio.sleep(0.2)
-        self._lost(f"the vocoder's decode process exited with {self.proc.returncode}")
-
-    def _lost(self, reason: str) -> None:
-        """The decoder is gone: fail every open job (their calls end UNAVAILABLE) and tell the service."""
-        if self._closing or self.gone is not None:
-            return
-        self.gone = reason
-        for fut, _ in self._open.values():
-            if not fut.done():
-                fut.set_exception(DecoderGone(self.gone))
-        self._open.clear()
-        self.on_exit(self.gone)
-
-    def close(self) -> None:
-        """Stop the child (after the calls have drained: it ignores SIGTERM/SIGINT so that a signal to
-        the whole process group does not cut them off). A hosted decoder keeps running (it belongs to
-        the worker): it only hears that this process's streams are released."""
-        if self._closing:
-            return
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self.proc is None:
-            streams = {s.id for _, s in self._open.values()}
-            if streams and self.gone is None:
-                self._send(dpb.DecoderInput(released=sorted(streams)))
-        elif self.proc.poll() is None:
-            self._send(dpb.DecoderInput(shutdown=True))
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._ctx.destroy(linger=0 if self.proc is not None else 500)
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-
-# ---- the decode process -------------------------------------------------------------------------
 
 class _Replies:
-    """The child's one PUSH socket, shared by the session thread (answers, reports) and the main
+    """The child's one PUSH socket, shared by the slot decoder thread (answers, reports) and the main
     thread (ready): ZeroMQ sockets are not thread-safe, so sends take a lock."""
 
     def __init__(self, sock: zmq.Socket):
@@ -283,7 +81,7 @@ class _Replies:
             else:
                 self._sock.send_multipart([msg.SerializeToString(), pcm], copy=False)
 
-    def report(self, r: SessionReport) -> None:
+    def report(self, r: StepReport) -> None:
         self.send(dpb.DecoderOutput(report=dpb.DecoderReport(
             free_slots=r.free_slots, waiting_streams=r.waiting_streams, stepped=r.step_ms is not None,
             step_ms=r.step_ms or 0.0, step_streams=r.step_streams, graphed=r.graphed, step_frames=r.step_frames,
@@ -309,17 +107,15 @@ def _exit_with_parent() -> None:
 
 
 class Decoder:
-    """The decode side: one CodecSession and its SessionWorker, answering DecoderInput from gRPC
+    """The decode side: one SlotDecoder and its SlotWorker, answering DecoderInput from gRPC
     processes ("fronts") with DecoderOutput, each front on its own (jobs, results) endpoint pair.
-    Runs as one gRPC process's child (child_main), as a thread of the worker's process
-    (host_in_thread), or as a process of its own behind several fronts (host_main): one CUDA
-    context and one session whose steps mix every front's streams, while the fronts' gRPC work
+    Runs as a process of its own (main): one gRPC process's child, or shared by several fronts; or
+    as a thread of the worker's process (host_in_thread). Shared, it is one CUDA
+    context and one slot decoder whose steps mix every front's streams, while the fronts' gRPC work
     (250-440 us of host time a PCM chunk, benchmarks/grpc_pcm_bench.py) is spread over their processes."""
 
     def __init__(self, args: VocoderConfig, endpoints: list[tuple[str, str]], *, cuda_stream=None,
                  hosted: bool = False):
-        from vocoder_svc.server import build_session, make_codec, stall_exit_seconds
-
         self._ctx = zmq.Context()
         self._inboxes: list[zmq.Socket] = []
         self._fronts: list[_Replies] = []
@@ -334,15 +130,15 @@ class Decoder:
             self._inboxes.append(inbox)
             self._fronts.append(_Replies(outbox))
         codec, _ = make_codec(args)
-        session = build_session(codec, args)
+        slot_decoder = build_slot_decoder(codec, args)
         # Step reports go to the first front only: summed over the fronts' metrics, each step counts once.
-        self.worker = SessionWorker(session, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
+        self.worker = SlotWorker(slot_decoder, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
                                     cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
         self.ready = dpb.DecoderReady(
-            slots=session.slots, n_q=session.n_q, max_stream_frames=session.max_stream_frames,
-            attention=session.attention_path, glue=session.glue_impl, glue_fallback=session.glue_fallback or "",
+            slots=slot_decoder.slots, n_q=slot_decoder.n_q, max_stream_frames=slot_decoder.max_stream_frames,
+            attention=slot_decoder.attention_path, glue=slot_decoder.glue_impl, glue_fallback=slot_decoder.glue_fallback or "",
             incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted)
-        self._streams: dict[int, tuple[int, SessionStream]] = {}  # stream id -> (front, its session stream)
+        self._streams: dict[int, tuple[int, SlotStream]] = {}  # stream id -> (front, its slot decoder stream)
 
     def serve(self, heartbeat_s: float | None = None) -> None:
         """Answer DecoderInput until `shutdown`. heartbeat_s: send a front a report when it has heard
@@ -391,21 +187,6 @@ class Decoder:
         return msg.shutdown
 
 
-HOST_HEARTBEAT_S = 1.0
-HOST_SILENCE_S = 10.0  # default --attach-silence-s: an attached process gives its decoder up after this long unheard
-
-
-def host_endpoints(path: str) -> tuple[str, str]:
-    """(jobs, results) ipc endpoints under a directory shared by the decoder's host and one vocoder."""
-    return f"ipc://{path}/jobs", f"ipc://{path}/results"
-
-
-def front_dirs(path: str, fronts: int) -> list[str]:
-    """The directories of a shared decoder's fronts (host_main --fronts): `vocoder_svc.server
-    --attach-decoder` takes one each."""
-    return [os.path.join(path, str(i)) for i in range(fronts)]
-
-
 def host_in_thread(path: str, config: VocoderConfig, device: str) -> Decoder:
     """The vocoder's decoder as a daemon thread of this (the worker's) process, on `device`: one
     CUDA context with the worker, so the GPU interleaves the two processes' kernels instead of
@@ -433,54 +214,47 @@ def host_in_thread(path: str, config: VocoderConfig, device: str) -> Decoder:
     return decoder
 
 
-def child_main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One decoder behind N vocoder gRPC processes ("fronts"), front i attached under DIR/i: the child
+    a vocoder starts for itself (--child, one front), or a process of its own shared by N
+    `vocoder_svc.server --attach-decoder DIR/i` processes. Why share one: one vocoder process cannot
+    feed an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md), and two replicas
+    are two CUDA contexts that take turns on the GPU. A shared decoder stops on SIGTERM/SIGINT; its
+    fronts then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its
+    slots until a process attaches in its place (its hello releases them), as with a hosted decoder."""
     parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", required=True, help="ZeroMQ endpoint the parent sends DecoderInput on")
-    parser.add_argument("--results", required=True, help="ZeroMQ endpoint the parent reads DecoderOutput on")
-    add_config_flags(parser, VocoderConfig)
-    ns = parser.parse_args(argv)
-    args = _config(parser, ns)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent drains its calls, then sends `shutdown`
-        signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    decoder = Decoder(args, [(ns.jobs, ns.results)])
-    print(f"vocoder: decode process {os.getpid()} ready", flush=True)
-    decoder.serve()
-
-
-def host_main(argv: list[str] | None = None) -> None:
-    """A decoder of its own behind several vocoder gRPC processes (`--fronts-dir DIR --fronts N`), each
-    started with `vocoder_svc.server --attach-decoder DIR/i`. Why: one vocoder process cannot feed
-    an H200 at W1 c256 (its GPU 76-86% busy end to end, benchmarks/README.md session 13), and two
-    replicas are two CUDA contexts that take turns on the GPU. Stops on SIGTERM/SIGINT; the fronts
-    then hear no heartbeat and stop (their calls end UNAVAILABLE). A front that dies holds its slots
-    until a process attaches in its place (its hello releases them), as with a hosted decoder."""
-    parser = argparse.ArgumentParser(prog="python -m vocoder_svc.decode_process --fronts-dir DIR",
-                                     description=host_main.__doc__)
     parser.add_argument("--fronts-dir", required=True, metavar="DIR", help="serve the fronts under DIR/0 ... DIR/N-1")
-    parser.add_argument("--fronts", type=int, default=2, metavar="N", help="vocoder gRPC processes (default 2)")
+    parser.add_argument("--fronts", type=int, default=1, metavar="N",
+                        help="vocoder gRPC processes in front of this decoder (default: %(default)s)")
+    parser.add_argument("--child", action="store_true",
+                        help="started by its one front: exit when that process is gone, and leave SIGINT/SIGTERM "
+                             "to it (it drains its calls, then sends shutdown)")
     add_config_flags(parser, VocoderConfig)
     ns = parser.parse_args(argv)
-    if ns.fronts < 1:
-        raise SystemExit(f"--fronts {ns.fronts}: at least 1")
-    args = _config(parser, ns)
+    if ns.fronts < 1 or (ns.child and ns.fronts != 1):
+        parser.error(f"--fronts {ns.fronts}: at least 1, and exactly 1 with --child")
+    try:
+        args = parse(VocoderConfig, ns)
+    except ConfigError as e:
+        parser.error(str(e))
     dirs = front_dirs(ns.fronts_dir, ns.fronts)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-    decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=True)  # its streams, as a child's
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: os._exit(0))
-    print(f"vocoder decoder {os.getpid()} for {ns.fronts} fronts ready on {ns.fronts_dir}", flush=True)
+    if ns.child:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    else:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: os._exit(0))
+    decoder = Decoder(args, [host_endpoints(d) for d in dirs], hosted=not ns.child)
+    if ns.child:
+        print(f"vocoder: decode process {os.getpid()} ready", flush=True)
+    else:
+        print(f"vocoder decoder {os.getpid()} for {ns.fronts} fronts ready on {ns.fronts_dir}", flush=True)
     decoder.serve(HOST_HEARTBEAT_S)
 
 
-def _config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> VocoderConfig:
-    try:
-        return parse(VocoderConfig, ns)
-    except ConfigError as e:
-        parser.error(str(e))
-
-
 if __name__ == "__main__":
-    host_main() if "--fronts-dir" in sys.argv[1:] else child_main()
+    main()

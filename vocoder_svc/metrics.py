@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from vocoder_svc.engines import SessionReport
+
+@dataclass
+class StepReport:
+    """What the slot decoder thread tells the metrics: slot gauges, and after a step what it did."""
+
+    free_slots: int
+    waiting_streams: int
+    step_ms: float | None = None  # None: no step (a gauge update only)
+    step_streams: int = 0
+    graphed: bool = False
+    step_frames: int = 0          # frames per stream in the step
+    queue_wait_ms: float = 0.0    # from the step's oldest job's submit to the step's launch
+    launched_ahead: bool = False  # launched while the step before it still ran on the device
 
 
 class Metrics:
@@ -17,7 +28,7 @@ class Metrics:
         self.active_streams = Gauge("chorus_vocoder_active_streams", "Decode streams currently open", registry=r)
         self.decode_step_ms = Histogram(
             "chorus_vocoder_decode_step_ms", "Wall time of one codec decode step (all streams in it), from "
-            "launch to PCM on the host; the session engine launches a step while the previous one runs, "
+            "launch to PCM on the host; the slots engine launches a step while the previous one runs, "
             "so under load this includes that wait",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
         self.decode_batch_streams = Histogram(
@@ -29,40 +40,40 @@ class Metrics:
                                          registry=r)
         self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
                                            registry=r)
-        # Session engine only.
-        self.session_free_slots = Gauge("chorus_vocoder_session_free_slots", "Free CodecSession slots",
+        # Slots engine only.
+        self.free_slots = Gauge("chorus_vocoder_free_slots", "Free SlotDecoder slots",
                                         registry=r)
-        self.session_waiting_streams = Gauge(
-            "chorus_vocoder_session_waiting_streams", "Streams with a due step waiting for a free session slot",
+        self.waiting_streams = Gauge(
+            "chorus_vocoder_waiting_streams", "Streams with a due step waiting for a free slot decoder slot",
             registry=r)
-        self.session_kernels = Gauge(
-            "chorus_vocoder_session_kernels", "Implementation the session runs, per part (1 = in use): "
+        self.slot_kernels = Gauge(
+            "chorus_vocoder_slot_kernels", "Implementation the slot decoder runs, per part (1 = in use): "
             "attention and glue are 'triton' or 'torch' (a glue self-test failure shows as torch)",
             ["part", "impl"], registry=r)
         self.decode_step_frames = Histogram(
-            "chorus_vocoder_decode_step_frames", "Frames per stream in one session step",
+            "chorus_vocoder_decode_step_frames", "Frames per stream in one decoder step",
             buckets=(1, 5, 10, 15, 20, 25, 50), registry=r)
         self.queue_wait_ms = Histogram(
-            "chorus_vocoder_queue_wait_ms", "How long a session step's oldest chunk waited from its arrival to "
+            "chorus_vocoder_queue_wait_ms", "How long a decoder step's oldest chunk waited from its arrival to "
             "the step's launch: above a step's time, the decoder is behind its streams",
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
-        self.session_steps = Counter("chorus_vocoder_session_steps", "CodecSession steps by path (graph, eager)",
+        self.slot_steps = Counter("chorus_vocoder_slot_steps", "SlotDecoder steps by path (graph, eager)",
                                      ["path"], registry=r)
         self.launched_ahead = Counter(
-            "chorus_vocoder_steps_launched_ahead", "Session steps launched while the step before them still ran on "
+            "chorus_vocoder_steps_launched_ahead", "Decoder steps launched while the step before them still ran on "
             "the device (--launch-ahead-streams): a share well under 1 under load means the device idles "
             "between steps unless another replica fills it", registry=r)
 
 
-    def record_session(self, report: SessionReport) -> None:
-        """A SessionWorker's report (vocoder_svc/engines.py): slot gauges, and a step's figures."""
-        self.session_free_slots.set(report.free_slots)
-        self.session_waiting_streams.set(report.waiting_streams)
+    def record_step(self, report: StepReport) -> None:
+        """A SlotWorker's report (vocoder_svc/slot_worker.py): slot gauges, and a step's figures."""
+        self.free_slots.set(report.free_slots)
+        self.waiting_streams.set(report.waiting_streams)
         if report.step_ms is not None:
             self.decode_step_ms.observe(report.step_ms)
             self.decode_batch_streams.observe(report.step_streams)
             self.decode_step_frames.observe(report.step_frames)
             self.queue_wait_ms.observe(report.queue_wait_ms)
-            self.session_steps.labels("graph" if report.graphed else "eager").inc()
+            self.slot_steps.labels("graph" if report.graphed else "eager").inc()
             if report.launched_ahead:
                 self.launched_ahead.inc()

@@ -1,5 +1,5 @@
 """Startup self-checks of the decode engines on the serving device and dtype: batch invariance of
-the stream engine's batched decode, and the byte-identity facts of a CodecSession."""
+the stream engine's batched decode, and the byte-identity facts of a SlotDecoder."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from vocoder_svc.codec import MossAudioTokenizer
-from vocoder_svc.engines import DEFAULT_CODEBOOKS
-from vocoder_svc.session import CodecSession
+from vocoder_svc.codec_config import DEFAULT_CODEBOOKS
+from vocoder_svc.slot_decoder import SlotDecoder
 
 
 def check_batch_invariance(codec: MossAudioTokenizer, first_chunk: int, chunk: int, streams: int = 3,
@@ -41,45 +41,45 @@ def check_batch_invariance(codec: MossAudioTokenizer, first_chunk: int, chunk: i
     return None
 
 
-def check_session(session: CodecSession, frames: int, seed: int = 0) -> dict:
-    """Byte-identity facts of this session on its device, from a few streams of `frames`-frame steps:
+def check_slot_decoder(slot_decoder: SlotDecoder, frames: int, seed: int = 0) -> dict:
+    """Byte-identity facts of this slot decoder on its device, from a few streams of `frames`-frame steps:
     neighbours_bitwise (a stream next to other streams in one bucket equals itself next to other
     codes), graph_vs_eager_bitwise (when the step ran from a graph) and cross_bucket_max_abs_diff
     (the stream alone, in bucket_for(1), vs in the batch's bucket). Needs min(3, slots) free slots."""
-    n = min(3, session.slots)
+    n = min(3, slot_decoder.slots)
     rng = np.random.default_rng(seed)
-    size = (session.n_q, n, frames)
-    x = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
-    y = torch.from_numpy(rng.integers(0, session.config.quantizer.codebook_size, size=size))
-    slots = [session.acquire() for _ in range(n)]
+    size = (slot_decoder.n_q, n, frames)
+    x = torch.from_numpy(rng.integers(0, slot_decoder.config.quantizer.codebook_size, size=size))
+    y = torch.from_numpy(rng.integers(0, slot_decoder.config.quantizer.codebook_size, size=size))
+    slots = [slot_decoder.acquire() for _ in range(n)]
 
     def fresh(*which: int) -> None:
         for i in which or range(n):
-            session.reset(slots[i])
+            slot_decoder.reset(slots[i])
 
     try:
-        res: dict = {"bucket": session.bucket_for(n), "streams": n, "frames": frames}
-        a = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True)
-        res["graphed"] = session.last_step_graphed
+        res: dict = {"bucket": slot_decoder.bucket_for(n), "streams": n, "frames": frames}
+        a = slot_decoder.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True)
+        res["graphed"] = slot_decoder.last_step_graphed
         if n > 1:
             fresh()
-            b = session.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(slots)}, to_cpu=True)
+            b = slot_decoder.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(slots)}, to_cpu=True)
             res["neighbours_bitwise"] = bool(torch.equal(a[slots[0]], b[slots[0]]))
         if res["graphed"]:
             fresh()
-            e = session.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True, eager=True)
+            e = slot_decoder.step({s: x[:, i] for i, s in enumerate(slots)}, to_cpu=True, eager=True)
             res["graph_vs_eager_bitwise"] = all(torch.equal(a[s], e[s]) for s in slots)
         fresh(0)
-        alone = session.step({slots[0]: x[:, 0]}, to_cpu=True)[slots[0]]
-        res["alone_bucket"] = session.bucket_for(1)
+        alone = slot_decoder.step({slots[0]: x[:, 0]}, to_cpu=True)[slots[0]]
+        res["alone_bucket"] = slot_decoder.bucket_for(1)
         res["cross_bucket_max_abs_diff"] = (alone.double() - a[slots[0]].double()).abs().max().item()
     finally:
         for s in slots:
-            session.release(s)
+            slot_decoder.release(s)
     return res
 
 
-def describe_session_check(r: dict) -> str:
+def describe_slot_check(r: dict) -> str:
     parts = []
     if "neighbours_bitwise" in r:
         parts.append(f"within bucket {r['bucket']} a stream's PCM is "
@@ -92,5 +92,5 @@ def describe_session_check(r: dict) -> str:
         parts.append(f"alone (bucket {r['alone_bucket']}) vs {r['streams']} together (bucket {r['bucket']}): " + (
             "bitwise equal" if d == 0 else f"max abs diff {d:.3g}, so bytes depend on the bucket (a failover "
                                            f"replay may differ; --buckets with one bucket avoids it)"))
-    return f"vocoder: session self-check ({r['frames']}-frame steps): " + "; ".join(parts or ["ok"])
+    return f"vocoder: slot decoder self-check ({r['frames']}-frame steps): " + "; ".join(parts or ["ok"])
 

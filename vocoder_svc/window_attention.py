@@ -1,6 +1,6 @@
-"""Windowed causal attention over a ring KV cache plus a new chunk (CodecSession's attention).
+"""Windowed causal attention over a ring KV cache plus a new chunk (SlotDecoder's attention).
 
-Layout (vocoder_svc/session.py): per layer a cache ``k_cache, v_cache`` of
+Layout (vocoder_svc/slot_decoder.py): per layer a cache ``k_cache, v_cache`` of
 ``[rows, H, W, D]`` is a *ring*: the K/V of absolute position p of that stage
 lives at ring index ``p mod W``. A step brings ``Tk`` new tokens per row at
 positions ``offset + [0, Tk)`` (``q, k, v``: ``[B, H, Tk, D]``, row b reading
@@ -17,7 +17,7 @@ a fresh stream is just ``offset = 0`` (stale ring entries are never looked at).
 - torch (CPU, fp64, fallback): gather the ring into chronological order with
   index arithmetic (one index_select), concatenate the chunk and run dense
   SDPA with the additive [B, 1, Tk, W+Tk] window mask: exactly the math the
-  session ran before the ring (same values in the same order).
+  slot decoder ran before the ring (same values in the same order).
 - Triton (CUDA; or CPU under TRITON_INTERPRET=1): flash-attention style
   online softmax with fp32 accumulation, one program per (row, head, query
   block). For a block of queries it visits only the key positions its window
@@ -323,7 +323,7 @@ if HAVE_TRITON:
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
-        off = tl.load(off_ptr + b).to(tl.int32)  # positions stay < 2**24 (session.MAX_POSITION)
+        off = tl.load(off_ptr + b).to(tl.int32)  # positions stay < 2**24 (slot_decoder.MAX_POSITION)
         row = tl.load(rows_ptr + b).to(tl.int64)
 
         i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the chunk

@@ -24,8 +24,9 @@ from chorus.v1 import worker_pb2
 from chorus.bench.common import write_json
 from chorus.bench.worker import Bench, add_arguments
 from chorus.wire import rows_matrix
-from vocoder_svc.codec import build_codec, full_v2, tiny_v2
-from vocoder_svc.session import CodecSession
+from vocoder_svc.codec import full_v2, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.slot_decoder import SlotDecoder
 
 
 @contextlib.contextmanager
@@ -98,7 +99,7 @@ def vocoder_steps(args: argparse.Namespace, found: list[dict]) -> None:
     full = device.type == "cuda" and args.preset == "full"
     codec = build_codec(full_v2() if full else tiny_v2(), seed=0, dtype=torch.float32, device=args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    session = CodecSession(codec, slots=8, n_q=12, compute_dtype=dtype, graph_frames=[5, 25])
+    session = SlotDecoder(codec, slots=8, n_q=12, compute_dtype=dtype, graph_frames=[5, 25])
     session.capture()
     slots = [session.acquire() for _ in range(4)]
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Vocoder (MOSS-Audio-Tokenizer decode) benchmark: CodecSession streaming,
+"""Vocoder (MOSS-Audio-Tokenizer decode) benchmark: SlotDecoder streaming,
 first-chunk latency and offline decode, against the physical floor.
 
     python -m chorus.bench.vocoder_bench --preset full --device cuda --dtype bfloat16 --out $OUT/vocoder.json
@@ -9,7 +9,7 @@ Measures, each as the median of N timed runs after warm-up, with
 torch.cuda.synchronize() around every run:
 
   streaming   S streams x steady T-frame steps (default 25 = 2 s) in one
-              batched CodecSession step, CUDA-graphed (and eager for the
+              batched SlotDecoder step, CUDA-graphed (and eager for the
               smallest and largest S): seconds of audio per second;
   first_chunk one stream, one 5-frame step: latency in ms (PCM on the host), graphed and eager;
   offline     codec.decode of S utterances x 100 frames in one call;
@@ -29,7 +29,7 @@ On CUDA the run starts with a check of the Triton window-attention kernel
 (vocoder_svc/window_attention.py) against the torch path, bf16, at one
 realistic shape (max abs diff and time of each; see window_attention_check).
 --attention picks the session's attention path (auto = the kernel on CUDA).
---glue picks the session's elementwise glue (vocoder_svc/session_kernels.py: fused
+--glue picks the session's elementwise glue (vocoder_svc/slot_kernels.py: fused
 LayerNorm/residual/RoPE Triton kernels, self-tested when the session is built;
 auto = the kernels on CUDA unless the self-test fails); the path in use is
 recorded as session.glue_impl (and glue_fallback says why auto fell back).
@@ -52,9 +52,10 @@ import torch
 
 from chorus.bench.common import device_name, write_json
 from chorus import provenance
-from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform, build_codec
+from vocoder_svc.codec import PRESETS, ProjectedTransformer, PatchedPretransform
+from vocoder_svc.codec_checkpoint import build_codec
 from vocoder_svc import window_attention as wa
-from vocoder_svc.session import CodecSession
+from vocoder_svc.slot_decoder import SlotDecoder
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -179,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-iters", type=int, default=None, help="timed first-chunk runs (default 30 GPU, 3 CPU)")
     ap.add_argument("--no-graphs", action="store_true", help="streaming steps eager only, no CUDA graphs")
     ap.add_argument("--attention", default="auto", choices=["auto", "triton", "torch"],
-                    help="CodecSession window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
+                    help="SlotDecoder window attention: Triton kernel (auto on CUDA) or torch (masked SDPA)")
     ap.add_argument("--glue", default="auto", choices=["auto", "triton", "torch"],
-                    help="CodecSession elementwise glue: fused Triton kernels (auto: on CUDA, self-tested) or torch")
+                    help="SlotDecoder elementwise glue: fused Triton kernels (auto: on CUDA, self-tested) or torch")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and codes")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense peak of the compute dtype")
     ap.add_argument("--peak-tbps", type=float, default=4.3, help="achievable memory bandwidth, TB/s")
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         f"MB/stream")
     peak_f, peak_b = args.peak_tflops * 1e12, args.peak_tbps * 1e12
 
-    session = CodecSession(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
+    session = SlotDecoder(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
                            graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [],
                            attention=args.attention, glue=args.glue)
     res["session"] = {"slots": session.slots, "buckets": list(session.buckets), "scratch_rows": session.scratch,

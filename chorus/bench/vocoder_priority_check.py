@@ -2,7 +2,7 @@
 times a first chunk launched beside a steady step in each.
 
 Two decoders of the same codec, one with first-chunk steps on the high-priority stream
-(CodecSession(priority_frames=[5])), one without. In each round a steady 25-frame step of the
+(SlotDecoder(priority_frames=[5])), one without. In each round a steady 25-frame step of the
 long-running streams is launched and, while it runs, a new stream's 5-frame first chunk (on a slot
 released by the previous round's new stream, so the fresh-slot path is exercised too). Reports
 whether every stream's PCM is byte-identical between the two and the first chunk's time from
@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from chorus.bench.common import write_json
-
-from vocoder_svc.codec import build_codec, full_v2, tiny_v2
-from vocoder_svc.session import CodecSession
+from vocoder_svc.codec import full_v2, tiny_v2
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.slot_decoder import SlotDecoder
 
 
 def run(codec, priority: bool, streams: int, rounds: int, dtype) -> tuple[dict[int, bytes], list[float]]:
-    session = CodecSession(codec, slots=streams + 1, n_q=12, compute_dtype=dtype, graph_frames=[5, 25],
+    session = SlotDecoder(codec, slots=streams + 1, n_q=12, compute_dtype=dtype, graph_frames=[5, 25],
                            priority_frames=[5] if priority else [])
     session.capture()
     rng = np.random.default_rng(0)

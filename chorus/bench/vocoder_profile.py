@@ -1,4 +1,4 @@
-"""Where a streaming vocoder step's GPU time goes: one eager CodecSession step under the torch
+"""Where a streaming vocoder step's GPU time goes: one eager SlotDecoder step under the torch
 profiler, kernels grouped by name and sorted by total time.
 
     python -m chorus.bench.vocoder_profile --streams 64 --frames 25 --out vocoder_profile.json
@@ -12,8 +12,9 @@ from collections import Counter
 import torch
 
 from chorus.bench.common import cuda_kernels, write_json
-from vocoder_svc.codec import PRESETS, build_codec
-from vocoder_svc.session import CodecSession
+from vocoder_svc.codec import PRESETS
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.slot_decoder import SlotDecoder
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
     codec = build_codec(PRESETS[args.preset](), seed=0, dtype=torch.bfloat16, device=args.device)
-    session = CodecSession(codec, slots=args.streams, n_q=args.n_q, compute_dtype=torch.bfloat16, graphs=False)
+    session = SlotDecoder(codec, slots=args.streams, n_q=args.n_q, compute_dtype=torch.bfloat16, graphs=False)
     slots = [session.acquire() for _ in range(args.streams)]
     gen = torch.Generator().manual_seed(1)
 

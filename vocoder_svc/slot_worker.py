@@ -1,7 +1,6 @@
-"""The vocoder's two decode engines, each a worker thread that owns the codec work of its streams:
-DecodeWorker (the stream engine: per-stream StreamStates, batch-invariant batched steps) and
-SessionWorker (the session engine: slots of one CodecSession, graph-replayed batched steps).
-See vocoder_svc/server.py for how the service picks between them."""
+"""The slots engine: SlotWorker, one thread that owns a SlotDecoder's slots and launches its batched,
+graph-replayed steps, and a second that hands each step's PCM to the calls.
+See vocoder_svc/server.py for how the service picks between the engines."""
 
 from __future__ import annotations
 
@@ -17,105 +16,16 @@ import numpy as np
 import torch
 
 from chorus.watchdog import StallWatchdog
-from vocoder_svc.codec import MossAudioTokenizer, StreamState
-from vocoder_svc.metrics import Metrics
-from vocoder_svc.session import CodecSession, PendingPcm
+from vocoder_svc.metrics import StepReport
+from vocoder_svc.slot_decoder import SlotDecoder
+from vocoder_svc.slot_pcm import PendingPcm
+from vocoder_svc.stream_worker import resolve_future
 
-DEFAULT_CODEBOOKS = 12  # MOSS-TTS Local v1.5 n_vq
 log = logging.getLogger("chorus.vocoder")
 
 
-# ---- the codec worker -------------------------------------------------------------------
-
-@dataclass
-class _Job:
-    state: StreamState
-    codes: np.ndarray  # [T, n_q] int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
-def _resolve(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if fut.done():  # the call was cancelled meanwhile
-        return
-    if isinstance(error, asyncio.CancelledError):
-        fut.cancel()
-    elif error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
-class DecodeWorker:
-    """One thread that runs decode steps in submission order. It takes the
-    oldest pending step and, up to max_batch, later ones with the same
-    (frames, codebooks) from other streams, and decodes them in one forward
-    (batch-invariant unless invariant=False)."""
-
-    def __init__(self, codec: MossAudioTokenizer, metrics: Metrics, max_batch: int = 1, invariant: bool = True):
-        self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
-        self.invariant = invariant
-        self._cond = threading.Condition()
-        self._pending: list[_Job] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="codec-decode", daemon=True)
-        self._thread.start()
-
-    def submit(self, state: StreamState, codes: np.ndarray) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("decode worker is closed")
-            self._pending.append(_Job(state, codes, fut, loop))
-            self._cond.notify()
-        return fut
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
-
-    def _take(self) -> list[_Job] | None:
-        with self._cond:
-            while not self._pending and not self._closed:
-                self._cond.wait()
-            if not self._pending:
-                return None
-            head = self._pending[0]
-            key = head.codes.shape
-            group, streams = [], set()
-            for j in self._pending:  # only a stream's oldest step is eligible: the next needs its state
-                if j.codes.shape == key and id(j.state) not in streams and len(group) < self.max_batch:
-                    group.append(j)
-                streams.add(id(j.state))
-            taken = {id(j) for j in group}
-            self._pending = [j for j in self._pending if id(j) not in taken]
-            return group
-
-    def _run(self) -> None:
-        while (group := self._take()) is not None:
-            group = [j for j in group if not j.future.cancelled()]  # best effort: skip abandoned steps
-            if not group:
-                continue
-            try:
-                codes = torch.from_numpy(np.stack([j.codes.T for j in group], axis=1).astype(np.int64))
-                t0 = time.perf_counter()
-                wav = self.codec.decode_step([j.state for j in group], codes,  # [B, C, T*hop]
-                                             batch_invariant=self.invariant)
-                out = wav.to(device="cpu", dtype=torch.float32).numpy()
-                self.metrics.decode_step_ms.observe((time.perf_counter() - t0) * 1000.0)
-                self.metrics.decode_batch_streams.observe(len(group))
-                results = [(out[b], None) for b in range(len(group))]
-            except BaseException as e:  # noqa: BLE001 - reported to every waiting call
-                results = [(None, e)] * len(group)
-            for job, (res, err) in zip(group, results):
-                job.loop.call_soon_threadsafe(_resolve, job.future, res, err)
-
-
-class SessionStream:
-    """One Decode call's claim on the CodecSession: a slot from its first step until release()."""
+class SlotStream:
+    """One Decode call's claim on the SlotDecoder: a slot from its first step until release()."""
 
     __slots__ = ("slot", "released")
 
@@ -130,17 +40,17 @@ Finish = Callable[[object, "BaseException | None"], None]
 
 
 @dataclass(eq=False)
-class _SessionJob:
-    stream: SessionStream
+class _SlotJob:
+    stream: SlotStream
     codes: np.ndarray  # [T, n_q] int
     int16: bool        # wire PCM16, else float32
-    finish: Finish     # called once, on the session thread (or the releasing thread for dropped jobs)
+    finish: Finish     # called once, on the slot decoder thread (or the releasing thread for dropped jobs)
     abandoned: Callable[[], bool]  # the caller no longer wants the result: skip the job if not yet run
     submitted: float = field(default_factory=time.monotonic)
 
 
 class _Pieces:
-    """A chunk decoded in pieces (SessionWorker step_frames): each piece's PCM bytes are kept until
+    """A chunk decoded in pieces (SlotWorker step_frames): each piece's PCM bytes are kept until
     every piece is in, then the chunk's bytes go to `finish` whole; the first error (or a drop) ends
     it at once, and the pieces not yet run are skipped as abandoned. Pieces finish on the finisher
     thread, or on a releasing caller's thread when dropped, hence the lock."""
@@ -170,45 +80,31 @@ class _Pieces:
         return finish
 
 
-@dataclass
-class SessionReport:
-    """What the session thread tells the metrics: slot gauges, and after a step what it did."""
-
-    free_slots: int
-    waiting_streams: int
-    step_ms: float | None = None  # None: no step (a gauge update only)
-    step_streams: int = 0
-    graphed: bool = False
-    step_frames: int = 0          # frames per stream in the step
-    queue_wait_ms: float = 0.0    # from the step's oldest job's submit to the step's launch
-    launched_ahead: bool = False  # launched while the step before it still ran on the device
-
-
 def _future_finish(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Finish:
-    return lambda result, error: loop.call_soon_threadsafe(_resolve, fut, result, error)
+    return lambda result, error: loop.call_soon_threadsafe(resolve_future, fut, result, error)
 
 
-class SessionWorker:
-    """One thread that owns a CodecSession: it hands out slots, launches steps and frees slots; a
+class SlotWorker:
+    """One thread that owns a SlotDecoder: it hands out slots, launches steps and frees slots; a
     second thread waits for each launched step's PCM and hands it to the jobs, so the next step is
     already queued on the device while the host turns this one's PCM into bytes.
 
-    Every session call (acquire, launch, release) runs on this thread. A slot may
+    Every slot decoder call (acquire, launch, release) runs on this thread. A slot may
     be freed (its call cancelled) while its last step still runs on the device:
     a step that reuses it runs after, since steps on one CUDA stream run in order
-    and the session orders a slot's steps across its two streams (CodecSession
+    and the slot decoder orders a slot's steps across its two streams (SlotDecoder
     priority_frames). A stream takes a slot
     when its first step is picked; when every slot is taken, that step waits
     (queued, in arrival order) until a call ends and frees one, while streams
     that hold slots keep stepping. The oldest runnable step and every other
-    runnable step with the same frame count are decoded in one session step.
+    runnable step with the same frame count are decoded in one decoder step.
     release() (call end: finish, cancel or error) drops the stream's queued
     steps and frees its slot before the next step."""
 
-    def __init__(self, session: CodecSession, report: Callable[[SessionReport], None],
+    def __init__(self, slot_decoder: SlotDecoder, report: Callable[[StepReport], None],
                  launch_ahead_streams: int | None = None, step_frames: int = 0, cuda_stream=None,
                  stall_exit_s: float = 0.0):
-        """report: receives the slot gauges and each step's figures (Metrics.record_session in the
+        """report: receives the slot gauges and each step's figures (Metrics.record_step in the
         service; the decode process forwards them to its parent).
 
         step_frames: decode a chunk of more frames in pieces of this many (the last may be shorter),
@@ -232,64 +128,64 @@ class SessionWorker:
         one, so the worker's kernels go first wherever both wait for the GPU."""
         if step_frames < 0:
             raise ValueError(f"step_frames must be >= 0, got {step_frames}")
-        self.session, self.report, self.step_frames = session, report, step_frames
-        self._watchdog = StallWatchdog(stall_exit_s, "a vocoder session step")
+        self.slot_decoder, self.report, self.step_frames = slot_decoder, report, step_frames
+        self._watchdog = StallWatchdog(stall_exit_s, "a vocoder decoder step")
         self.cuda_stream = cuda_stream
-        self.launch_ahead_streams = (max(1, session.slots // 2) if launch_ahead_streams is None
+        self.launch_ahead_streams = (max(1, slot_decoder.slots // 2) if launch_ahead_streams is None
                                      else launch_ahead_streams)
-        self._last: PendingPcm | None = None  # the last launched step (session thread only)
+        self._last: PendingPcm | None = None  # the last launched step (slot decoder thread only)
         self._cond = threading.Condition()
-        self._pending: list[_SessionJob] = []
-        self._releases: list[SessionStream] = []
+        self._pending: list[_SlotJob] = []
+        self._releases: list[SlotStream] = []
         self._closed = False
         self._waiting = 0
         # Launched steps (jobs, slots, PendingPcm, launch time, graphed) for the finisher thread.
         self._launched: queue.Queue = queue.Queue()
-        report(SessionReport(session.free_slots, 0))
-        self._thread = threading.Thread(target=self._run, name="codec-session", daemon=True)
+        report(StepReport(slot_decoder.free_slots, 0))
+        self._thread = threading.Thread(target=self._run, name="slot-decoder", daemon=True)
         self._thread.start()
 
     @property
     def n_q(self) -> int:
-        return self.session.n_q
+        return self.slot_decoder.n_q
 
     @property
     def max_stream_frames(self) -> int:
-        return self.session.max_stream_frames
+        return self.slot_decoder.max_stream_frames
 
-    def open(self) -> SessionStream:
-        return SessionStream()
+    def open(self) -> SlotStream:
+        return SlotStream()
 
-    def gauges(self) -> SessionReport:
+    def gauges(self) -> StepReport:
         """The slot gauges now (no step)."""
-        return SessionReport(self.session.free_slots, self._waiting)
+        return StepReport(self.slot_decoder.free_slots, self._waiting)
 
-    def submit(self, stream: SessionStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
+    def submit(self, stream: SlotStream, codes: np.ndarray, int16: bool = False) -> asyncio.Future:
         """Queue one step of codes [T, n_q]; the future gets its audio as wire PCM bytes (interleaved,
-        little-endian; int16 when `int16`, else float32: CodecSession.step_pcm)."""
+        little-endian; int16 when `int16`, else float32: SlotDecoder.step_pcm)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.submit_job(stream, codes, int16, _future_finish(loop, fut), fut.cancelled)
         return fut
 
-    def submit_job(self, stream: SessionStream, codes: np.ndarray, int16: bool, finish: Finish,
+    def submit_job(self, stream: SlotStream, codes: np.ndarray, int16: bool, finish: Finish,
                    abandoned: Callable[[], bool] = lambda: False) -> None:
         """As submit, with a completion callback instead of a future (the decode process's way)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("session worker is closed")
+                raise RuntimeError("slot decoder worker is closed")
             if stream.released:
                 raise RuntimeError("decode stream already released")
             step, n = self.step_frames, codes.shape[0]
             if step and n > step:
                 whole = _Pieces(-(-n // step), finish, abandoned)
-                self._pending.extend(_SessionJob(stream, codes[a:a + step], int16, whole.finish_piece(i),
+                self._pending.extend(_SlotJob(stream, codes[a:a + step], int16, whole.finish_piece(i),
                                                  whole.abandoned) for i, a in enumerate(range(0, n, step)))
             else:
-                self._pending.append(_SessionJob(stream, codes, int16, finish, abandoned))
+                self._pending.append(_SlotJob(stream, codes, int16, finish, abandoned))
             self._cond.notify()
 
-    def release(self, stream: SessionStream) -> None:
+    def release(self, stream: SlotStream) -> None:
         """The call is over: drop its queued steps; its slot (if any) is freed before the next step."""
         with self._cond:
             if stream.released:
@@ -310,21 +206,21 @@ class SessionWorker:
         self._thread.join(timeout=10)
 
     # ---- the thread -------------------------------------------------------------------------------
-    def _group(self) -> list[_SessionJob]:
+    def _group(self) -> list[_SlotJob]:
         """(Under the lock.) The next step's jobs, one per stream, all of one frame count; runnable = the
         stream holds a slot, or a free one is left for it. The lead is the oldest first step of a new
         stream if one can run (its listener hears nothing until it is done: time to first audio), else
         the oldest step (later chunks have audio buffered ahead); every other stream whose next step has
         the lead's frame count joins it."""
         self._pending = [j for j in self._pending if not j.abandoned()]
-        free = self.session.free_slots
-        queues: dict[int, list[_SessionJob]] = {}  # each stream's jobs, oldest first; streams by oldest job
+        free = self.slot_decoder.free_slots
+        queues: dict[int, list[_SlotJob]] = {}  # each stream's jobs, oldest first; streams by oldest job
         for j in self._pending:
             queues.setdefault(id(j.stream), []).append(j)
         starters = [q for q in queues.values() if q[0].stream.slot is None] if free else []
         slotted = [q for q in queues.values() if q[0].stream.slot is not None]
         lead = starters[0] if starters else slotted[0] if slotted else None
-        group: list[_SessionJob] = []
+        group: list[_SlotJob] = []
         if lead is not None:
             frames, left = lead[0].codes.shape[0], free
             for q in queues.values():
@@ -336,15 +232,15 @@ class SessionWorker:
             self._pending = [j for j in self._pending if id(j) not in taken]
             for j in group:
                 if j.stream.slot is None:
-                    j.stream.slot = self.session.acquire()
+                    j.stream.slot = self.slot_decoder.acquire()
         slotless = sum(j.stream.slot is None for j in self._pending)
-        waiting = max(0, slotless - self.session.free_slots)
+        waiting = max(0, slotless - self.slot_decoder.free_slots)
         if waiting != self._waiting:  # a stream started or stopped waiting for a slot
             self._waiting = waiting
-            self.report(SessionReport(self.session.free_slots, waiting))
+            self.report(StepReport(self.slot_decoder.free_slots, waiting))
         return group
 
-    def _take(self) -> tuple[list[_SessionJob], list[SessionStream]] | None:
+    def _take(self) -> tuple[list[_SlotJob], list[SlotStream]] | None:
         with self._cond:
             while True:
                 if self._releases:
@@ -362,36 +258,36 @@ class SessionWorker:
                 self._cond.wait()
 
     def _run(self) -> None:
-        if self.session.device.type == "cuda":
-            torch.cuda.set_device(self.session.device)  # graph replays go to the current device's stream
+        if self.slot_decoder.device.type == "cuda":
+            torch.cuda.set_device(self.slot_decoder.device)  # graph replays go to the current device's stream
             if self.cuda_stream is not None:
                 torch.cuda.set_stream(self.cuda_stream)  # this thread's current stream only
-        finisher = threading.Thread(target=self._finish_steps, name="codec-session-finish", daemon=True)
+        finisher = threading.Thread(target=self._finish_steps, name="slot-decoder-finish", daemon=True)
         finisher.start()
         try:
             while (work := self._take()) is not None:
                 group, releases = work
                 for stream in releases:
                     if stream.slot is not None:
-                        self.session.release(stream.slot)
+                        self.slot_decoder.release(stream.slot)
                         stream.slot = None
                 if group:
                     self._launch(group)
                 else:
-                    self.report(SessionReport(self.session.free_slots, self._waiting))
+                    self.report(StepReport(self.slot_decoder.free_slots, self._waiting))
         finally:
             self._launched.put(None)
             finisher.join()
 
-    def _launch(self, group: list[_SessionJob]) -> None:
+    def _launch(self, group: list[_SlotJob]) -> None:
         """Queue the group's step on the device and hand it to the finisher thread, which waits for
-        its PCM: this thread goes on to launch the next step meanwhile (CodecSession.launch_pcm)."""
-        s = self.session
+        its PCM: this thread goes on to launch the next step meanwhile (SlotDecoder.launch_pcm)."""
+        s = self.slot_decoder
         runnable = []
         for j in group:  # a stream past the exact-position limit fails alone, not its neighbours
             if s.frames_decoded(j.stream.slot) + j.codes.shape[0] > s.max_stream_frames:
                 j.finish(None, StreamTooLong(f"decode stream longer than {s.max_stream_frames} frames "
-                                             f"(the session's exact-position limit)"))
+                                             f"(the slot decoder's exact-position limit)"))
             else:
                 runnable.append(j)
         if not runnable:
@@ -428,22 +324,21 @@ class SessionWorker:
             else:
                 self._watchdog.end()
                 results = [(out[slot], None) for slot in slots]
-                self._report_quietly(SessionReport(self.session.free_slots, self._waiting,
+                self._report_quietly(StepReport(self.slot_decoder.free_slots, self._waiting,
                                                    (time.perf_counter() - t0) * 1000.0, len(runnable), graphed,
                                                    runnable[0].codes.shape[0], waited, ahead))
             for j, (res, err) in zip(runnable, results):
                 try:
                     j.finish(res, err)
-                except Exception:  # noqa: BLE001 - one caller's failure is not the session's
+                except Exception:  # noqa: BLE001 - one caller's failure is not the slot decoder's
                     log.exception("delivering a decode step's PCM failed")
 
-    def _report_quietly(self, report: SessionReport) -> None:
+    def _report_quietly(self, report: StepReport) -> None:
         try:
             self.report(report)
         except Exception:  # noqa: BLE001 - metrics must not stop the finisher
-            log.exception("session report failed")
+            log.exception("slot decoder report failed")
 
 
 class StreamTooLong(ValueError):
-    """A session stream would pass session.max_stream_frames (OUT_OF_RANGE: no replica can do it)."""
-
+    """A stream would pass SlotDecoder.max_stream_frames (OUT_OF_RANGE: no replica can do it)."""

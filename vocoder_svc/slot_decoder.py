@@ -1,7 +1,7 @@
-"""CodecSession: slot-based batched streaming decode for the MOSS-Audio-Tokenizer
+"""SlotDecoder: slot-based batched streaming decode for the MOSS-Audio-Tokenizer
 codec, with CUDA graphs per (batch bucket, frames) on GPU.
 
-Many streams are decoded together in one batched step. The session owns all
+Many streams are decoded together in one batched step. The slot decoder owns all
 streaming state in preallocated device buffers, so every tensor a step
 touches has a shape fixed by (bucket, T) and the step can be captured once in
 a CUDA graph and replayed with new inputs. On CPU (and for any (bucket, T)
@@ -70,7 +70,7 @@ on the step's shapes (bucket, T): decoded alone or next to others in the same
 bucket it is bit-identical. (Across different buckets the GEMM shapes differ,
 and a GPU may then pick other kernels: expect ~1e-6 in fp32, and far more in
 bf16: bucket 1 vs bucket 4 differed by up to 0.125 (max abs) on an H200 with
-the random-weight full preset. A session with a single bucket, ``buckets=
+the random-weight full preset. A slot decoder with a single bucket, ``buckets=
 [slots]``, is bucket-invariant by construction, at the price of always
 computing the full bucket; ``step(bucket=...)`` times that.)
 
@@ -79,10 +79,10 @@ policy (§3.7) without autocast's per-step weight casts: GEMM weights are cast
 once, GEMMs, the KV cache and attention run in bf16 (attention keeps its
 softmax and accumulation in fp32, kernel or SDPA), while the quantizer (fp32),
 LayerNorm, RoPE and the residual stream stay in fp32. With compute dtype
-equal to the codec dtype (fp32/fp64) the session uses the codec's own tensors
+equal to the codec dtype (fp32/fp64) the slot decoder uses the codec's own tensors
 and its result equals ``codec.decode`` up to rounding.
 
-Glue (vocoder_svc/session_kernels.py, ``glue=``): the elementwise work between
+Glue (vocoder_svc/slot_kernels.py, ``glue=``): the elementwise work between
 the GEMMs runs as fused Triton kernels on CUDA: LN1 + cast, RoPE of q and k
 straight from the fused QKV output, and each LayerScale residual add together
 with the LayerNorm after it (LN2, or the next layer's LN1), so the layer loop
@@ -90,17 +90,10 @@ carries ``(y, a)``: the residual stream and its normalised copy. The torch
 path is the same math op for op (CPU results are unchanged); the kernels equal
 it bitwise except LayerNorm's mean/variance rounding (at most a bf16 ulp of
 its output). On CUDA they are self-tested against the torch path when the
-session is built (``glue_impl`` says which path runs).
+slot decoder is built (``glue_impl`` says which path runs).
 
-CUDA graphs: one per (bucket, T), captured lazily on first use (for T in
-``graph_frames``) or up front with ``capture()``, largest first, into one
-shared memory pool. Warm-up and capture run on scratch rows only, so
-capturing while streams are live is safe (the warm-up also compiles the
-attention and glue kernels for the shape before capture). Replay copies codes, row ids and
-the valid mask into the graph's static input buffers. A (bucket, T) without a
-graph runs eagerly with the same bucket (same GEMM shapes). A capture or
-replay failure disables graphs for the session (``graphs_disabled`` says
-why). Frames are never padded: padding would advance the causal state.
+The weights' layout is slot_plan.py, the CUDA graphs slot_graphs.py, launching a step and
+reading its PCM back slot_pcm.py.
 
 Calls are serialised by a lock, so a server may call from several threads
 (all on the same CUDA stream). Results are returned as fresh tensors, never
@@ -110,30 +103,28 @@ views of graph memory.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vocoder_svc import session_kernels as sk
+from vocoder_svc import slot_kernels as sk
 from vocoder_svc import window_attention as wa
-from vocoder_svc.codec import LN_EPS, LayerScale, MossAudioTokenizer, PatchedPretransform, ProjectedTransformer
+from vocoder_svc.codec import LN_EPS, MossAudioTokenizer
+from vocoder_svc.slot_graphs import GraphCapture, StepGraph
+from vocoder_svc.slot_pcm import STAGING_BUFFERS, PcmLaunch
+from vocoder_svc.slot_plan import Stage, build_weights
 
 HALF = (torch.bfloat16, torch.float16)
 # Positions go through fp32 for RoPE (§3.3), exact only below 2**24.
 MAX_POSITION = 1 << 24
-# Steps launch_pcm may have launched whose PCM is not read yet (each holds a pinned buffer).
-STAGING_BUFFERS = 2
-
 
 # Above this many streams the buckets grow by BUCKET_STEP instead of doubling: a step costs
 # its bucket, and under load (c256 end to end) the ready streams rarely fill a power of two,
-# so doubling paid for up to twice the streams a step had (16-stream steps: +7% at c256 in
-# session 6). 8: at c256 with 5-frame chunks (session 8) steps held ~49 streams, padded to 64.
+# so doubling paid for up to twice the streams a step had. 8: at c256 with 5-frame chunks steps
+# held ~49 streams, padded to 64 (benchmarks/README.md).
 BUCKET_STEP = 8
 
 
@@ -151,63 +142,13 @@ def default_buckets(slots: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def rope_freq(head_dim: int, max_period: float, device: torch.device) -> Tensor:
-    """freq[i] of §3.3, computed exactly as codec.rope_cos_sin does (same ops, same device)."""
-    c = -2.0 * math.log(max_period) / head_dim
-    i = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
-    return torch.exp(i * torch.tensor(c, dtype=torch.float32, device=device))
-
-
-@dataclass
-class _Layer:
-    ln1_w: Tensor
-    ln1_b: Tensor
-    wqkv: Tensor
-    wo: Tensor
-    s1: Tensor | None
-    ln2_w: Tensor
-    ln2_b: Tensor
-    w1: Tensor
-    w2: Tensor
-    s2: Tensor | None
-
-
-@dataclass
-class _Stage:
-    """One decoder Transformer stage: weights, window and its per-row KV buffers."""
-
-    index: int  # decoder module index
-    mult: int  # tokens of this stage per code frame
-    window: int
-    heads: int
-    head_dim: int
-    d_model: int
-    w_in: Tensor | None
-    w_out: Tensor | None
-    layers: list[_Layer]
-    freq: Tensor  # [D/2] fp32
-    k: list[Tensor]  # per layer [rows, H, W, D]
-    v: list[Tensor]
-
-
-@dataclass
-class _Graph:
-    """A captured (bucket, T) step and its static inputs/output."""
-
-    replay: Callable[[], None]  # CUDAGraph.replay, or an eager re-run in emulation mode
-    codes: Tensor  # [n_q, B, T] long
-    rows: Tensor  # [B] long
-    valid: Tensor  # [B] bool
-    out: Tensor  # [B, C, T*hop]
-
-
-class CodecSession:
+class SlotDecoder(GraphCapture, PcmLaunch):
     """Slot-based batched streaming decoder (see the module docstring).
 
     codec: a MossAudioTokenizer (its weights are shared, not copied, unless
         compute_dtype differs from the codec's dtype).
     slots: concurrent streams.
-    n_q: codebooks per frame (fixed for the session; 12 for MOSS-TTS Local).
+    n_q: codebooks per frame (fixed for the slot decoder; 12 for MOSS-TTS Local).
     compute_dtype: None = the codec's dtype; torch.bfloat16 for the fast GPU path.
     buckets: allowed batch sizes (default 1, 2, 4, ..., slots); the largest must be >= slots.
     graphs: True / False / None (= on for CUDA devices), or "emulate": run the
@@ -216,7 +157,7 @@ class CodecSession:
     graph_frames: the T values that get graphs (lazily on first use); default 1..25.
     attention: window attention implementation (vocoder_svc/window_attention.py): "auto" (the Triton
         kernel on CUDA for fp16/bf16/fp32, else torch), "triton" or "torch".
-    glue: the layers' elementwise glue (vocoder_svc/session_kernels.py: LayerNorm + cast, LayerScale
+    glue: the layers' elementwise glue (vocoder_svc/slot_kernels.py: LayerNorm + cast, LayerScale
         residual + the next LayerNorm, RoPE of q/k): "auto" (fused Triton kernels on CUDA for
         fp16/bf16/fp32 compute, after a self-test against the torch path at construction; a failure
         logs a warning and keeps the torch path), "triton" (the kernels; a failed self-test raises) or
@@ -270,7 +211,7 @@ class CodecSession:
         self._copy_stream = None  # launch_pcm's device-to-host copies
         self._slot_events: dict[int, tuple[object, object]] = {}  # slot -> (stream, event after its last step)
         self.last_step_graphed = False
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int], StepGraph] = {}
         self._pool = None
         self._keep: list[object] = []  # the CUDAGraph objects behind the replay methods
         self._capture_streams: dict[bool, object] = {}  # priority? -> the stream its graphs are captured on
@@ -292,69 +233,16 @@ class CodecSession:
         self.attention_path = ("triton" if stages and all(
             wa.kernel_selected(self.compute_dtype, self.device, st.head_dim, attention) for st in stages) else "torch")
         # What the step passes as impl=: on CUDA "auto" (the kernels for the inputs they support, which are
-        # all of the session's; torch for anything else), on CPU "triton" (the interpreter, tests only).
+        # all of the slot decoder's; torch for anything else), on CPU "triton" (the interpreter, tests only).
         self._glue_call = ("torch" if self.glue_impl == "torch" else
                            "auto" if self.device.type == "cuda" else "triton")
 
     # ---- construction -------------------------------------------------------------
     def _build(self) -> None:
-        codec, dev, cd, rd = self.codec, self.device, self.compute_dtype, self.residual_dtype
-
-        def gemm(w: Tensor | None) -> Tensor | None:
-            return None if w is None else w.detach().to(device=dev, dtype=cd)
-
-        def vec(w: Tensor) -> Tensor:
-            return w.detach().to(device=dev, dtype=rd)
-
-        q = codec.quantizer
-        k = self.config.quantizer.codebook_size
-        # The folded decode table of §3.2 for the first n_q codebooks: row i*K + c = Out_i(codebook_i[c]),
-        # computed with the codec's own 1x1 convolution weights (fp32; fp64 for fp64 codecs).
-        rows = []
-        for lfq in list(q.quantizers)[: self.n_q]:
-            cb = lfq.codebook.weight.detach()
-            rows.append(cb if lfq.out_proj is None else
-                        F.conv1d(cb.t().unsqueeze(0), lfq.out_proj.weight, lfq.out_proj.bias)[0].t())
-        self._table = torch.cat(rows, dim=0).contiguous()  # [n_q*K, rvq]
-        self._q_offsets = (torch.arange(self.n_q, device=dev) * k).view(self.n_q, 1, 1)
-        if q.output_proj is None:
-            self._q_out_w = self._q_out_b = None
-        else:
-            self._q_out_w = q.output_proj.weight[:, :, 0]
-            self._q_out_b = q.output_proj.bias
-        self._plan: list[tuple[str, object]] = []  # ("patch", h) or ("stage", _Stage)
-        mult = 1
-        for i, m in enumerate(codec.decoder):
-            if isinstance(m, PatchedPretransform):
-                self._plan.append(("patch", m.patch_size))
-                mult *= m.patch_size
-                continue
-            assert isinstance(m, ProjectedTransformer)
-            s = m.cfg
-            layers = []
-            for layer in m.transformer.layers:
-                attn = layer.self_attn
-                wqkv = attn.in_proj.weight if hasattr(attn, "in_proj") else attn.in_projs[0].weight
-                wo = attn.out_proj.weight if hasattr(attn, "out_proj") else attn.out_projs[0].weight
-                if hasattr(layer, "ffn"):
-                    w1, w2 = layer.ffn[0].weight, layer.ffn[2].weight
-                else:
-                    w1, w2 = layer.linear1.weight, layer.linear2.weight
-                s1 = vec(layer.layer_scale_1.scale) if isinstance(layer.layer_scale_1, LayerScale) else None
-                s2 = vec(layer.layer_scale_2.scale) if isinstance(layer.layer_scale_2, LayerScale) else None
-                layers.append(_Layer(vec(layer.norm1.weight), vec(layer.norm1.bias), gemm(wqkv), gemm(wo), s1,
-                                     vec(layer.norm2.weight), vec(layer.norm2.bias), gemm(w1), gemm(w2), s2))
-            shape = (self.rows, s.num_heads, m.window, s.head_dim)
-            stage = _Stage(index=i, mult=mult, window=m.window, heads=s.num_heads, head_dim=s.head_dim,
-                           d_model=s.d_model,
-                           w_in=gemm(None if m.input_proj is None else m.input_proj.weight),
-                           w_out=gemm(None if m.output_proj is None else m.output_proj.weight),
-                           layers=layers, freq=rope_freq(s.head_dim, s.max_period, dev),
-                           k=[torch.zeros(shape, dtype=cd, device=dev) for _ in layers],
-                           v=[torch.zeros(shape, dtype=cd, device=dev) for _ in layers])
-            self._plan.append(("stage", stage))
-        self._max_mult = mult
-        self._frames = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        w = build_weights(self.codec, self.n_q, self.rows, self.compute_dtype, self.residual_dtype)
+        self._table, self._q_offsets, self._q_out_w, self._q_out_b = w.table, w.q_offsets, w.q_out_w, w.q_out_b
+        self._plan, self._max_mult = w.plan, w.max_mult
+        self._frames = torch.zeros(self.rows, dtype=torch.long, device=self.device)
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -398,7 +286,7 @@ class CodecSession:
         """A free slot holding a fresh stream. RuntimeError when all are taken."""
         with self._lock:
             if not self._free:
-                raise RuntimeError(f"all {self.slots} codec session slots are in use")
+                raise RuntimeError(f"all {self.slots} slots are in use")
             slot = self._free.pop()
             self._reset(slot)
             self._active.add(slot)
@@ -446,7 +334,7 @@ class CodecSession:
                 b, length, ch = x.shape
                 x = x.reshape(b, length, ch // h, h).transpose(2, 3).reshape(b, length * h, ch // h)
                 continue
-            st: _Stage = item
+            st: Stage = item
             tk, w, hd, nh, d = t * st.mult, st.window, st.head_dim, st.heads, st.d_model
             offset = frames * st.mult  # [B]
             pos_q = offset.unsqueeze(1) + torch.arange(tk, device=codes.device)  # [B, Tk] absolute positions
@@ -462,7 +350,7 @@ class CodecSession:
             cos, sin = torch.cos(angle).unsqueeze(1), torch.sin(angle).unsqueeze(1)  # [B, 1, Tk, D/2]
             y = x.to(rd) if st.w_in is None else F.linear(x.to(cd), st.w_in).to(rd)  # [B, Tk, d]
             # The residual stream y is carried with the next pre-norm's output: each LayerScale residual
-            # add is fused with the LayerNorm after it (session_kernels; the torch path is the plain
+            # add is fused with the LayerNorm after it (slot_kernels; the torch path is the plain
             # `y = y + s*o; a = LN(y).to(cd)`), the last one of the stage is a plain scaled add.
             glue = self._glue_call
             nl = len(st.layers)
@@ -503,81 +391,6 @@ class CodecSession:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-    # ---- graphs ---------------------------------------------------------------------------------
-    def _static_inputs(self, bucket: int, t: int) -> tuple[Tensor, Tensor, Tensor]:
-        dev = self.device
-        codes = torch.zeros(self.n_q, bucket, t, dtype=torch.long, device=dev)
-        rows = torch.arange(self.slots, self.slots + bucket, dtype=torch.long, device=dev)  # scratch rows
-        valid = torch.zeros(bucket, dtype=torch.bool, device=dev)
-        return codes, rows, valid
-
-    def _capture(self, bucket: int, t: int) -> _Graph:
-        codes, rows, valid = self._static_inputs(bucket, t)
-        if self.graph_mode == "emulate":
-            for _ in range(self.warmup):  # the same scratch-row warm-up the CUDA path does
-                self._run(codes, rows, valid)
-            out = self._run(codes, rows, valid)
-
-            def replay(gr_out: Tensor = out) -> None:
-                gr_out.copy_(self._run(codes, rows, valid))
-
-            return _Graph(replay, codes, rows, valid, out)
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):  # scratch rows only: live slots are untouched
-                self._run(codes, rows, valid)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if t in self.priority_frames:
-            if self._priority_pool is None:
-                self._priority_pool = torch.cuda.graph_pool_handle()
-            pool = self._priority_pool
-        else:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            pool = self._pool
-        # Captured on a stream of the session's own, one for priority graphs and one for the rest: a
-        # graph bakes in the cuBLAS workspace of the stream it was captured on, and torch.cuda.graph's
-        # default capture stream is one per process. Graphs that replay concurrently (a priority first
-        # chunk beside a steady step; a decoder hosted in the worker's process beside the worker's
-        # graphs) must not share a workspace: on an H200 the hosted decoder and the worker hung the
-        # GPU at c16 with their graphs captured on the default stream.
-        priority = t in self.priority_frames
-        if priority not in self._capture_streams:
-            self._capture_streams[priority] = torch.cuda.Stream(device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self._capture_streams[priority],
-                              capture_error_mode="thread_local"):
-            out = self._run(codes, rows, valid)
-        self._keep.append(graph)
-        return _Graph(graph.replay, codes, rows, valid, out)
-
-    def capture(self, buckets: Iterable[int] | None = None, frames: Iterable[int] | None = None) -> int:
-        """Capture graphs for every (bucket, T) given (default: all buckets x graph_frames), largest
-        first so the shared pool is sized once. Returns how many are captured now in total."""
-        if self.graph_mode is None or self.graphs_disabled:
-            return 0
-        buckets = self.buckets if buckets is None else tuple(self.bucket_for(int(b)) for b in buckets)
-        frames = sorted(self.graph_frames) if frames is None else [int(t) for t in frames]
-        with self._lock, torch.inference_mode():
-            for b, t in sorted({(b, t) for b in buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0])):
-                if (b, t) not in self._graphs:
-                    try:
-                        self._graphs[(b, t)] = self._capture(b, t)
-                    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
-                        self.graphs_disabled = f"capture of (bucket {b}, T {t}) failed: {e!r}"
-                        self._graphs.clear()
-                        self._keep.clear()
-                        return 0
-        return len(self._graphs)
-
-    def _graph_for(self, bucket: int, t: int) -> _Graph | None:
-        if self.graph_mode is None or self.graphs_disabled:
-            return None
-        if (bucket, t) not in self._graphs and t in self.graph_frames:
-            self.capture([bucket], [t])  # lazily, on first use
-        return self._graphs.get((bucket, t))
-
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, codes: Mapping[int, Tensor], to_cpu: bool = False, eager: bool = False,
              bucket: int | None = None) -> dict[int, Tensor]:
@@ -596,137 +409,6 @@ class CodecSession:
             out = out.to("cpu", copy=True) if to_cpu else out.clone()  # never a view of graph memory
             self._after_step(slots, stream)
             return {s: out[i] for i, s in enumerate(slots)}
-
-    def step_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
-                 bucket: int | None = None) -> dict[int, bytes]:
-        """As `step`, but each stream's audio comes back as the wire's interleaved little-endian PCM
-        bytes ([T*hop, C]): int16 for the slots in `int16` (chorus.audio.encode_pcm16's values: scale
-        by 32767 in fp32, clip, round half to even), float32 for the others."""
-        return self.launch_pcm(codes, int16, eager, bucket).result()
-
-    def launch_pcm(self, codes: Mapping[int, Tensor], int16: Iterable[int] = (), eager: bool = False,
-                   bucket: int | None = None) -> PendingPcm:
-        """step_pcm without waiting for the device: the step, the PCM conversion and the copy to a
-        pinned host buffer are queued, and `result()` of the returned handle waits and gives the
-        bytes. The next step can be launched first, so the device never idles while the host turns
-        one step's PCM into bytes (a 64-stream, 25-frame step's PCM16 is ~25 MB). At most
-        STAGING_BUFFERS steps are unread: a further launch waits for the oldest result().
-
-        The conversion runs on the device and the copy goes through a pinned host buffer: a
-        64-stream step's float32 audio is ~50 MB, which a pageable copy moved at a few GB/s."""
-        want16 = set(int16)
-        with self._lock, torch.inference_mode():
-            if not codes:
-                return PendingPcm(self, [], [], None, None)
-            slots, out, stream = self._decode(codes, eager, bucket, allow_priority=True)
-            groups = [(torch.int16, [i for i, s in enumerate(slots) if s in want16]),
-                      (torch.float32, [i for i, s in enumerate(slots) if s not in want16])]
-            with self._on(stream):  # the conversion reads the pcm on the step's stream
-                converted = []
-                for dtype, idx in groups:
-                    if not idx:
-                        continue
-                    x = out if len(idx) == len(slots) else out[torch.as_tensor(idx, device=out.device)]
-                    if dtype == torch.int16:
-                        # [n, T*hop, C], interleaved; "auto": the torch path for layouts the kernel skips
-                        x = sk.pcm16(x, impl="auto" if self.glue_impl == "triton" else "torch")
-                    else:
-                        x = x.to(torch.float32).transpose(1, 2).contiguous()
-                    converted.append((idx, x))  # contiguous: one plain memcpy to the host
-            # The copy to the host runs on a stream of its own, so the next step's kernels (launched
-            # ahead) overlap it instead of queueing behind it: a 64 x 25 step's PCM16 is ~25 MB.
-            copy_stream = self._copy_stream_after(stream)
-            buf = self._staging_acquire(sum(x.numel() * x.element_size() for _, x in converted))
-            try:
-                with self._on(copy_stream):
-                    staged, offset = [], 0
-                    for idx, x in converted:
-                        nbytes = x.numel() * x.element_size()
-                        host = self._staging[buf][offset:offset + nbytes].view(x.dtype).view(x.shape)
-                        host.copy_(x, non_blocking=True)
-                        if copy_stream is not None:
-                            x.record_stream(copy_stream)  # not reused by the step stream before the copy ends
-                        staged.append((idx, host))
-                        offset += nbytes
-                    done = None
-                    if copy_stream is not None:
-                        # A blocking-sync event: the finisher thread sleeps until the copy is done instead
-                        # of spinning a core through the whole (tens of ms) step, as a default event's
-                        # wait does. It follows the step too (the copy stream waited for it).
-                        done = torch.cuda.Event(blocking=True)
-                        done.record(copy_stream)
-            except BaseException:
-                self._staging_release(buf)  # a lost buffer would block every later launch
-                raise
-            self._after_step(slots, stream, done)
-            return PendingPcm(self, slots, staged, done, buf)
-
-    def _copy_stream_after(self, stream):
-        """The stream that copies PCM to the host (None off CUDA), ordered after `stream`'s work."""
-        if stream is None:
-            return None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(stream)
-        return self._copy_stream
-
-    def _staging_acquire(self, nbytes: int) -> int:
-        """(Under the lock.) A free pinned staging buffer of at least nbytes; waits while every one
-        holds a step whose result() has not been read."""
-        with self._staging_cond:
-            while not self._staging_free:
-                self._staging_cond.wait()
-            buf = self._staging_free.pop()
-            have = self._staging[buf]
-            if have is None or have.numel() < nbytes:
-                size = max(nbytes, 2 * (0 if have is None else have.numel()))
-                self._staging[buf] = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            return buf
-
-    def _staging_release(self, buf: int) -> None:
-        with self._staging_cond:
-            self._staging_free.append(buf)
-            self._staging_cond.notify()
-
-    def uses_priority_stream(self, t: int) -> bool:
-        """Do steps of t frames run on the high-priority stream (see priority_frames)?"""
-        return t in self.priority_frames and self.graph_mode is not None and not self.graphs_disabled
-
-    def _stream(self, priority: bool):
-        """The CUDA stream a step runs on (None off CUDA): the current one, or the high-priority one."""
-        if self.device.type != "cuda":
-            return None
-        if not priority:
-            return torch.cuda.current_stream(self.device)
-        if self._priority_stream is None:
-            # Lower is higher; out-of-range values map to the device's highest priority.
-            self._priority_stream = torch.cuda.Stream(self.device, priority=-100)
-        return self._priority_stream
-
-    @staticmethod
-    def _on(stream):
-        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-    def _wait_for_slots(self, slots: list[int], stream) -> None:
-        """Order this step after the last step of each of its slots that ran on the other stream
-        (a first chunk on the priority stream, then the stream's next step on the current one; or a
-        slot's previous owner, cancelled while its last step still ran)."""
-        if not self.priority_frames:
-            return  # one stream: its steps run in order
-        for s in slots:
-            last = self._slot_events.get(s)
-            if last is not None and last[0] != stream:
-                stream.wait_event(last[1])
-
-    def _after_step(self, slots: list[int], stream, event=None) -> None:
-        """Remember each slot's last step (its stream, an event after it) for _wait_for_slots;
-        only needed when steps run on two streams."""
-        if stream is not None and self.priority_frames:
-            if event is None:
-                event = torch.cuda.Event()
-                event.record(stream)
-            for s in slots:
-                self._slot_events[s] = (stream, event)
 
     def _decode(self, codes: Mapping[int, Tensor], eager: bool, bucket: int | None,
                 allow_priority: bool = False) -> tuple[list[int], Tensor, object]:
@@ -763,7 +445,7 @@ class CodecSession:
                 try:
                     # Non-blocking from the host: a blocking copy waits for every kernel already queued
                     # on the stream, i.e. for the step launched ahead, so this launch then waited for
-                    # the previous step to finish (58% of the H200 session thread at c256) and the GPU
+                    # the previous step to finish (58% of the H200 slot decoder thread at c256) and the GPU
                     # idled while the host launched the next. The host tensors are this step's own.
                     gr.codes.copy_(batch, non_blocking=True)
                     gr.rows.copy_(rows, non_blocking=True)
@@ -818,39 +500,3 @@ class CodecSession:
             return torch.cat(outs, dim=-1)
         finally:
             self.release(slot)
-
-
-class PendingPcm:
-    """A launched step_pcm (CodecSession.launch_pcm): result() waits for the device and returns
-    {slot: PCM bytes}, once; the staging buffer goes back to the session then."""
-
-    def __init__(self, session: CodecSession, slots: list[int], staged: list[tuple[list[int], Tensor]],
-                 done: torch.cuda.Event | None, buf: int | None):
-        self._session, self.slots, self._staged, self._done, self._buf = session, slots, staged, done, buf
-        self._read = False
-
-    def wait_device(self) -> None:
-        """Block until the step's device work (and its copy to the host buffer) is done."""
-        if self._done is not None:
-            self._done.synchronize()
-
-    def running(self) -> bool:
-        """Is the step's device work (or its copy to the host) still going? (False off CUDA.)"""
-        return self._done is not None and not self._done.query()
-
-    def result(self) -> dict[int, bytes]:
-        if self._read:
-            raise RuntimeError("PendingPcm.result() called twice")
-        self._read = True
-        try:
-            if self._done is not None:
-                self._done.synchronize()
-            out: dict[int, bytes] = {}
-            for idx, host in self._staged:
-                for j, i in enumerate(idx):
-                    out[self.slots[i]] = host[j].numpy().tobytes()
-            return out
-        finally:
-            if self._buf is not None:
-                self._session._staging_release(self._buf)
-                self._buf = None

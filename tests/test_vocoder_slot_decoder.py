@@ -1,6 +1,6 @@
-"""CodecSession (vocoder_svc/session.py): slot-based batched streaming decode.
+"""SlotDecoder (vocoder_svc/slot_decoder.py): slot-based batched streaming decode.
 
-Tiny random-weight codecs on CPU. The session runs the same step function
+Tiny random-weight codecs on CPU. The slot decoder runs the same step function
 that CUDA graphs capture on GPU; here it runs eagerly, and the graph
 bookkeeping (static buffers, scratch-row warm-up, replay) runs in "emulate"
 mode."""
@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vocoder_svc.codec import build_codec, rope_cos_sin, tiny_v2, window_mask
-from vocoder_svc.session import CodecSession, default_buckets, rope_freq
+from vocoder_svc.codec import rope_cos_sin, tiny_v2, window_mask
+from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
+from vocoder_svc.slot_plan import rope_freq
 from vocoder_svc.window_attention import chunk_window_mask
 
 F64 = torch.float64
@@ -44,7 +46,7 @@ def bound(ref, rel):
     return rel * max(1.0, ref.abs().max().item())
 
 
-def state_snapshot(s: CodecSession):
+def state_snapshot(s: SlotDecoder):
     return [s._frames.clone()] + [t.clone() for kind, st in s._plan if kind == "stage" for t in (*st.k, *st.v)]
 
 
@@ -65,11 +67,11 @@ def test_chunk_mask_equals_codec_window_mask():
 
 
 @pytest.mark.parametrize("which", ["v2", "v1"])
-def test_session_equals_offline_float64(which, v2_64, v1_64):
+def test_slot_decoder_equals_offline_float64(which, v2_64, v1_64):
     codec = v2_64 if which == "v2" else v1_64
     codes = codes_for(30, seed=3)
     ref = codec.decode(codes)[0]
-    s = CodecSession(codec, slots=2)
+    s = SlotDecoder(codec, slots=2)
     for parts in PARTS:
         out = s.decode_stream(codes[:, 0], parts)
         assert out.shape == ref.shape and out.dtype == F64
@@ -77,10 +79,10 @@ def test_session_equals_offline_float64(which, v2_64, v1_64):
     assert s.free_slots == 2
 
 
-def test_session_equals_offline_float32_and_codec_stream(v2_32):
+def test_slot_decoder_equals_offline_float32_and_codec_stream(v2_32):
     codes = codes_for(30, n_q=12, seed=4)
     ref = v2_32.decode(codes)[0]
-    s = CodecSession(v2_32, slots=2, n_q=12)
+    s = SlotDecoder(v2_32, slots=2, n_q=12)
     assert (s.attention_path, s.glue_impl, s.glue_fallback) == ("torch", "torch", None)  # auto on the CPU
     for parts in PARTS:
         out = s.decode_stream(codes[:, 0], parts)
@@ -97,7 +99,7 @@ def test_session_equals_offline_float32_and_codec_stream(v2_32):
 def test_bf16_compute_is_close_and_finite(v2_32):
     codes = codes_for(12, n_q=12, seed=5)
     ref = v2_32.decode(codes)[0]
-    s = CodecSession(v2_32, slots=1, n_q=12, compute_dtype=torch.bfloat16)
+    s = SlotDecoder(v2_32, slots=1, n_q=12, compute_dtype=torch.bfloat16)
     assert s.residual_dtype == torch.float32
     assert all(t.dtype == torch.bfloat16 for kind, st in s._plan if kind == "stage" for t in st.k)
     out = s.decode_stream(codes[:, 0], [5, 7])
@@ -109,7 +111,7 @@ def test_bf16_compute_is_close_and_finite(v2_32):
 
 # ---- batching ------------------------------------------------------------------------------------------
 
-def run_streams(s: CodecSession, codes, parts, together: bool, eager: bool = False):
+def run_streams(s: SlotDecoder, codes, parts, together: bool, eager: bool = False):
     """Decode streams codes[:, b] with the same chunk sizes; together in one step each, or one by one."""
     n = codes.shape[1]
     slots = [s.acquire() for _ in range(n)]
@@ -131,7 +133,7 @@ def test_batch_independence_same_bucket_is_bitwise(v2_64, v2_32):
     parts = [5, 25, 3]
     for codec in (v2_64, v2_32):
         codes = codes_for(33, n_q=12, b=3, seed=6)
-        s = CodecSession(codec, slots=4, n_q=12, buckets=[4])  # alone or three together: both bucket 4
+        s = SlotDecoder(codec, slots=4, n_q=12, buckets=[4])  # alone or three together: both bucket 4
         together = run_streams(s, codes, parts, together=True)
         alone = run_streams(s, codes, parts, together=False)
         for a, b in zip(together, alone):
@@ -143,7 +145,7 @@ def test_batch_independence_same_bucket_is_bitwise(v2_64, v2_32):
 
 def test_batch_independence_across_buckets_float64(v2_64):
     codes = codes_for(31, n_q=12, b=5, seed=7)
-    s = CodecSession(v2_64, slots=8, n_q=12)
+    s = SlotDecoder(v2_64, slots=8, n_q=12)
     assert s.buckets == (1, 2, 4, 8)
     together = run_streams(s, codes, [6, 25], together=True)  # bucket 8 (3 scratch rows)
     alone = run_streams(s, codes, [6, 25], together=False)  # bucket 1
@@ -155,10 +157,10 @@ def test_slots_interleaved_and_scratch_rows_leave_state_alone(v2_64):
     """Stream A stepped between other streams' steps (padded with scratch rows, graph warm-ups on
     scratch rows) gives the same bytes as A alone; a step changes only its participants' rows."""
     codes = codes_for(30, n_q=12, b=3, seed=8)
-    ref_s = CodecSession(v2_64, slots=4, n_q=12)
+    ref_s = SlotDecoder(v2_64, slots=4, n_q=12)
     ref = ref_s.decode_stream(codes[:, 0], [5, 10, 15])
 
-    s = CodecSession(v2_64, slots=4, n_q=12, graphs="emulate", graph_frames=[3])
+    s = SlotDecoder(v2_64, slots=4, n_q=12, graphs="emulate", graph_frames=[3])
     a, b, c, d = s.acquire(), s.acquire(), s.acquire(), s.acquire()
     outs, i = [], 0
     for p in [5, 10, 15]:
@@ -181,7 +183,7 @@ def test_slots_interleaved_and_scratch_rows_leave_state_alone(v2_64):
 
 def test_padding_rows_pure_and_scratch_step_isolated(v2_64):
     """A padded step leaves every other slot bit-identical, even with garbage in the scratch rows."""
-    s = CodecSession(v2_64, slots=4, n_q=12)
+    s = SlotDecoder(v2_64, slots=4, n_q=12)
     x, y = s.acquire(), s.acquire()
     s.step({x: codes_for(4, 12, seed=9)[:, 0], y: codes_for(4, 12, seed=10)[:, 0]})
     with torch.inference_mode():  # scribble over every scratch row: positions and K/V
@@ -192,7 +194,7 @@ def test_padding_rows_pure_and_scratch_step_isolated(v2_64):
                     t[s.slots:] = 1e6
     before = state_snapshot(s)
     out1 = s.step({x: codes_for(3, 12, seed=11)[:, 0], y: codes_for(3, 12, seed=12)[:, 0]})  # bucket 2
-    s2 = CodecSession(v2_64, slots=4, n_q=12)
+    s2 = SlotDecoder(v2_64, slots=4, n_q=12)
     x2, y2 = s2.acquire(), s2.acquire()
     s2.step({x2: codes_for(4, 12, seed=9)[:, 0], y2: codes_for(4, 12, seed=10)[:, 0]})
     z = s.acquire()  # a third stream forces bucket 4 with one scratch row
@@ -211,7 +213,7 @@ def test_padding_rows_pure_and_scratch_step_isolated(v2_64):
 
 
 def test_release_then_acquire_is_a_fresh_stream(v2_64):
-    s = CodecSession(v2_64, slots=1, n_q=12)
+    s = SlotDecoder(v2_64, slots=1, n_q=12)
     codes = codes_for(20, n_q=12, b=2, seed=16)
     slot = s.acquire()
     s.step({slot: codes[:, 0, :13]})
@@ -220,7 +222,7 @@ def test_release_then_acquire_is_a_fresh_stream(v2_64):
     slot2 = s.acquire()
     assert slot2 == slot and s.frames_decoded(slot2) == 0
     out = torch.cat([s.step({slot2: codes[:, 1, :7]})[slot2], s.step({slot2: codes[:, 1, 7:]})[slot2]], -1)
-    fresh = CodecSession(v2_64, slots=1, n_q=12).decode_stream(codes[:, 1], [7, 13])
+    fresh = SlotDecoder(v2_64, slots=1, n_q=12).decode_stream(codes[:, 1], [7, 13])
     assert torch.equal(out, fresh)
     s.reset(slot2)
     assert torch.equal(s.step({slot2: codes[:, 1, :7]})[slot2], fresh[:, :7 * s.hop])
@@ -228,8 +230,8 @@ def test_release_then_acquire_is_a_fresh_stream(v2_64):
 
 def test_emulated_graphs_bitwise_equal_eager(v1_64):
     codes = codes_for(26, n_q=32, b=3, seed=17)
-    eager = CodecSession(v1_64, slots=4, graphs=False)
-    graphed = CodecSession(v1_64, slots=4, graphs="emulate", graph_frames=[1, 25])
+    eager = SlotDecoder(v1_64, slots=4, graphs=False)
+    graphed = SlotDecoder(v1_64, slots=4, graphs="emulate", graph_frames=[1, 25])
     graphed.capture(buckets=[4], frames=[25])
     a = run_streams(eager, codes, [1, 25], together=True)
     b = run_streams(graphed, codes, [1, 25], together=True)
@@ -249,7 +251,7 @@ def test_api_errors_and_facts(v2_64):
     assert default_buckets(1) == (1,) and default_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
     assert default_buckets(60) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60)
     assert default_buckets(6) == (1, 2, 4, 6)
-    s = CodecSession(v2_64, slots=2, n_q=12)
+    s = SlotDecoder(v2_64, slots=2, n_q=12)
     assert s.bucket_for(1) == 1 and s.bucket_for(2) == 2 and s.scratch == 2 and s.rows == 4
     a, b = s.acquire(), s.acquire()
     with pytest.raises(RuntimeError):
@@ -266,9 +268,9 @@ def test_api_errors_and_facts(v2_64):
     with pytest.raises(ValueError, match="not acquired"):
         s.step({b: torch.zeros(12, 3, dtype=torch.long)})
     with pytest.raises(ValueError):
-        CodecSession(v2_64, slots=4, buckets=[1, 2])
+        SlotDecoder(v2_64, slots=4, buckets=[1, 2])
     with pytest.raises(ValueError):
-        CodecSession(v2_64, slots=1, graphs=True)  # no CUDA here
+        SlotDecoder(v2_64, slots=1, graphs=True)  # no CUDA here
     assert s.state_nbytes() > 0
     assert s.step({}) == {}
     out = s.step({a: torch.zeros(12, 2, dtype=torch.long)}, to_cpu=True)[a]
@@ -289,9 +291,9 @@ def test_bench_runs_on_cpu(tmp_path):
 
 
 def test_results_never_alias_graph_memory(v2_32):
-    """to_cpu on a CPU session with emulated graphs still hands back fresh tensors: a later replay of
+    """to_cpu on a CPU slot decoder with emulated graphs still hands back fresh tensors: a later replay of
     the same graph must not change an earlier result."""
-    s = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[3])
+    s = SlotDecoder(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[3])
     a, b = s.acquire(), s.acquire()
     codes = codes_for(6, n_q=12, b=2, seed=18)
     for to_cpu in (True, False):
@@ -306,7 +308,7 @@ def test_results_never_alias_graph_memory(v2_32):
 def test_forced_bucket_and_stream_limit(v2_32):
     """step(bucket=B) pads a lone stream to bucket B: bitwise what it gets next to others in B."""
     codes = codes_for(8, n_q=12, b=3, seed=19)
-    s = CodecSession(v2_32, slots=4, n_q=12)
+    s = SlotDecoder(v2_32, slots=4, n_q=12)
     x, y, z = s.acquire(), s.acquire(), s.acquire()
     together = s.step({x: codes[:, 0], y: codes[:, 1], z: codes[:, 2]})  # bucket 4
     s.reset(x)
@@ -328,8 +330,8 @@ def test_step_pcm_is_the_wire_encoding_of_step(v2_32):
     from chorus.audio import encode_pcm16
 
     codes = codes_for(10, n_q=12, b=3, seed=21)
-    ref = CodecSession(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
-    got = CodecSession(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
+    ref = SlotDecoder(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
+    got = SlotDecoder(v2_32, slots=3, n_q=12, graphs="emulate", graph_frames=[5])
     slots = [ref.acquire() for _ in range(3)]
     assert [got.acquire() for _ in range(3)] == slots
     for t in (0, 5):
@@ -349,11 +351,11 @@ def test_launch_pcm_runs_ahead_of_results(v2_32):
     pinned staging buffer per unread step)."""
     import threading
 
-    from vocoder_svc.session import STAGING_BUFFERS
+    from vocoder_svc.slot_pcm import STAGING_BUFFERS
 
     codes = codes_for(15, n_q=12, b=2, seed=22)
-    ref = CodecSession(v2_32, slots=2, n_q=12)
-    got = CodecSession(v2_32, slots=2, n_q=12)
+    ref = SlotDecoder(v2_32, slots=2, n_q=12)
+    got = SlotDecoder(v2_32, slots=2, n_q=12)
     slots = [ref.acquire() for _ in range(2)]
     assert [got.acquire() for _ in range(2)] == slots
     chunks = [{s: codes[:, i, t:t + 5] for i, s in enumerate(slots)} for t in (0, 5, 10)]
@@ -375,11 +377,11 @@ def test_launch_pcm_runs_ahead_of_results(v2_32):
 
 def test_priority_frames_steps_give_the_same_bytes(v2_32):
     """priority_frames: steps of those sizes take the high-priority path (on CUDA: their graphs' own
-    stream and pool; here the emulated graphs) and give the same PCM as a session without it; a
+    stream and pool; here the emulated graphs) and give the same PCM as a slot decoder without it; a
     released slot's next stream starts fresh without a device write (valid=False reads frames as 0)."""
     codes = codes_for(40, n_q=12, b=2, seed=24)
-    plain = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25])
-    fast = CodecSession(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25], priority_frames=[5])
+    plain = SlotDecoder(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25])
+    fast = SlotDecoder(v2_32, slots=2, n_q=12, graphs="emulate", graph_frames=[5, 25], priority_frames=[5])
     assert fast.uses_priority_stream(5) and not fast.uses_priority_stream(25) and not plain.uses_priority_stream(5)
     for rnd in range(2):  # the second round reuses released slots
         want, got = [], []

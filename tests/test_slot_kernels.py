@@ -1,7 +1,7 @@
-"""vocoder_svc/session_kernels.py: CodecSession's fused glue kernels against their torch paths.
+"""vocoder_svc/slot_kernels.py: SlotDecoder's fused glue kernels against their torch paths.
 
 The kernels run on the CPU through the Triton interpreter (TRITON_INTERPRET=1) and are compared with the
-torch paths, which are the session's own math (checked here against the plain expressions). Kernel tests
+torch paths, which are the slot decoder's own math (checked here against the plain expressions). Kernel tests
 skip when triton is not installed (CI); the torch-path and selection tests always run. Under the
 interpreter fp32 -> bf16 casts truncate, so the kernels round on the bits (`_cast`): RoPE and the
 residual adds are then bitwise equal to torch, LayerNorm within one ulp of the output dtype.
@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from helpers import triton_skip_reason  # noqa: E402
 
 _SKIP_TRITON = triton_skip_reason()  # a missing triton skips only the kernel tests
-import vocoder_svc.session_kernels as SK  # noqa: E402
+import vocoder_svc.slot_kernels as SK  # noqa: E402
 
 from vocoder_svc import window_attention as WA  # noqa: E402
-from vocoder_svc.codec import apply_rope, build_codec, tiny_v2  # noqa: E402
-from vocoder_svc.session import CodecSession, rope_freq  # noqa: E402
+from vocoder_svc.codec import apply_rope, tiny_v2  # noqa: E402
+from vocoder_svc.codec_checkpoint import build_codec  # noqa: E402
+from vocoder_svc.slot_decoder import SlotDecoder  # noqa: E402
+from vocoder_svc.slot_plan import rope_freq  # noqa: E402
 
 needs_triton = pytest.mark.skipif(_SKIP_TRITON is not None, reason=_SKIP_TRITON or "")
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
@@ -48,7 +50,7 @@ def _norm_inputs(seed, b, tk, d, cd, strided=False):
 
 def _rope_inputs(seed, b, tk, nh, hd, cd, strided=False):
     """qkv [B, Tk, 3*H*D] as F.linear returns it (or a column slice of a wider buffer), cos/sin [B, 1, Tk, D/2]
-    fp32 at absolute positions offset + [0, Tk) (fresh, long-running), made as the session makes them."""
+    fp32 at absolute positions offset + [0, Tk) (fresh, long-running), made as the slot decoder makes them."""
     g = torch.Generator().manual_seed(seed)
     width = 3 * nh * hd
     qkv = torch.randn(b, tk, width + (5 if strided else 0), generator=g).to(cd)[..., :width]
@@ -68,10 +70,10 @@ def _max_ulps(out, ref):
     return ((o - r).abs() / ulp).max().item()
 
 
-# ---- the torch paths are the session's expressions ---------------------------------------------------------
+# ---- the torch paths are the slot decoder's expressions ---------------------------------------------------------
 
 @pytest.mark.parametrize("dtype, cd", [(F64, F64), (F32, F32), (F32, BF16)])
-def test_torch_paths_are_the_session_math(dtype, cd):
+def test_torch_paths_are_the_slot_decoder_math(dtype, cd):
     y, u, s, w, b = (t.to(dtype) if t.dtype == F32 else t for t in _norm_inputs(1, 2, 5, 48, cd))
     u = u.to(cd)
     ln = F.layer_norm(y, (48,), w, b, EPS).to(cd)
@@ -102,8 +104,8 @@ def test_selection_rules():
         SK.scaled_add(torch.zeros(2, 3), torch.zeros(2, 3), None, impl="fast")
     codec = build_codec(tiny_v2(), seed=1, dtype=F32)
     with pytest.raises(ValueError, match="glue must be"):
-        CodecSession(codec, slots=1, n_q=12, glue="fused")
-    s = CodecSession(codec, slots=1, n_q=12)
+        SlotDecoder(codec, slots=1, n_q=12, glue="fused")
+    s = SlotDecoder(codec, slots=1, n_q=12)
     assert s.glue == "auto" and s.glue_impl == "torch" and s.glue_fallback is None
     if _SKIP_TRITON is None:
         with pytest.raises(ValueError, match="glue='triton' needs"):  # fp64 is not a kernel dtype
@@ -164,7 +166,7 @@ def test_rope_qk(nh, hd, tk, cd):
 
 @needs_triton
 def test_rope_qk_outputs_feed_attention_and_ring():
-    """The kernel's contiguous q/k (and v view) give window_attention and ring_write exactly what the session's strided
+    """The kernel's contiguous q/k (and v view) give window_attention and ring_write exactly what the slot decoder's strided
     views give them (bf16, a chunk longer than the window and one shorter)."""
     h, hd, w = 2, 16, 6
     for tk in (4, 9):
@@ -226,23 +228,23 @@ def test_auto_falls_back_when_the_self_test_fails(monkeypatch, caplog):
     monkeypatch.setattr(SK, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(SK, "SELF_TEST_DEVICE_TYPES", ("cuda", "cpu"))
     codec = build_codec(tiny_v2(), seed=1, dtype=F32)
-    s = CodecSession(codec, slots=1, n_q=12, buckets=[1])
+    s = SlotDecoder(codec, slots=1, n_q=12, buckets=[1])
     assert s.glue_impl == "triton" and s.glue_fallback is None
     _break_norm(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="chorus.vocoder"):
-        s = CodecSession(codec, slots=1, n_q=12, buckets=[1])
+        s = SlotDecoder(codec, slots=1, n_q=12, buckets=[1])
     assert s.glue_impl == "torch" and "layer_norm_cast" in s.glue_fallback
     assert any(r.name == "chorus.vocoder" and "self-test" in r.getMessage() for r in caplog.records)
     with pytest.raises(RuntimeError, match="self-test"):
-        CodecSession(codec, slots=1, n_q=12, buckets=[1], glue="triton")
+        SlotDecoder(codec, slots=1, n_q=12, buckets=[1], glue="triton")
 
 
-# ---- the session with the kernels ------------------------------------------------------------------------
+# ---- the slot decoder with the kernels ------------------------------------------------------------------------
 
 def _decode(codec, glue, codes, parts, cd=None):
-    """Decode codes [n_q, B, T] as B streams of one session stepped together in chunks `parts`; also returns
+    """Decode codes [n_q, B, T] as B streams of one decoder stepped together in chunks `parts`; also returns
     the KV rings of the streams' rows."""
-    s = CodecSession(codec, slots=codes.shape[1], n_q=12, compute_dtype=cd, glue=glue, attention="torch")
+    s = SlotDecoder(codec, slots=codes.shape[1], n_q=12, compute_dtype=cd, glue=glue, attention="torch")
     assert s.glue_impl == glue
     slots = [s.acquire() for _ in range(codes.shape[1])]
     chunks, i = [], 0
@@ -255,8 +257,8 @@ def _decode(codec, glue, codes, parts, cd=None):
 
 
 @needs_triton
-def test_session_triton_glue_equals_torch():
-    """CodecSession on the tiny v2 codec (widths 64 and 32, head dim 16, window 4 so Tk > W at every stage,
+def test_slot_decoder_triton_glue_equals_torch():
+    """SlotDecoder on the tiny v2 codec (widths 64 and 32, head dim 16, window 4 so Tk > W at every stage,
     Tk up to 32x the frames) with the fused glue (interpreted) against the torch glue, fp32: two streams,
     two chunks; outputs and the KV rings."""
     codec = build_codec(tiny_v2(window=4), seed=1, dtype=F32)
@@ -273,7 +275,7 @@ def test_session_triton_glue_equals_torch():
 
 
 @needs_triton
-def test_session_triton_glue_bf16():
+def test_slot_decoder_triton_glue_bf16():
     """bf16 compute (the GPU setting): the fused glue stays within the torch glue's own bf16 error against the
     fp32 codec (LayerNorm may move an output by one bf16 ulp; on these inputs the two are bitwise equal)."""
     codec = build_codec(tiny_v2(window=4), seed=1, dtype=F32)

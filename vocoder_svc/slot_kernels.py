@@ -1,4 +1,4 @@
-"""Fused elementwise glue of CodecSession's Transformer layers (vocoder_svc/session.py), Triton with torch paths.
+"""Fused elementwise glue of SlotDecoder's Transformer layers (vocoder_svc/slot_decoder.py), Triton with torch paths.
 
 A 64-stream x 25-frame bf16 step of the full codec spent more GPU time in elementwise glue than in
 its GEMMs and attention together: RoPE as ~10 generic kernels per tensor (promote, slice, 4 muls,
@@ -19,13 +19,13 @@ and every LayerNorm followed by a cast kernel. These functions do each group in 
 Every function takes ``impl`` as gpu_worker/kernels.py's do: "auto" runs the kernel for supported CUDA
 inputs and the torch path elsewhere; "triton" forces the kernel (CUDA, or CPU tensors under
 TRITON_INTERPRET=1 set before this module is imported); "torch" forces the torch path. The torch paths
-ARE the session's math, op for op (so CPU / fp64 results do not change by a bit).
+ARE the slot decoder's math, op for op (so CPU / fp64 results do not change by a bit).
 
 Numerics of the kernels (fp32 residual stream y, u in the compute dtype, s/w/b fp32):
 - ``s * u`` and the add round in fp32 exactly as torch's promoted ops do (FMA contraction is off,
   ``enable_fp_fusion=False``), so ``y_new`` is bit-identical to the torch path.
 - RoPE: ``x0*cos - x1*sin`` and ``x0*sin + x1*cos`` in fp32, each product and the sum rounded, then one
-  rounding to the activation dtype: bit-identical to apply_rope (cos/sin are the session's fp32 tables).
+  rounding to the activation dtype: bit-identical to apply_rope (cos/sin are the slot decoder's fp32 tables).
 - LayerNorm: two passes in fp32 in one program per row (torch uses Welford): the same value up to fp32
   rounding of the mean / variance, so after the cast to bf16 an element differs by at most one bf16
   ulp, and rarely at all. fp32 outputs differ at the 1e-7 relative level.
@@ -36,8 +36,8 @@ Outputs are fresh tensors (y_new: [B, Tk, d] fp32; q, k, v: contiguous [B, H, Tk
 is then a view whenever Tk <= W). Launches are sync-free, so a step can be captured in a CUDA graph
 (after a warm-up call per shape compiles the kernels).
 
-Safety: `select_impl` (used by CodecSession(glue=...)) runs `self_test` (each kernel against its torch
-path on small inputs of the session's widths) before the kernels are used on CUDA; "auto" falls back
+Safety: `select_impl` (used by SlotDecoder(glue=...)) runs `self_test` (each kernel against its torch
+path on small inputs of the slot decoder's widths) before the kernels are used on CUDA; "auto" falls back
 to the torch path, with a warning on the "chorus.vocoder" logger, when a kernel fails to compile or
 disagrees beyond rounding.
 """
@@ -172,7 +172,7 @@ def _norm_supported(y: Tensor, u: Tensor | None, s: Tensor | None, w: Tensor | N
 def _residual_norm(y: Tensor, u: Tensor | None, s: Tensor | None, w: Tensor | None, b: Tensor | None,
                    eps: float, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
     d = y.shape[-1]
-    y2 = y.reshape(-1, d)  # a view for the session's contiguous [B, Tk, d]
+    y2 = y.reshape(-1, d)  # a view for the slot decoder's contiguous [B, Tk, d]
     u2 = y2 if u is None else u.reshape(-1, d)
     n = y2.shape[0]
     y_new = torch.empty((n, d), dtype=torch.float32, device=y.device) if u is not None else y2
@@ -226,7 +226,7 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, nh: int, hd: int, *,
     """q, k, v [B, H, Tk, D] from the fused QKV projection qkv [B, Tk, 3*H*D] (channel order (3, H, D)),
     q and k rotated by codec.apply_rope at the angles behind cos/sin [B, 1, Tk, D/2] (fp32).
 
-    Torch path: the session's ``qkv.reshape(B, Tk, 3, H, D).permute(2, 0, 3, 1, 4)`` views, q and k through
+    Torch path: the slot decoder's ``qkv.reshape(B, Tk, 3, H, D).permute(2, 0, 3, 1, 4)`` views, q and k through
     apply_rope. Kernel: q and k contiguous [B, H, Tk, D] (views of one [2, B, H, Tk, D] buffer), the same
     values. v is the same strided view of qkv on both paths (attention and the ring write take strides)."""
     supported = (qkv.dim() == 3 and qkv.dtype in _KERNEL_DTYPES and qkv.numel() > 0 and hd % 2 == 0 and hd >= 2
@@ -273,7 +273,7 @@ def pcm16(x: Tensor, *, impl: str = "auto") -> Tensor:
 # Selection and the self-test
 # =============================================================================
 def kernels_usable(device: torch.device | str, compute_dtype: torch.dtype) -> bool:
-    """Whether the kernels can run for a session of this compute dtype on this device (fp32 residual
+    """Whether the kernels can run for a slot decoder of this compute dtype on this device (fp32 residual
     stream: compute dtype fp32, bf16 or fp16; CUDA, or CPU under the interpreter)."""
     dev = torch.device(device)
     return (HAVE_TRITON and compute_dtype in _KERNEL_DTYPES
@@ -351,7 +351,7 @@ def self_test(device: torch.device | str, compute_dtype: torch.dtype, shapes: It
 
 def select_impl(glue: str, device: torch.device | str, compute_dtype: torch.dtype,
                 shapes: Iterable[tuple[int, int, int]]) -> tuple[str, str | None]:
-    """The glue path of a session: ("triton" | "torch", why the kernels were rejected or None).
+    """The glue path of a slot decoder: ("triton" | "torch", why the kernels were rejected or None).
 
     "torch": the torch path. "auto": the kernels on CUDA for fp32/bf16/fp16 compute when triton is
     importable, after `self_test` passes (else a warning and the torch path). "triton": the kernels
@@ -373,8 +373,8 @@ def select_impl(glue: str, device: torch.device | str, compute_dtype: torch.dtyp
         if why is not None:
             if glue == "triton":
                 raise RuntimeError(f"glue='triton': the fused glue kernels failed their self-test: {why}")
-            log.warning("fused session glue kernels failed their self-test, using the torch path: %s", why)
+            log.warning("fused slot decoder glue kernels failed their self-test, using the torch path: %s", why)
             return "torch", why
-        log.info("fused session glue kernels passed their self-test (%s, widths %s)", compute_dtype,
+        log.info("fused slot decoder glue kernels passed their self-test (%s, widths %s)", compute_dtype,
                  sorted({d for d, _, _ in shapes}))
     return "triton", None

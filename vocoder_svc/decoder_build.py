@@ -1,0 +1,115 @@
+"""Building the codec and the slot decoder from the vocoder's options: shared by the gRPC process
+(vocoder_svc/server.py) and a decode process (vocoder_svc/decode_process.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from chorus.watchdog import stall_limit
+from vocoder_svc.codec import MossAudioTokenizer
+from vocoder_svc.codec_checkpoint import build_codec, load_codec
+from vocoder_svc.codec_config import full_v2, tiny_v2
+from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
+from vocoder_svc.selfcheck import check_slot_decoder, describe_slot_check
+from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def make_codec(args: VocoderConfig) -> tuple[MossAudioTokenizer, str]:
+    if getattr(args, "torch_threads", 0) > 0:
+        torch.set_num_threads(args.torch_threads)
+    dtype = DTYPES[args.dtype]
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA device is available")
+        if torch.device(args.device).index is not None:
+            torch.cuda.set_device(torch.device(args.device))  # capture streams and graph pools follow it
+    if args.codec:
+        return load_codec(args.codec, dtype=dtype, device=args.device), Path(args.codec).name
+    config = tiny_v2() if args.preset == "tiny" else full_v2()
+    codec = build_codec(config, seed=args.seed, dtype=dtype, device=args.device)
+    return codec, f"{config.name} (random weights, seed {args.seed})"
+
+
+def resolve_engine(engine: str, device: str) -> str:
+    """auto -> slot decoder on CUDA devices, stream otherwise."""
+    if engine == "auto":
+        return "slots" if torch.device(device).type == "cuda" else "stream"
+    return engine
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: expected comma-separated integers") from None
+    if any(v < 1 for v in values):
+        raise SystemExit(f"{flag} {text!r}: values must be >= 1")
+    return values
+
+
+def first_chunk(args: VocoderConfig) -> int:
+    """The first chunk's frames as the service uses them: never above the steady chunk size."""
+    return max(1, min(args.first_chunk_frames, args.chunk_frames))
+
+
+def stall_exit_seconds(args: VocoderConfig) -> float:
+    return stall_limit(args.stall_exit_s, torch.device(args.device).type)
+
+
+def build_slot_decoder(codec: MossAudioTokenizer, args: VocoderConfig, log=print) -> SlotDecoder:
+    """The slots engine's SlotDecoder, ready to serve: every (bucket, T in --graph-frames) graph
+    captured now (largest first, one progress line each), then the self-check of its byte-identity
+    facts (also the warm-up), logged with a warning if the fused glue kernels fell back."""
+    if args.slots < 1:
+        raise SystemExit(f"--slots {args.slots}: must be >= 1")
+    n_q = args.slot_codebooks
+    if not 1 <= n_q <= codec.num_codebooks:
+        raise SystemExit(f"--slot-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
+    buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
+    if not buckets or max(buckets) < args.slots:
+        raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
+    first = first_chunk(args)
+    if args.step_frames < 0:
+        raise SystemExit(f"--step-frames {args.step_frames}: must be >= 0")
+    if args.graph_frames is None:
+        frames = sorted({first, args.step_frames or args.chunk_frames})
+    elif args.graph_frames.strip().lower() in ("", "none"):
+        frames = []
+    else:
+        frames = sorted(set(_int_list(args.graph_frames, "--graph-frames")))
+    if any(t > MAX_CHUNK_FRAMES for t in frames):
+        raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
+    graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
+    slot_decoder = SlotDecoder(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
+                           priority_frames=[first] if args.priority_first_chunks else [])
+    log(f"vocoder: slots engine: {slot_decoder.slots} slots, buckets {list(slot_decoder.buckets)}, {n_q} codebooks, "
+        f"compute {str(slot_decoder.compute_dtype).removeprefix('torch.')}, state "
+        f"{slot_decoder.state_nbytes() / 1e9:.3f} GB, graphs {slot_decoder.graph_mode or 'off'}"
+        + (f" for {frames} frames" if slot_decoder.graph_mode else "")
+        + (f", {sorted(slot_decoder.priority_frames)}-frame steps on a high-priority stream"
+           if slot_decoder.priority_frames else ""), flush=True)
+    if slot_decoder.graph_mode:
+        pairs = sorted({(b, t) for b in slot_decoder.buckets for t in frames}, key=lambda bt: (-bt[0] * bt[1], -bt[0]))
+        started = time.perf_counter()
+        for i, (b, t) in enumerate(pairs, 1):
+            t0 = time.perf_counter()
+            slot_decoder.capture([b], [t])
+            if slot_decoder.device.type == "cuda":
+                torch.cuda.synchronize(slot_decoder.device)
+            if slot_decoder.graphs_disabled:
+                log(f"vocoder: graph capture failed, every step runs eagerly: {slot_decoder.graphs_disabled}", flush=True)
+                break
+            log(f"vocoder: captured graph {i}/{len(pairs)} (bucket {b}, {t} frames) in "
+                f"{time.perf_counter() - t0:.2f} s", flush=True)
+        else:
+            log(f"vocoder: {len(pairs)} graphs captured in {time.perf_counter() - started:.2f} s", flush=True)
+    if slot_decoder.glue_fallback:
+        log(f"vocoder: WARNING: fused glue kernels unusable, running the torch path: {slot_decoder.glue_fallback}",
+            flush=True)
+    log(describe_slot_check(check_slot_decoder(slot_decoder, first)), flush=True)
+    return slot_decoder
