@@ -20,7 +20,8 @@ DEFAULT_TEXT = ("Chorus streams speech as it is generated: the scheduler batches
                 "the worker runs the model, and the vocoder turns codes into sound.")
 
 
-SERVICES = {"worker": ("gpu_worker.server", "run a gpu_worker: the model behind a ZeroMQ socket"),
+SERVICES = {"worker": ("chorus.colocate", "run a gpu_worker: the model behind a ZeroMQ socket (and a hosted "
+                                             "vocoder decoder with --host-vocoder-decoder)"),
             "scheduler": ("scheduler_svc.server",
                           "run the scheduler: the public gRPC API, batching, request lifecycle"),
             "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes")}

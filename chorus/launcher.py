@@ -227,7 +227,7 @@ class Cluster:
             attach = front_dirs(decoder_dir, len(self.vocoder_ports))
         worker_file = write_worker_proto(worker, vocoder if self.colocate_vocoder else None,
                                          os.path.join(tmp, "worker.pb"))
-        self.services = [Service("worker", py + ["gpu_worker.server", "--config-proto", worker_file]), *services]
+        self.services = [Service("worker", py + ["chorus.colocate", "--config-proto", worker_file]), *services]
         metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
         vocoders = []
         for i, (port, mport, attached) in enumerate(zip(self.vocoder_ports, metrics, attach)):

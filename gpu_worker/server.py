@@ -17,47 +17,23 @@ import secrets
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import zmq
 
-from chorus.config import ConfigError, add_config_flags, from_proto, parse
-from chorus.v1 import config_pb2, worker_pb2
+from chorus.config import ConfigError, add_config_flags, parse
+from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig
 from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import build_model
-
-if TYPE_CHECKING:
-    from vocoder_svc.config import VocoderConfig
 
 log = logging.getLogger("chorus.worker")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, WorkerConfig)
-
-
-def load_config(args: argparse.Namespace) -> tuple[WorkerConfig, VocoderConfig | None]:
-    """The worker's config from parsed flags (add_arguments), and with host_vocoder_decoder the hosted
-    decoder's VocoderConfig: from the --config-proto file (chorus.v1.WorkerProcessConfig), else the
-    --config file's [vocoder] table, else the vocoder's defaults."""
-    base = hosted = None
-    if args.config_proto:
-        with open(args.config_proto, "rb") as fh:
-            msg = config_pb2.WorkerProcessConfig.FromString(fh.read())
-        base = from_proto(WorkerConfig, msg.worker)
-        if msg.HasField("vocoder"):
-            hosted = msg.vocoder
-        args = argparse.Namespace(**{**vars(args), "config_proto": None})
-    config = parse(WorkerConfig, args, base=base)
-    if not config.host_vocoder_decoder:
-        return config, None
-    from vocoder_svc.config import VocoderConfig  # the vocoder's settings only where its decoder is hosted
-    if hosted is not None:
-        return config, from_proto(VocoderConfig, hosted)
-    return config, parse(VocoderConfig, [], file=args.config)
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -68,13 +44,16 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
     return endpoint
 
 
-def run(args: WorkerConfig, hosted: VocoderConfig | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; hosted: the settings of the vocoder decoder this process hosts
-    (args.host_vocoder_decoder)."""
+def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. sidecar(device): starts the vocoder decoder this process hosts
+    (args.host_vocoder_decoder; chorus.colocate passes it), once the worker is warm."""
+    if args.host_vocoder_decoder and sidecar is None:
+        raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
+                         "chorus.colocate), which hosts the vocoder's decoder; this module runs the model alone")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
-    if args.host_vocoder_decoder and torch.device(args.device).type == "cuda":
+    if sidecar is not None and torch.device(args.device).type == "cuda":
         # Steps run on a high-priority stream: where the hosted decoder's steady steps (low priority)
         # and a step both wait for SMs, the step's blocks go first. Set before anything is queued.
         torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device), priority=-100))
@@ -93,10 +72,9 @@ def run(args: WorkerConfig, hosted: VocoderConfig | None = None) -> None:
               flush=True)
     if engine.kv_capacity >= engine.warm_up_slots and engine.pool.capacity >= 2:
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
-    if args.host_vocoder_decoder:
-        from vocoder_svc.decode_process import host_in_thread  # the vocoder's code only where it is hosted
+    if sidecar is not None:
         t0 = time.perf_counter()
-        host_in_thread(args.host_vocoder_decoder, hosted, args.device)
+        sidecar(args.device)
         # The decoder's threads and this loop share the GIL: hand it over within 0.5 ms, not 5.
         sys.setswitchinterval(0.0005)
         print(f"hosting the vocoder's decoder under {args.host_vocoder_decoder} "
@@ -197,10 +175,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m gpu_worker.server
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_arguments(p)
     try:
-        config, hosted = load_config(p.parse_args(argv))
+        config = parse(WorkerConfig, p.parse_args(argv))
     except ConfigError as e:
         p.error(str(e))
-    run(config, hosted)
+    run(config)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,8 @@ def test_a_worker_hosting_the_decoder_gets_the_vocoders_config(tmp_path):
     import argparse
 
     from chorus.launcher import write_worker_proto
-    from gpu_worker.server import add_arguments, load_config
+    from chorus.colocate import load as load_config
+    from gpu_worker.server import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

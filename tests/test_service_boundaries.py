@@ -12,8 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("scheduler_svc", "gpu_worker", "vocoder_svc")
 PACKAGES = ("chorus", *SERVICES)
 # These compose the services (start them, bench them) or are generated: they may import any of them.
-COMPOSERS = ("chorus.v1", "chorus.cli", "chorus.launcher", "chorus.layout", "chorus.bench")
-OTHER_SLICES = pytest.mark.xfail(strict=False, reason="other slices fix gpu_worker/vocoder_svc")
+COMPOSERS = ("chorus.v1", "chorus.cli", "chorus.colocate", "chorus.launcher", "chorus.layout", "chorus.bench")
 
 
 def _module_name(path: Path) -> str:
@@ -75,8 +74,7 @@ def _crossings(package: str) -> list[str]:
                   for t in targets if _package(t) in SERVICES and _package(t) != package)
 
 
-@pytest.mark.parametrize("package", ["scheduler_svc", pytest.param("gpu_worker", marks=OTHER_SLICES),
-                                     "vocoder_svc", "chorus"])
+@pytest.mark.parametrize("package", [*SERVICES, "chorus"])
 def test_no_package_imports_a_service_package_but_its_own(package):
     crossings = _crossings(package)
     assert not crossings, "\n".join(crossings)
@@ -133,8 +131,7 @@ def _cycles() -> list[tuple[list[str], set[str]]]:
 CYCLES = _cycles()
 
 
-@pytest.mark.parametrize("package", ["scheduler_svc", pytest.param("gpu_worker", marks=OTHER_SLICES),
-                                     pytest.param("vocoder_svc", marks=OTHER_SLICES), "chorus"])
+@pytest.mark.parametrize("package", [*SERVICES, "chorus"])
 def test_no_import_cycles(package):
     mine = [" -> ".join(cycle) + (f" (with {', '.join(sorted(set(component) - set(cycle)))})"
                                   if set(component) - set(cycle) else "")
