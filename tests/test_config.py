@@ -175,3 +175,15 @@ def test_a_worker_hosting_the_decoder_gets_the_vocoders_config(tmp_path):
     toml.write_text(f'[worker]\nhost_vocoder_decoder = "{tmp_path}/d"\n[vocoder]\nslots = 8\n')
     config, hosted = load_config(p.parse_args(["--config", str(toml)]))
     assert config.host_vocoder_decoder == f"{tmp_path}/d" and hosted == VocoderConfig(slots=8)
+
+
+def test_the_readme_carries_the_current_configuration_reference():
+    """README.md's reference is `python -m chorus.layout --markdown`'s output, as the code says now."""
+    from pathlib import Path
+
+    from chorus.config import markdown
+    from chorus.layout import all_configs
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for cls in all_configs():
+        assert markdown(cls) in readme, f"README.md's [{cls.TABLE}] table is stale: paste `python -m chorus.layout --markdown`"
