@@ -1,6 +1,6 @@
 """Where a benchmark result came from: the source tree and the host.
 
-On the device machine the repository copy's .git is the one of the session's start, not the tree
+On the device machine the repository copy's .git is the one the copy was made from, not the tree
 the run used, so CHORUS_GIT_REV (set by whoever launched the run, e.g. a device script written from
 a fresh `git rev-parse HEAD`) wins over asking git. Hosts of one kind differ too (two x2 machines
 read 1,271 and 1,370 s/s at c256 with the same code), hence the CPU model beside the GPU.

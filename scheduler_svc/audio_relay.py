@@ -65,7 +65,7 @@ class _Attempt:
         self.writes: collections.deque[tuple[int, float]] = collections.deque()  # (fed after a write, its time)
 
 
-class _Session:
+class _RelayStream:
     """The state of one request's relay, across however many Decode calls it takes."""
 
     def __init__(self, relay: "AudioRelay", req: Request, output: AudioOutput, start: vocoder_pb2.DecodeStart,
@@ -319,15 +319,15 @@ class AudioRelay:
         encoding = vocoder_pb2.PCM_INT16 if output.passes_pcm16 else vocoder_pb2.PCM_FLOAT32
         start = vocoder_pb2.DecodeStart(stream_id=str(req.id), first_chunk_frames=first_chunk_frames,
                                         chunk_frames=chunk_frames, codebooks=self.n_vq, pcm_encoding=encoding)
-        session = _Session(self, req, output, start, chunk_frames, return_codes)
+        relay = _RelayStream(self, req, output, start, chunk_frames, return_codes)
         try:
-            session.begin(self.vocoders.pick())
+            relay.begin(self.vocoders.pick())
         except NoReplica as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        pump = asyncio.create_task(session.pump())
+        pump = asyncio.create_task(relay.pump())
         try:
             while True:
-                item = await session.out_q.get()
+                item = await relay.out_q.get()
                 if item is None:
                     break
                 if isinstance(item, Exception):
@@ -335,4 +335,4 @@ class AudioRelay:
                 yield item
         finally:
             pump.cancel()
-            session.close()
+            relay.close()

@@ -287,7 +287,7 @@ def test_bench_runs_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["status"] == "ok" and res["torch"] == torch.__version__
     assert {"streaming", "first_chunk", "offline", "checks", "floor"} <= res.keys()
-    assert res["checks"]["session_vs_offline"]["rel_max_abs_diff"] < 1e-4
+    assert res["checks"]["slots_vs_offline"]["rel_max_abs_diff"] < 1e-4
 
 
 def test_results_never_alias_graph_memory(v2_32):

@@ -99,20 +99,20 @@ def vocoder_steps(args: argparse.Namespace, found: list[dict]) -> None:
     full = device.type == "cuda" and args.preset == "full"
     codec = build_codec(full_v2() if full else tiny_v2(), seed=0, dtype=torch.float32, device=args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    session = SlotDecoder(codec, slots=8, n_q=12, compute_dtype=dtype, graph_frames=[5, 25])
-    session.capture()
-    slots = [session.acquire() for _ in range(4)]
+    decoder = SlotDecoder(codec, slots=8, n_q=12, compute_dtype=dtype, graph_frames=[5, 25])
+    decoder.capture()
+    slots = [decoder.acquire() for _ in range(4)]
     rng = np.random.default_rng(0)
 
     def codes(t: int) -> dict[int, torch.Tensor]:
         return {s: torch.from_numpy(rng.integers(0, 1024, (12, t))) for s in slots}
 
-    session.launch_pcm(codes(5), int16=slots).result()
+    decoder.launch_pcm(codes(5), int16=slots).result()
     for name, t in (("vocoder steady step", 25), ("vocoder 5-frame step", 5)):
-        before = session.launch_pcm(codes(25), int16=slots)
+        before = decoder.launch_pcm(codes(25), int16=slots)
         step = codes(t)
         with audit(name, found, device):
-            launched = session.launch_pcm(step, int16=slots)
+            launched = decoder.launch_pcm(step, int16=slots)
         before.result()
         launched.result()
         print(f"{name}: {sum(f['step'] == name for f in found)} syncs", flush=True)

@@ -28,11 +28,11 @@ KV window of every stream read and written once.
 On CUDA the run starts with a check of the Triton window-attention kernel
 (vocoder_svc/window_attention.py) against the torch path, bf16, at one
 realistic shape (max abs diff and time of each; see window_attention_check).
---attention picks the session's attention path (auto = the kernel on CUDA).
---glue picks the session's elementwise glue (vocoder_svc/slot_kernels.py: fused
-LayerNorm/residual/RoPE Triton kernels, self-tested when the session is built;
+--attention picks the decoder's attention path (auto = the kernel on CUDA).
+--glue picks the decoder's elementwise glue (vocoder_svc/slot_kernels.py: fused
+LayerNorm/residual/RoPE Triton kernels, self-tested when the decoder is built;
 auto = the kernels on CUDA unless the self-test fails); the path in use is
-recorded as session.glue_impl (and glue_fallback says why auto fell back).
+recorded as decoder.glue_impl (and glue_fallback says why auto fell back).
 
 Results go to stdout as a table and to --out as JSON, rewritten after every
 section, so a run cut short still leaves what it measured.
@@ -131,7 +131,7 @@ def window_attention_check(device: torch.device, dtype: torch.dtype = torch.bflo
                            iters: int = 20, tol: float = 1e-2) -> dict:
     """The Triton ring-window attention against the torch path (ring gather + masked SDPA) at one realistic
     shape: B=4, H=12, D=64, W=400 (the 50-400 Hz stages), Tk=800 (a 25-frame step at the 400 Hz stage),
-    offsets 0 / 137 / 2000 / 137 (fresh, partial window, wrapped ring). Inputs are laid out as the session
+    offsets 0 / 137 / 2000 / 137 (fresh, partial window, wrapped ring). Inputs are laid out as the decoder
     makes them (v a strided view of the fused projection, rows out of order among 8 ring rows). Reports the
     max abs diff kernel vs torch in `dtype`, and both against the torch path in fp32 on the same (rounded)
     inputs, plus the time of each path."""
@@ -246,17 +246,17 @@ def main(argv: list[str] | None = None) -> int:
         f"MB/stream")
     peak_f, peak_b = args.peak_tflops * 1e12, args.peak_tbps * 1e12
 
-    session = SlotDecoder(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
+    decoder = SlotDecoder(codec, slots=max_streams, n_q=args.n_q, compute_dtype=dtype,
                            graphs=graphs, graph_frames=[args.chunk, args.first_chunk] if graphs else [],
                            attention=args.attention, glue=args.glue)
-    res["session"] = {"slots": session.slots, "buckets": list(session.buckets), "scratch_rows": session.scratch,
-                      "state_gb": round(session.state_nbytes() / 1e9, 3), "residual_dtype": str(session.residual_dtype),
+    res["slot_decoder"] = {"slots": decoder.slots, "buckets": list(decoder.buckets), "scratch_rows": decoder.scratch,
+                      "state_gb": round(decoder.state_nbytes() / 1e9, 3), "residual_dtype": str(decoder.residual_dtype),
                       "attention": args.attention,
                       "attention_kernel": wa.kernel_selected(dtype, device, 64, args.attention),
-                      "glue": args.glue, "glue_impl": session.glue_impl, "glue_fallback": session.glue_fallback}
-    log(f"session: attention kernel {res['session']['attention_kernel']} ({args.attention}), "
-        f"glue {session.glue_impl} ({args.glue})"
-        + (f"; glue self-test FAILED, torch fallback: {session.glue_fallback}" if session.glue_fallback else ""))
+                      "glue": args.glue, "glue_impl": decoder.glue_impl, "glue_fallback": decoder.glue_fallback}
+    log(f"decoder: attention kernel {res['slot_decoder']['attention_kernel']} ({args.attention}), "
+        f"glue {decoder.glue_impl} ({args.glue})"
+        + (f"; glue self-test FAILED, torch fallback: {decoder.glue_fallback}" if decoder.glue_fallback else ""))
     save()
     gen = torch.Generator().manual_seed(args.seed + 1)
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def stream_case(n: int, t: int, graphed: bool, n_iters: int, to_cpu: bool = False,
                     bucket: int | None = None) -> dict:
-        slots = [session.acquire() for _ in range(n)]
+        slots = [decoder.acquire() for _ in range(n)]
         try:
             chunk = codes(n, t)
             batch = {s: chunk[:, i] for i, s in enumerate(slots)}
@@ -273,19 +273,19 @@ def main(argv: list[str] | None = None) -> int:
 
             def run() -> None:
                 if to_cpu:  # as the service steps: PCM16 wire bytes through the pinned staging buffer
-                    last["out"] = session.step_pcm(batch, int16=list(batch), eager=not graphed, bucket=bucket)
+                    last["out"] = decoder.step_pcm(batch, int16=list(batch), eager=not graphed, bucket=bucket)
                 else:
-                    last["out"] = session.step(batch, eager=not graphed, bucket=bucket)
+                    last["out"] = decoder.step(batch, eager=not graphed, bucket=bucket)
 
             r = timed(run, n_iters, warmup=2, sync=sync)
-            used = session.last_step_graphed
+            used = decoder.last_step_graphed
             finite = to_cpu or all(bool(torch.isfinite(v).all()) for v in last["out"].values())
         finally:
             for s in slots:
-                session.release(s)
+                decoder.release(s)
         audio = n * t / fr
         fl = floor_s(model, audio, n, elt, True, peak_f, peak_b)
-        r.update({"streams": n, "frames": t, "bucket": session.bucket_for(max(n, bucket or 0)), "graphed": used,
+        r.update({"streams": n, "frames": t, "bucket": decoder.bucket_for(max(n, bucket or 0)), "graphed": used,
                   "to_cpu": to_cpu,
                   "audio_s_per_step": audio, "audio_s_per_s": audio / (r["median_ms"] / 1e3),
                   "rtf": (r["median_ms"] / 1e3) / audio, "finite": finite, "floor": fl,
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"max abs diff kernel vs torch {c['max_abs_diff_kernel_vs_torch']:.3e} "
                 f"(kernel vs fp32 {c['max_abs_diff_kernel_vs_fp32']:.3e}, torch vs fp32 "
                 f"{c['max_abs_diff_torch_vs_fp32']:.3e}) {'OK' if c['ok'] else 'FAIL'}; "
-                f"triton {c['triton_ms']:.3f} ms, torch {c['torch_ms']:.3f} ms; session glue {session.glue_impl}")
+                f"triton {c['triton_ms']:.3f} ms, torch {c['torch_ms']:.3f} ms; decoder glue {decoder.glue_impl}")
             if not c["ok"]:
                 raise RuntimeError(f"window attention kernel disagrees with the torch path: {c}")
 
@@ -318,33 +318,33 @@ def main(argv: list[str] | None = None) -> int:
         c = res["checks"]
         x = codes(1, 3 * args.first_chunk)
         ref = codec.decode(x)[0].float()
-        out = session.decode_stream(x[:, 0], [args.first_chunk] * 3,
-                                    step=lambda b: session.step(b, eager=True)).float()
+        out = decoder.decode_stream(x[:, 0], [args.first_chunk] * 3,
+                                    step=lambda b: decoder.step(b, eager=True)).float()
         diff = (out - ref).abs().max().item()
-        c["session_vs_offline"] = {"frames": x.shape[2], "max_abs_diff": diff, "max_abs_ref": ref.abs().max().item(),
+        c["slots_vs_offline"] = {"frames": x.shape[2], "max_abs_diff": diff, "max_abs_ref": ref.abs().max().item(),
                                    "rel_max_abs_diff": diff / max(1e-30, ref.abs().max().item()),
                                    "rel_l2": ((out - ref).norm() / ref.norm()).item(),
-                                   "note": "session (residual fp32 when bf16) vs codec.decode in the codec dtype"}
-        log(f"check session vs offline: rel max abs diff {c['session_vs_offline']['rel_max_abs_diff']:.2e}, "
-            f"rel l2 {c['session_vs_offline']['rel_l2']:.2e}")
+                                   "note": "decoder (residual fp32 when bf16) vs codec.decode in the codec dtype"}
+        log(f"check decoder vs offline: rel max abs diff {c['slots_vs_offline']['rel_max_abs_diff']:.2e}, "
+            f"rel l2 {c['slots_vs_offline']['rel_l2']:.2e}")
         # batch independence: stream 0 next to other streams with other codes, same bucket -> same bytes
         n = min(3, max_streams)
         if n >= 2:
             x0, x1 = codes(n, args.first_chunk), codes(n, args.first_chunk)
-            sl = [session.acquire() for _ in range(n)]
+            sl = [decoder.acquire() for _ in range(n)]
             try:
-                a = session.step({s: x0[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
+                a = decoder.step({s: x0[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
                 for s in sl:
-                    session.reset(s)
-                b = session.step({s: (x0 if i == 0 else x1)[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
-                session.reset(sl[0])
-                alone = session.step({sl[0]: x0[:, 0]}, eager=True)[sl[0]]
+                    decoder.reset(s)
+                b = decoder.step({s: (x0 if i == 0 else x1)[:, i] for i, s in enumerate(sl)}, eager=True)[sl[0]]
+                decoder.reset(sl[0])
+                alone = decoder.step({sl[0]: x0[:, 0]}, eager=True)[sl[0]]
             finally:
                 for s in sl:
-                    session.release(s)
+                    decoder.release(s)
             c["batch_independence_same_bucket_bitwise"] = bool(torch.equal(a, b))
             c["alone_vs_batched_max_abs_diff"] = (a.float() - alone.float()).abs().max().item()
-            log(f"check batch independence (bucket {session.bucket_for(n)}): bitwise "
+            log(f"check batch independence (bucket {decoder.bucket_for(n)}): bitwise "
                 f"{c['batch_independence_same_bucket_bitwise']}; alone (bucket 1) vs batched max abs diff "
                 f"{c['alone_vs_batched_max_abs_diff']:.3e}")
 
@@ -389,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     if graphs:
         def capture() -> None:
             t = time.perf_counter()
-            buckets = sorted({session.bucket_for(n) for n in streams}, reverse=True)
-            session.capture(buckets=buckets, frames=[args.chunk])
-            session.capture(buckets=[1], frames=[args.first_chunk])
+            buckets = sorted({decoder.bucket_for(n) for n in streams}, reverse=True)
+            decoder.capture(buckets=buckets, frames=[args.chunk])
+            decoder.capture(buckets=[1], frames=[args.first_chunk])
             sync()
-            res["capture"] = {"graphs": [list(k) for k in session.captured], "seconds": round(time.perf_counter() - t, 2),
-                              "disabled": session.graphs_disabled}
-            log(f"captured {len(session.captured)} graphs in {res['capture']['seconds']} s"
-                + (f"; DISABLED: {session.graphs_disabled}" if session.graphs_disabled else ""))
+            res["capture"] = {"graphs": [list(k) for k in decoder.captured], "seconds": round(time.perf_counter() - t, 2),
+                              "disabled": decoder.graphs_disabled}
+            log(f"captured {len(decoder.captured)} graphs in {res['capture']['seconds']} s"
+                + (f"; DISABLED: {decoder.graphs_disabled}" if decoder.graphs_disabled else ""))
 
         section("graph capture", capture)
 
@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             # the same codes through a graphed and an eager step from identical (fresh) states
             x = codes(1, args.first_chunk + args.chunk)
             parts = [args.first_chunk, args.chunk]
-            g = session.decode_stream(x[:, 0], parts)
-            e = session.decode_stream(x[:, 0], parts, step=lambda b: session.step(b, eager=True))
+            g = decoder.decode_stream(x[:, 0], parts)
+            e = decoder.decode_stream(x[:, 0], parts, step=lambda b: decoder.step(b, eager=True))
             res["checks"]["graph_vs_eager_bitwise"] = bool(torch.equal(g, e))
             res["checks"]["graph_vs_eager_max_abs_diff"] = (g.float() - e.float()).abs().max().item()
             log(f"check graph vs eager: bitwise {res['checks']['graph_vs_eager_bitwise']}, max abs diff "
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         section("graph parity", graph_parity)
 
     def single_bucket() -> None:
-        top = session.buckets[-1]
+        top = decoder.buckets[-1]
         sb = res["single_bucket"] = {"bucket": top, "cases": []}
         for t, to_cpu in ((args.first_chunk, True), (args.chunk, False)):
             for b in (1, top):
@@ -437,16 +437,16 @@ def main(argv: list[str] | None = None) -> int:
         # one stream padded to the top bucket vs batched there with others, and vs bucket 1
         n = min(3, max_streams)
         x, y = codes(n, args.first_chunk), codes(n, args.first_chunk)
-        sl = [session.acquire() for _ in range(n)]
+        sl = [decoder.acquire() for _ in range(n)]
         try:
-            batched = session.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(sl)}, bucket=top)[sl[0]]
-            session.reset(sl[0])
-            padded = session.step({sl[0]: x[:, 0]}, bucket=top)[sl[0]]
-            session.reset(sl[0])
-            alone = session.step({sl[0]: x[:, 0]})[sl[0]]
+            batched = decoder.step({s: (x if i == 0 else y)[:, i] for i, s in enumerate(sl)}, bucket=top)[sl[0]]
+            decoder.reset(sl[0])
+            padded = decoder.step({sl[0]: x[:, 0]}, bucket=top)[sl[0]]
+            decoder.reset(sl[0])
+            alone = decoder.step({sl[0]: x[:, 0]})[sl[0]]
         finally:
             for s in sl:
-                session.release(s)
+                decoder.release(s)
         sb["padded_vs_batched_bitwise"] = bool(torch.equal(padded, batched))
         sb["bucket1_vs_top_max_abs_diff"] = (alone.float() - padded.float()).abs().max().item()
         log(f"check single bucket {top}: padded == batched bitwise {sb['padded_vs_batched_bitwise']}; "

@@ -28,30 +28,30 @@ from vocoder_svc.slot_decoder import SlotDecoder
 
 
 def run(codec, priority: bool, streams: int, rounds: int, dtype) -> tuple[dict[int, bytes], list[float]]:
-    session = SlotDecoder(codec, slots=streams + 1, n_q=12, compute_dtype=dtype, graph_frames=[5, 25],
+    decoder = SlotDecoder(codec, slots=streams + 1, n_q=12, compute_dtype=dtype, graph_frames=[5, 25],
                            priority_frames=[5] if priority else [])
-    session.capture()
+    decoder.capture()
     rng = np.random.default_rng(0)
-    steady = [session.acquire() for _ in range(streams)]
+    steady = [decoder.acquire() for _ in range(streams)]
     pcm: dict[int, bytes] = {s: b"" for s in steady}
     new_pcm = b""
-    first = session.launch_pcm({s: torch.from_numpy(rng.integers(0, 1024, (12, 5))) for s in steady},
+    first = decoder.launch_pcm({s: torch.from_numpy(rng.integers(0, 1024, (12, 5))) for s in steady},
                                int16=steady).result()
     for s in steady:
         pcm[s] += first[s]
     waits = []
     for _ in range(rounds):
         chunk = {s: torch.from_numpy(rng.integers(0, 1024, (12, 25))) for s in steady}
-        newcomer = session.acquire()
+        newcomer = decoder.acquire()
         codes = torch.from_numpy(rng.integers(0, 1024, (12, 5)))
-        big = session.launch_pcm(chunk, int16=steady)
+        big = decoder.launch_pcm(chunk, int16=steady)
         t0 = time.perf_counter()
-        small = session.launch_pcm({newcomer: codes}, int16=[newcomer])
+        small = decoder.launch_pcm({newcomer: codes}, int16=[newcomer])
         new_pcm += small.result()[newcomer]
         waits.append((time.perf_counter() - t0) * 1e3)
         for s, b in big.result().items():
             pcm[s] += b
-        session.release(newcomer)
+        decoder.release(newcomer)
     pcm[-1] = new_pcm
     return pcm, waits
 

@@ -29,13 +29,13 @@ def main() -> None:
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
     codec = build_codec(PRESETS[args.preset](), seed=0, dtype=torch.bfloat16, device=args.device)
-    session = SlotDecoder(codec, slots=args.streams, n_q=args.n_q, compute_dtype=torch.bfloat16, graphs=False)
-    slots = [session.acquire() for _ in range(args.streams)]
+    decoder = SlotDecoder(codec, slots=args.streams, n_q=args.n_q, compute_dtype=torch.bfloat16, graphs=False)
+    slots = [decoder.acquire() for _ in range(args.streams)]
     gen = torch.Generator().manual_seed(1)
 
     def step() -> None:
         codes = torch.randint(0, codec.codebook_size, (args.n_q, args.streams, args.frames), generator=gen)
-        session.step({s: codes[:, i] for i, s in enumerate(slots)}, eager=True)
+        decoder.step({s: codes[:, i] for i, s in enumerate(slots)}, eager=True)
 
     for _ in range(3):  # compile kernels and fill the windows past W at the slow stages
         step()
