@@ -1,23 +1,17 @@
 #!/usr/bin/env bash
-# Where the time goes at c256 end to end on two GPUs: runs W1 at c256 as e2e_sweep.sh does and, in
-# the middle of the measured level, samples the worker, the scheduler core, one scheduler frontend,
-# every vocoder process and every vocoder decode process with py-spy (raw stacks, all threads,
-# 10 s) and reads each one's per-thread CPU before and after. Needs py-spy. Results in
-# $OUT/e2e_profile.tgz (with gpu.csv: nvidia-smi's GPU busy every 200 ms); summarise with
-# python -m chorus.bench.spy_summary.
-#   VOCODERS / VOCODER_SLOTS  vocoder replicas on cuda:1 and streams each (default 2 x 128).
-#   EXTRA      more chorus bench flags (e.g. EXTRA="--scheduler-arg=--chunk-frames=5 --vocoder-arg=--chunk-frames=5").
+# Where the time goes end to end: runs a layout (default w1-2gpu-high-load, W1 c256) and, SETTLE
+# seconds into its measured level, samples every service process with py-spy (raw stacks, all
+# threads, 10 s) and reads each one's per-thread CPU before and after. Needs py-spy. Packed into
+# $OUT/e2e_profile.tgz with gpu.csv (nvidia-smi every 200 ms); summarise with
+# python -m chorus.bench.spy_summary DIR.
+#   LAYOUT, DUR (measured seconds, default 40), EXTRA (more chorus bench flags).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 threads() {  # pid -> "tid name utime+stime" per thread
   for t in /proc/$1/task/*; do echo "$(basename $t) $(cat $t/comm | tr ' ' _) $(awk '{print $14+$15}' $t/stat)"; done
 }
-python -m chorus.cli bench --launch --device cuda:0 --vocoder-device cuda:1 --dtype bfloat16 \
-  --worker-arg=--preset=full --worker-arg=--max-batch=256 --worker-arg=--kv-slots=150000 \
-  --vocoder-arg=--preset=full --vocoders ${VOCODERS:-2} --vocoder-arg=--slots=${VOCODER_SLOTS:-128} \
-  --scheduler-arg=--frontends=${FRONTENDS:-4} --channels 32 --workload W1 --concurrency 256 \
-  --duration ${DUR:-40} --warmup 5 --no-progress $EXTRA \
+python -m chorus.cli bench --layout "${LAYOUT:-w1-2gpu-high-load}" --duration "${DUR:-40}" --no-progress $EXTRA \
   --out "$OUT/e2e_profile_bench.json" > "$OUT/bench.log" 2>&1 &
 bench=$!
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nounits -lms 200 > "$OUT/gpu.csv" 2>/dev/null &

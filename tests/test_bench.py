@@ -1,5 +1,6 @@
 """chorus bench: a smoke run of the load generator against the real services
-(tiny model, CPU), plus its metric arithmetic on hand-made records."""
+(tiny model, CPU), its metric arithmetic on hand-made records, and the named layouts of
+benchmarks/layouts.toml (each one resolves; cpu-smoke runs end to end)."""
 
 import json
 import re
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from chorus import bench
+from chorus.bench import flags, layouts
 from chorus.cli import main as cli_main
+from chorus.config import ConfigError
 
 
 def _run(cluster, tmp_path, *flags):
@@ -151,3 +154,103 @@ def test_every_bench_script_says_what_it_measures(name, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert text.startswith("usage:") and len(text.split("\n\n")[1]) > 40  # the description
     assert not re.search(r"[Ss]ession \d|_s\d+_|benchmarks/\w+\.py", text)
+
+
+# ---- named layouts (benchmarks/layouts.toml) -------------------------------------------------
+
+DOCUMENTED = ("w1-1gpu", "w1-1gpu-c256", "w1-2gpu", "w1-2gpu-high-load", "w1-2gpu-high-load-shared", "w2-radix",
+              "w2-no-radix", "w1-c16-no-lookahead", "w1-c16-eager", "cpu-smoke")
+
+
+def test_the_documented_layouts_are_in_the_file():
+    assert set(DOCUMENTED) <= set(layouts.names())
+
+
+@pytest.mark.parametrize("name", layouts.names())
+def test_every_layout_resolves_to_valid_configs(name):
+    """Its profile and tables build checked configs and its settings parse as bench flags; no process starts."""
+    layout = layouts.resolve(name)
+    services = layout.services()
+    assert layout.about and "\n" not in layout.about
+    assert set(layout.settings) <= set(flags.DEFAULTS) and layout.settings["workload"]
+    assert bool(layout.settings.get("concurrency")) != bool(layout.settings.get("rate"))
+    if services.worker.device.startswith("cuda"):  # benchmarks: full-size models unless --model/--codec
+        assert (services.worker.preset, services.vocoder.preset, services.worker.dtype) == ("full", "full", "bfloat16")
+
+
+def test_the_layouts_say_what_the_docs_say_they_are():
+    high = layouts.resolve("w1-2gpu-high-load")
+    shared = layouts.resolve("w1-2gpu-high-load-shared").services()
+    assert high.profile == "two-gpu-high-load" and high.settings["concurrency"] == [256]
+    assert high.settings["channels"] == 32 and high.services().scheduler.frontends == 4
+    assert (shared.cluster.shared_vocoder_decoder, shared.cluster.vocoders, shared.vocoder.slots) == (True, 2, 256)
+    assert layouts.resolve("w2-radix").services().scheduler.radix_cache is True
+    assert layouts.resolve("w2-no-radix").services().scheduler.radix_cache is False
+    assert layouts.resolve("w1-c16-eager").services().worker.cuda_graphs is False
+    assert layouts.resolve("w1-c16-no-lookahead").services().scheduler.lookahead is False
+    one = layouts.resolve("w1-1gpu")
+    assert one.services().colocate and one.settings["concurrency"] == [1, 16, 64]
+    assert (one.settings["duration"], one.settings["warmup"]) == (10.0, 5.0)
+
+
+def test_an_unknown_layout_names_the_ones_there_are(capsys):
+    with pytest.raises(ConfigError, match="no layout 'w9'.*w1-1gpu, .*cpu-smoke"):
+        layouts.resolve("w9")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "--layout", "w9"])
+    assert "w1-2gpu-high-load" in str(e.value.code)
+    cli_main(["bench", "--list-layouts"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == layouts.names()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[a]\nabout = "x"\nconcurency = [1]\n', "did you mean 'concurrency'"),
+    ('[a]\nabout = "x"\nconcurrency = [0]\n', "integers >= 1"),
+    ('[a]\nabout = "x"\nconcurrency = [1]\nrate = [2]\n', "not allowed with"),
+    ('[a]\nabout = "x"\nworker.max_bach = 8\n', "did you mean 'max_batch'"),
+    ('[a]\nabout = "x"\nlike = "b"\n[b]\nabout = "y"\nlike = "a"\n', "loop"),
+    ('[a]\nlike = "w1"\n', "not a layout"),
+    ('[a]\nconcurrency = [1]\n', "needs about"),
+])
+def test_a_bad_layout_names_what_to_fix(tmp_path, text, needle):
+    path = tmp_path / "layouts.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        layouts.resolve("a", path)
+
+
+def test_flags_given_win_over_the_layout():
+    args = bench.parse_args(["--layout", "w1-2gpu-high-load", "--concurrency", "16", "--channels", "4",
+                             "--vocoders", "1", "--vocoder-arg=--slots=64", "--scheduler-arg=--frontends=2"])
+    named = bench.prepare(args)
+    assert args.launch and (args.concurrency, args.channels, args.duration, args.rate) == ([16], 4, 10.0, None)
+    layout, cluster, _ = bench._launch_cluster(args, named)  # built, not started
+    assert (layout.cluster.vocoders, len(cluster.vocoder_ports)) == (1, 1)
+    worker, vocoder, scheduler = cluster.configs()
+    assert (worker.max_batch, vocoder.slots, vocoder.chunk_frames, scheduler.frontends) == (256, 64, 10, 2)
+    args = bench.parse_args(["--layout", "w1-1gpu", "--rate", "2,5"])
+    bench.prepare(args)
+    assert args.rate == [2.0, 5.0]
+    with pytest.raises(ConfigError, match="--server"):
+        bench.prepare(bench.parse_args(["--layout", "w1-1gpu", "--server", "h:1"]))
+
+
+def test_launch_without_a_layout_builds_the_profile():
+    args = bench.parse_args(["--launch", "--profile", "two-gpu-high-load", "--duration", "3"])
+    assert bench.prepare(args) is None and (args.concurrency, args.duration) == (flags.DEFAULTS["concurrency"], 3.0)
+    layout, cluster, _ = bench._launch_cluster(args, None)
+    assert len(cluster.vocoder_ports) == 2 and layout.worker.max_batch == 256
+
+
+def test_the_cpu_smoke_layout_runs_end_to_end(tmp_path):
+    """Real services on the CPU, launched and stopped by chorus bench --layout."""
+    out = tmp_path / "smoke.json"
+    cli_main(["bench", "--layout", "cpu-smoke", "--no-progress", "--seed", "3", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["layout"]["name"] == "cpu-smoke" and data["config"]["layout"] == "cpu-smoke"
+    assert data["server"]["launched"] and data["server"]["launch_configs"]["cluster"]["device"] == "cpu"
+    assert data["server"]["launch_configs"]["worker"]["preset"] == "tiny"
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv in data["levels"]:
+        assert lv["requests"] >= 1 and lv["errors"] == 0 and lv["audio_s_per_s"] > 0
