@@ -48,14 +48,9 @@ class SchedulerConfig:
                                     "unset: the bundled Qwen BPE", metavar="DIR")
     max_text_chars: int = setting(5000, "longest accepted text in characters", minimum=1)
     max_frames: int = setting(4096, "cap on a request's max_frames (80 ms frames)", minimum=1)
-    first_chunk_frames: int = setting(5, "frames in a stream's first audio chunk unless the client asks",
-                                      minimum=1, maximum=MAX_CHUNK_FRAMES)
-    chunk_frames: int = setting(25, "frames in each later audio chunk unless the client asks", minimum=1,
-                                maximum=MAX_CHUNK_FRAMES)
     first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
-                                             "stream's first chunk unless the client asks (0 = "
-                                             "first_chunk_frames)", metavar="N", minimum=0,
-                                             maximum=MAX_CHUNK_FRAMES)
+                                             "stream's first chunk unless the client asks (0 = the vocoder's)",
+                                             metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
     frontends: int = setting(1, "frontend processes serving the gRPC port", minimum=1)
     drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
 

@@ -53,13 +53,16 @@ def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
-                 limits: Limits, codec: vocoder_pb2.VocoderInfo):
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0):
+        """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
+        streams whose client leaves streaming.* unset."""
         self.core = core
         self.vocoders = vocoders
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.limits = limits
         self.codec = codec
+        self.first_chunk_frames_loaded = first_chunk_frames_loaded
         self.relay = AudioRelay(vocoders, codec, cfg.n_vq)
 
     # ---- references ------------------------------------------------------------
@@ -119,6 +122,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
 
+    def _chunk_frames(self, streaming: tts_pb2.StreamingPolicy, loaded: bool) -> tuple[int, int]:
+        """A stream's (first, steady) chunk frames: the client's, else the vocoder's defaults, with the
+        first chunk first_chunk_frames_loaded when the request was taken under load."""
+        first, chunk = self.vocoders.chunks
+        if loaded and self.first_chunk_frames_loaded:
+            first = self.first_chunk_frames_loaded
+        return streaming.first_chunk_frames or first, streaming.chunk_frames or chunk
+
     # ---- Synthesize -------------------------------------------------------------
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
         self.core.report("start")
@@ -161,11 +172,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 request_id=request_id, model=self.cfg.name, sample_rate=output.out_rate,
                 channels=self.codec.channels, format=resolved.output_format,
                 samples_per_frame=self.codec.samples_per_frame * output.out_rate // self.codec.sample_rate))
-            first_chunk = resolved.first_chunk_frames
-            if req.loaded and self.limits.first_chunk_frames_loaded and not request.streaming.first_chunk_frames:
-                first_chunk = self.limits.first_chunk_frames_loaded  # the client left it to the server
-            async for item in self.relay.stream(req, output, first_chunk, resolved.chunk_frames,
-                                                request.return_codes):
+            first_chunk, chunk = self._chunk_frames(request.streaming, req.loaded)
+            async for item in self.relay.stream(req, output, first_chunk, chunk, request.return_codes):
                 if first_audio is None and item.HasField("audio"):
                     first_audio = time.monotonic()
                     self.core.report("first_audio", ttfa_s=first_audio - req.t_accepted)
@@ -230,15 +238,19 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if index == 0:
         log.info("waiting for the vocoder at %s", vocoders.replicas[0].address)
     codec = await vocoders.info(timeout=600)
+    if not vocoders.chunks[1]:
+        raise SystemExit(f"frontend {index}: the vocoder does not announce its chunk sizes (VocoderInfo.chunk_frames); "
+                         f"run a vocoder_svc of this release")
+    if index == 0:
+        log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
     limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,
-                    default_max_frames=args.max_frames, first_chunk_frames=args.first_chunk_frames,
-                    chunk_frames=args.chunk_frames, first_chunk_frames_loaded=args.first_chunk_frames_loaded)
+                    default_max_frames=args.max_frames)
 
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1)])
     tts_pb2_grpc.add_TextToSpeechServicer_to_server(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec), server)
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)

@@ -25,9 +25,6 @@ class Limits:
     max_text_chars: int = 5000
     max_frames_cap: int = 4096
     default_max_frames: int = 4096
-    first_chunk_frames: int = 5
-    chunk_frames: int = 25
-    first_chunk_frames_loaded: int = 0  # 0: first_chunk_frames at any load
 
 
 @dataclass
@@ -35,8 +32,6 @@ class ResolvedRequest:
     sampling: worker_pb2.SamplingConfig
     max_frames: int
     min_frames: int
-    first_chunk_frames: int
-    chunk_frames: int
     output_format: int
     sample_rate: int
 
@@ -107,8 +102,6 @@ def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[
         raise InvalidRequest(f"format {req.format} is unknown; use PCM16, FLOAT32 or WAV")
     if req.sample_rate and not 8000 <= req.sample_rate <= 192000:
         raise InvalidRequest(f"sample_rate must be 0 (native) or in [8000, 192000], got {req.sample_rate}")
-    first = req.streaming.first_chunk_frames or limits.first_chunk_frames
-    chunk = req.streaming.chunk_frames or limits.chunk_frames
     for name, v in (("streaming.first_chunk_frames", req.streaming.first_chunk_frames),
                     ("streaming.chunk_frames", req.streaming.chunk_frames)):
         if not 0 <= v <= MAX_CHUNK_FRAMES:
@@ -120,5 +113,4 @@ def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[
             raise InvalidRequest("continuation.transcript is empty: continuation needs what the audio says")
     return ResolvedRequest(
         sampling=resolve_sampling(req.sampling, req.min_frames), max_frames=max_frames,
-        min_frames=req.min_frames, first_chunk_frames=first, chunk_frames=chunk,
-        output_format=req.format or tts_pb2.PCM16, sample_rate=req.sample_rate)
+        min_frames=req.min_frames, output_format=req.format or tts_pb2.PCM16, sample_rate=req.sample_rate)

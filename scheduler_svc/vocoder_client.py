@@ -44,6 +44,11 @@ def codec_facts(info: vocoder_pb2.VocoderInfo) -> tuple:
     return (info.codec, info.sample_rate, info.channels, info.samples_per_frame)
 
 
+def chunk_defaults(info: vocoder_pb2.VocoderInfo) -> tuple[int, int]:
+    """A replica's (first, steady) chunk frames for streams that leave them to the server."""
+    return info.first_chunk_frames, info.chunk_frames
+
+
 class VocoderReplica:
     def __init__(self, address: str, target: str | None = None):
         self.address = address
@@ -56,6 +61,7 @@ class VocoderReplica:
         self.failures = 0       # consecutive failures
         self.last_error = ""
         self.incompatible = False  # serves a different codec than the pool: never picked
+        self.other_chunks = False  # announces other chunk defaults than the pool's (reported once)
         self.verified = False      # has answered Info with the pool's codec at least once
         self.retired = False
 
@@ -115,6 +121,7 @@ class VocoderPool:
         self.replicas: list[VocoderReplica] = []
         self._retired: list[VocoderReplica] = []
         self.facts: tuple | None = None  # codec facts of the first replica that answered Info
+        self.chunks: tuple[int, int] | None = None  # its chunk defaults: every stream's unless the client's
         self._task: asyncio.Task | None = None
         self._closed = False
         for t in targets:
@@ -184,7 +191,7 @@ class VocoderPool:
     def _check_facts(self, replica: VocoderReplica, info: vocoder_pb2.VocoderInfo) -> bool:
         facts = codec_facts(info)
         if self.facts is None:
-            self.facts = facts
+            self.facts, self.chunks = facts, chunk_defaults(info)
         if facts != self.facts:
             if not replica.incompatible:
                 log.error("vocoder replica %s serves %s but the pool serves %s; not using it", replica.address,
@@ -192,7 +199,20 @@ class VocoderPool:
             replica.incompatible = True
             return False
         replica.incompatible = False
+        self._check_chunks(replica, info)
         return True
+
+    def _check_chunks(self, replica: VocoderReplica, info: vocoder_pb2.VocoderInfo) -> None:
+        """Every DecodeStart names its chunk sizes, so a replica with other defaults still serves (and
+        replays) streams alike; but its own defaults are not what this scheduler uses: say so."""
+        other = chunk_defaults(info) != self.chunks
+        if other and not replica.other_chunks:
+            log.warning("vocoder replica %s announces first chunk %d, chunk %d frames, but the pool's defaults are "
+                        "first chunk %d, chunk %d frames (those of the first replica that answered): streams "
+                        "that leave streaming.* unset get the pool's on every replica; give the replicas one "
+                        "[vocoder] first_chunk_frames / chunk_frames", replica.address, *chunk_defaults(info),
+                        *self.chunks)
+        replica.other_chunks = other
 
     async def probe(self, replica: VocoderReplica, timeout: float = 2.0) -> bool:
         try:
@@ -260,7 +280,7 @@ class VocoderPool:
 
     # ---- unary calls --------------------------------------------------------------------------
     async def info(self, timeout: float = 30.0) -> vocoder_pb2.VocoderInfo:
-        """Codec facts from the first replica that answers (waiting for one to come up)."""
+        """Codec facts and chunk defaults from the first replica that answers (waiting for one to come up)."""
         self._ensure_background()
         deadline = time.monotonic() + timeout
         last = "no replica answered"

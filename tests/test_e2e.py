@@ -12,7 +12,7 @@ import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import channel, synthesize
-from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from helpers import seeded_request, wait_until_idle
 
 SAMPLES_PER_FRAME = 3840
@@ -180,9 +180,8 @@ def test_under_load_new_streams_start_with_the_loaded_first_chunk():
     """--first-chunk-frames-loaded: a request taken while --loaded-batch requests run gets that first
     chunk (unless its client asked for a size); one taken with nothing running keeps the default."""
     from helpers import make_cluster
-    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8"],
-                      scheduler_args=["--loaded-batch", "1", "--first-chunk-frames-loaded", "3",
-                                      "--chunk-frames", "6"]) as c:
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8"], vocoder_args=["--chunk-frames", "6"],
+                      scheduler_args=["--loaded-batch", "1", "--first-chunk-frames-loaded", "3"]) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
         first_chunk = lambda r: r.chunks[1].first_sample // SAMPLES_PER_FRAME  # noqa: E731
         alone = synthesize(stub, request(seed=1, frames=12), timeout=120)
@@ -197,3 +196,22 @@ def test_under_load_new_streams_start_with_the_loaded_first_chunk():
         assert loaded.pcm().shape == (12 * SAMPLES_PER_FRAME, 2)
         assert [ch.first_sample // SAMPLES_PER_FRAME for ch in loaded.chunks] == [0, 3, 9]  # then 6-frame chunks
         assert sum(1 for _ in long) > 0
+
+
+def test_streams_get_the_vocoders_chunk_sizes():
+    """The scheduler takes its chunk defaults from the vocoder's Info: a vocoder started with first 3,
+    chunk 7 gives a request that leaves streaming unset chunks of 3 then 7 frames; a client's size wins."""
+    from helpers import make_cluster
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8"],
+                      vocoder_args=["--first-chunk-frames", "3", "--chunk-frames", "7"]) as c:
+        info = vocoder_pb2_grpc.VocoderStub(channel(c.service("vocoder").address)).Info(
+            vocoder_pb2.VocoderInfoRequest(), timeout=10)
+        assert (info.first_chunk_frames, info.chunk_frames, info.slots, list(info.graph_frames)) == (3, 7, 0, [])
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        plain = synthesize(stub, request(seed=5, frames=17), timeout=120)
+        assert plain.pcm().shape == (17 * SAMPLES_PER_FRAME, 2)
+        assert [ch.first_sample // SAMPLES_PER_FRAME for ch in plain.chunks] == [0, 3, 10]
+        asked = request(seed=5, frames=17)
+        asked.streaming.chunk_frames = 4
+        asked = synthesize(stub, asked, timeout=120)
+        assert [ch.first_sample // SAMPLES_PER_FRAME for ch in asked.chunks] == [0, 3, 7, 11, 15]

@@ -276,6 +276,33 @@ def test_pool_info_and_encode_fail_over():
 
 
 
+def test_pool_takes_the_chunk_defaults_from_info_and_reports_replicas_that_disagree(caplog):
+    """The pool's chunk defaults are the first replica's Info; a replica announcing others still
+    serves (every DecodeStart names its sizes) and is reported once, by address and values."""
+
+    async def main():
+        codec = build_codec(tiny_v2(), seed=0)
+        ours = VocoderServicer(codec, "tiny", first_chunk_frames=3, chunk_frames=7, max_batch_streams=1)
+        other = VocoderServicer(codec, "tiny", first_chunk_frames=5, chunk_frames=25, max_batch_streams=1)
+        (s1, a1), (s2, a2) = await _serve(ours), await _serve(other)
+        pool = VocoderPool([a1, a2], probe_interval=3600)
+        try:
+            assert await pool.probe(pool.replicas[0]) and pool.chunks == (3, 7)
+            with caplog.at_level("WARNING", logger="chorus.scheduler"):
+                assert await pool.probe(pool.replicas[1]) and await pool.probe(pool.replicas[1])
+            said = [r.getMessage() for r in caplog.records if "chunk" in r.getMessage()]
+            assert len(said) == 1 and a2 in said[0] and "first chunk 5, chunk 25" in said[0]
+            assert "first chunk 3, chunk 7" in said[0]
+            assert pool.chunks == (3, 7) and not pool.replicas[1].incompatible
+        finally:
+            await pool.close()
+            for server, servicer in ((s1, ours), (s2, other)):
+                await server.stop(0)
+                servicer.close()
+
+    asyncio.run(main())
+
+
 
 # ---- the relay in-process: injected faults, resampled output ---------------------------------------
 

@@ -176,6 +176,9 @@ def test_encode_and_cache(server):
 def test_info_health_reflection(server):
     info = server["stub"].Info(vocoder_pb2.VocoderInfoRequest(), timeout=10)
     assert (info.sample_rate, info.channels, info.samples_per_frame, info.max_codebooks) == (48000, 2, HOP, 32)
+    # the stream engine's streaming defaults: no slots, no steps, no graphs
+    assert (info.first_chunk_frames, info.chunk_frames, info.step_frames, list(info.graph_frames),
+            info.slots) == (5, 25, 0, [], 0)
     reflect = reflection_pb2_grpc.ServerReflectionStub(server["channel"])
     reply = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                               timeout=10))
@@ -679,8 +682,10 @@ def test_slots_engine_cli(tiny_codec):
         with grpc.insecure_channel(address) as ch:
             codes = random_codes(33, seed=70)
             resp = list(vocoder_pb2_grpc.VocoderStub(ch).Decode(decode_requests(codes, [33]), timeout=60))
+            info = vocoder_pb2_grpc.VocoderStub(ch).Info(vocoder_pb2.VocoderInfoRequest(), timeout=10)
         assert [r.frames for r in resp] == [5, 25, 3]
         assert_close(pcm_of(resp), offline_pcm(tiny_codec, codes))
+        assert (info.first_chunk_frames, info.chunk_frames, list(info.graph_frames), info.slots) == (5, 25, [5, 25], 2)
         proc.terminate()
         assert proc.wait(timeout=20) == 0
     finally:
@@ -737,6 +742,8 @@ def test_decode_process_serves_queues_cancels_and_drains(tiny_codec):
     try:
         with grpc.insecure_channel(address) as ch:
             stub = vocoder_pb2_grpc.VocoderStub(ch)
+            info = stub.Info(vocoder_pb2.VocoderInfoRequest(), timeout=10)  # the decode process's facts
+            assert (info.slots, list(info.graph_frames), info.step_frames) == (2, [5, 25], 0)
             decode_33_at_once({seed: stub for seed in range(3)}, tiny_codec)  # 3 streams, 2 slots
 
             outbox, got, call = _open_stream(stub, random_codes(7, 9))
@@ -1161,6 +1168,9 @@ def test_slots_engine_step_frames_match_offline(tiny_codec):
     v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
                                          slot_decoder=slot_decoder, step_frames=5))
     try:
+        info = v.info()  # the in-process slot decoder's facts
+        assert (info.first_chunk_frames, info.chunk_frames, info.step_frames, list(info.graph_frames),
+                info.slots) == (5, 25, 5, [5], SLOTS)
         sample = v.servicer.metrics.registry.get_sample_value
         codes = random_codes(42, seed=31)
         responses = list(v.stub.Decode(decode_requests(codes, [42]), timeout=60))

@@ -137,7 +137,8 @@ class Decoder:
         self.ready = dpb.DecoderReady(
             slots=slot_decoder.slots, n_q=slot_decoder.n_q, max_stream_frames=slot_decoder.max_stream_frames,
             attention=slot_decoder.attention_path, glue=slot_decoder.glue_impl, glue_fallback=slot_decoder.glue_fallback or "",
-            incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted)
+            incarnation=secrets.randbits(63), pid=os.getpid(), hosted=hosted,
+            graph_frames=slot_decoder.graphed_frames(), step_frames=args.step_frames)
         self._streams: dict[int, tuple[int, SlotStream]] = {}  # stream id -> (front, its slot decoder stream)
 
     def serve(self, heartbeat_s: float | None = None) -> None:

@@ -295,7 +295,21 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 self._cache.popitem(last=False)
         return vocoder_pb2.EncodeResponse(codes=mat, cache_hit=False)
 
+    def _slots_facts(self) -> tuple[int, int, list[int]]:
+        """(slots, step_frames, graph_frames) of the slots engine as it runs: the decode process's
+        ready message, or this process's slot decoder; zeros for the stream engine."""
+        if isinstance(self.slot_worker, DecodeProcess):
+            ready = self.slot_worker.ready
+            return ready.slots, ready.step_frames, list(ready.graph_frames)
+        if self.slot_decoder is not None:
+            return self.slot_decoder.slots, self.step_frames, self.slot_decoder.graphed_frames()
+        return 0, 0, []
+
     async def Info(self, request, context):
+        slots, step_frames, graph_frames = self._slots_facts()
         return vocoder_pb2.VocoderInfo(codec=self.name, sample_rate=self.codec.sample_rate,
                                        channels=self.codec.channels, samples_per_frame=self.codec.hop,
-                                       max_codebooks=self.codec.num_codebooks, active_streams=self.active_streams)
+                                       max_codebooks=self.codec.num_codebooks, active_streams=self.active_streams,
+                                       first_chunk_frames=min(self.first_chunk_frames, self.chunk_frames),
+                                       chunk_frames=self.chunk_frames, step_frames=step_frames,
+                                       graph_frames=graph_frames, slots=slots)

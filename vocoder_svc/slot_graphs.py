@@ -101,6 +101,10 @@ class GraphCapture:
                         return 0
         return len(self._graphs)
 
+    def graphed_frames(self) -> list[int]:
+        """The step sizes T that run as graphs (emulated ones too); [] when every step runs eagerly."""
+        return [] if self.graph_mode is None or self.graphs_disabled else sorted(self.graph_frames)
+
     def _graph_for(self, bucket: int, t: int) -> StepGraph | None:
         if self.graph_mode is None or self.graphs_disabled:
             return None

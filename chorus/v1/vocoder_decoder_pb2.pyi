@@ -33,7 +33,7 @@ class DecoderInput(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[DecoderJob, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., shutdown: _Optional[bool] = ..., hello: _Optional[bool] = ...) -> None: ...
 
 class DecoderReady(_message.Message):
-    __slots__ = ("slots", "n_q", "max_stream_frames", "attention", "glue", "glue_fallback", "incarnation", "pid", "hosted")
+    __slots__ = ("slots", "n_q", "max_stream_frames", "attention", "glue", "glue_fallback", "incarnation", "pid", "hosted", "graph_frames", "step_frames")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     N_Q_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAM_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class DecoderReady(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HOSTED_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     slots: int
     n_q: int
     max_stream_frames: int
@@ -52,7 +54,9 @@ class DecoderReady(_message.Message):
     incarnation: int
     pid: int
     hosted: bool
-    def __init__(self, slots: _Optional[int] = ..., n_q: _Optional[int] = ..., max_stream_frames: _Optional[int] = ..., attention: _Optional[str] = ..., glue: _Optional[str] = ..., glue_fallback: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., hosted: _Optional[bool] = ...) -> None: ...
+    graph_frames: _containers.RepeatedScalarFieldContainer[int]
+    step_frames: int
+    def __init__(self, slots: _Optional[int] = ..., n_q: _Optional[int] = ..., max_stream_frames: _Optional[int] = ..., attention: _Optional[str] = ..., glue: _Optional[str] = ..., glue_fallback: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., hosted: _Optional[bool] = ..., graph_frames: _Optional[_Iterable[int]] = ..., step_frames: _Optional[int] = ...) -> None: ...
 
 class DecoderJobDone(_message.Message):
     __slots__ = ("job", "error", "message")

@@ -1,8 +1,9 @@
 from chorus.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -75,17 +76,27 @@ class VocoderInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VocoderInfo(_message.Message):
-    __slots__ = ("codec", "sample_rate", "channels", "samples_per_frame", "max_codebooks", "active_streams")
+    __slots__ = ("codec", "sample_rate", "channels", "samples_per_frame", "max_codebooks", "active_streams", "first_chunk_frames", "chunk_frames", "step_frames", "graph_frames", "slots")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     codec: str
     sample_rate: int
     channels: int
     samples_per_frame: int
     max_codebooks: int
     active_streams: int
-    def __init__(self, codec: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., samples_per_frame: _Optional[int] = ..., max_codebooks: _Optional[int] = ..., active_streams: _Optional[int] = ...) -> None: ...
+    first_chunk_frames: int
+    chunk_frames: int
+    step_frames: int
+    graph_frames: _containers.RepeatedScalarFieldContainer[int]
+    slots: int
+    def __init__(self, codec: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., samples_per_frame: _Optional[int] = ..., max_codebooks: _Optional[int] = ..., active_streams: _Optional[int] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., step_frames: _Optional[int] = ..., graph_frames: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ...) -> None: ...
