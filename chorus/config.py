@@ -160,16 +160,21 @@ def read_profile(name: str) -> dict[str, Any]:
     return merge(read_profile(parent), data) if parent else data
 
 
+def load_toml(path, what: str, hint: str = "") -> dict[str, Any]:
+    """A TOML file's contents; errors name the file as `what` and add the hint."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: {e.strerror}{hint}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {path}: not valid TOML: {e}") from None
+
+
 def read_toml(path: str, resolve_profile: bool = True) -> dict[str, Any]:
     """A config file's tables; a top-level `profile = "NAME"` starts from that packaged profile
     (the file's keys win, table by table) unless resolve_profile is False."""
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: not valid TOML: {e}") from None
+    data = load_toml(path, "config file")
     if not resolve_profile:
         return data
     profile = data.pop("profile", None)

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chorus.bench.flags import DEFAULTS, add_arguments
-from chorus.config import ConfigError, merge, read_profile
+from chorus.config import ConfigError, load_toml, merge, read_profile
 from chorus.layout import DEFAULT_PROFILE, Layout, build
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "layouts.toml"
@@ -55,13 +54,7 @@ class BenchLayout:
 def read(file: str | Path | None = None) -> dict[str, dict[str, Any]]:
     """The file's tables by name, [defaults] included."""
     path = file or DEFAULT_FILE
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as e:
-        raise ConfigError(f"layouts file {path}: {e.strerror} (give one with --layouts FILE)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"layouts file {path}: not valid TOML: {e}") from None
+    data = load_toml(path, "layouts file", " (give one with --layouts FILE)")
     for name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {name} = {table!r}: a layout is a table [{name}]")
