@@ -195,7 +195,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         return tts_pb2.ListModelsResponse(models=[tts_pb2.ModelInfo(
             name=self.cfg.name, architecture="moss_tts_local", sample_rate=self.codec.sample_rate,
             channels=self.codec.channels, frame_rate=self.codec.sample_rate / self.codec.samples_per_frame,
-            codebooks=self.cfg.n_vq, max_frames=self.limits.max_frames_cap, is_default=True)])
+            codebooks=self.cfg.n_vq, max_frames=self.limits.max_frames, is_default=True)])
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
         try:
@@ -244,8 +244,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if index == 0:
         log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
-    limits = Limits(max_text_chars=args.max_text_chars, max_frames_cap=args.max_frames,
-                    default_max_frames=args.max_frames)
+    limits = Limits(max_text_chars=args.max_text_chars, max_frames=args.max_frames)
 
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1)])

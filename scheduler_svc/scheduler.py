@@ -26,9 +26,7 @@ from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
-# the request names stay importable from here for code written against the driver alone
-from scheduler_svc.request import (  # noqa: F401
-    ErrorEvent, EventSink, FinishEvent, FrameEvent, Phase, QueueFull, Request)
+from scheduler_svc.request import EventSink, Request
 from scheduler_svc.worker_client import WorkerClient
 
 log = logging.getLogger("chorus.scheduler")

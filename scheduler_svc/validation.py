@@ -22,9 +22,9 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    max_text_chars: int = 5000
-    max_frames_cap: int = 4096
-    default_max_frames: int = 4096
+    """The scheduler config's request limits (SchedulerConfig.max_text_chars, max_frames)."""
+    max_text_chars: int
+    max_frames: int  # a request's cap, and its default when it asks for none
 
 
 @dataclass
@@ -85,16 +85,16 @@ def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[
                              "(split long text into several requests)")
     if req.model and req.model not in known_models:
         raise InvalidRequest(f"model {req.model!r} is not served here; available: {', '.join(known_models)}")
-    max_frames = req.max_frames or min(limits.default_max_frames, limits.max_frames_cap)
-    if not 0 < max_frames <= limits.max_frames_cap:
-        raise InvalidRequest(f"max_frames must be in [1, {limits.max_frames_cap}] (0 = default), "
+    max_frames = req.max_frames or limits.max_frames
+    if not 0 < max_frames <= limits.max_frames:
+        raise InvalidRequest(f"max_frames must be in [1, {limits.max_frames}] (0 = default), "
                              f"got {req.max_frames}")
     if not 0 <= req.min_frames <= max_frames:
         raise InvalidRequest(f"min_frames must be in [0, max_frames={max_frames}], got {req.min_frames}")
-    if not 0 <= req.duration_frames <= limits.max_frames_cap:
-        raise InvalidRequest(f"duration_frames must be in [0, {limits.max_frames_cap}], got {req.duration_frames}")
-    if not (math.isfinite(req.duration_seconds) and 0 <= req.duration_seconds <= limits.max_frames_cap / 12.5):
-        raise InvalidRequest(f"duration_seconds must be in [0, {limits.max_frames_cap / 12.5:g}], "
+    if not 0 <= req.duration_frames <= limits.max_frames:
+        raise InvalidRequest(f"duration_frames must be in [0, {limits.max_frames}], got {req.duration_frames}")
+    if not (math.isfinite(req.duration_seconds) and 0 <= req.duration_seconds <= limits.max_frames / 12.5):
+        raise InvalidRequest(f"duration_seconds must be in [0, {limits.max_frames / 12.5:g}], "
                              f"got {req.duration_seconds}")
     if sum(map(bool, (req.duration_frames, req.duration_seconds, req.auto_duration))) > 1:
         raise InvalidRequest("give at most one of duration_frames, duration_seconds and auto_duration")
