@@ -46,11 +46,11 @@ SERVICE_NAME = "chorus.v1.TextToSpeech"
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 
-def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
+def matrix_array(m: common_pb2.IntMatrix, field: str) -> np.ndarray:
     try:
         return _matrix(m)
     except ValueError as e:
-        raise InvalidRequest(f"codes: {e}") from None
+        raise InvalidRequest(f"{field}: {e}") from None
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
@@ -70,18 +70,27 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     # ---- references ------------------------------------------------------------
     async def _encode_audio(self, audio: common_pb2.AudioData, field: str) -> np.ndarray:
+        """The audio's codes, [T, n_vq] with 0 < T <= the reference limit (checked again here: a
+        container's header, which validation read, may understate its length)."""
         try:
             resp = await self.vocoders.encode(vocoder_pb2.EncodeRequest(audio=audio, codebooks=self.cfg.n_vq))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequest(f"{field}: {e.details()}") from e
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder could not encode {field}: {e.details()}")
-        return matrix_array(resp.codes)
+        codes = matrix_array(resp.codes, field)
+        if codes.shape[0] == 0:
+            raise InvalidRequest(f"{field} is too short to give one frame; it needs at least "
+                                 f"{1000 / self.frame_rate:g} ms of audio")
+        limit = self.limits.max_reference_seconds
+        if codes.shape[0] > limit * self.frame_rate:
+            raise InvalidRequest(f"{field} is {codes.shape[0] / self.frame_rate:.1f} s long; the limit is {limit:g} s")
+        return codes
 
     async def _reference_codes(self, ref: tts_pb2.VoiceReference, field: str) -> np.ndarray:
         kind = ref.WhichOneof("source")
         if kind == "codes":
-            codes = matrix_array(ref.codes)
+            codes = matrix_array(ref.codes, f"{field}.codes")
             if codes.shape[1] != self.cfg.n_vq or codes.shape[0] == 0:
                 raise InvalidRequest(f"{field}.codes must be [T>0, {self.cfg.n_vq}], got {list(codes.shape)}")
             if codes.min() < 0 or codes.max() >= self.cfg.audio_vocab_size:
@@ -205,9 +214,6 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         try:
             check_create_voice(request, self.limits)
             codes = await self._encode_audio(request.audio, "audio")
-            if codes.shape[0] == 0:
-                raise InvalidRequest(f"audio is too short to give one frame; a voice needs at least "
-                                     f"{1000 / self.frame_rate:g} ms of audio")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:

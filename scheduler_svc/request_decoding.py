@@ -5,6 +5,7 @@ handling would end them UNKNOWN with no word on what is wrong."""
 from __future__ import annotations
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from chorus.v1 import tts_pb2
@@ -81,7 +82,7 @@ def deserializer(cls):
             field = bad_utf8_field(cls.DESCRIPTOR, data)
             if field:
                 return Undecodable(f"{field} is not valid UTF-8")
-            return Undecodable(f"request: the {len(data)} bytes are not a valid {cls.DESCRIPTOR.full_name}")
+            return Undecodable(f"request body ({len(data)} bytes) is not a valid {cls.DESCRIPTOR.full_name}")
     return decode
 
 
