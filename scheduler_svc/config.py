@@ -56,6 +56,8 @@ class SchedulerConfig:
     max_references: int = setting(8, "voice references one request may give", minimum=1)
     max_reference_seconds: float = setting(60.0, "longest voice reference or stored voice in seconds",
                                            flag="--max-reference-s", metavar="S", minimum=1)
+    max_voices: int = setting(128, "voices the store keeps; CreateVoice of a new id beyond this is refused",
+                              minimum=1)
     first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)

@@ -219,8 +219,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
         voice_id = request.voice_id or uuid.uuid4().hex[:12]
-        await self.core.put_voice(frontend_pb2.StoredVoice(voice_id=voice_id, codes=rows_matrix(codes),
-                                                           transcript=request.transcript, frames=codes.shape[0]))
+        if not await self.core.put_voice(frontend_pb2.StoredVoice(
+                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0])):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
+                                f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript)
 
     async def ListVoices(self, request, context):

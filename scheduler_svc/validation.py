@@ -50,6 +50,7 @@ class Limits:
     max_id_chars: int  # model names and voice ids
     max_references: int
     max_reference_seconds: float
+    max_voices: int  # voices in the store
 
 
 def _check_length(field: str, value: str, limit: int) -> None:

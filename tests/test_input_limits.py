@@ -15,6 +15,7 @@ from helpers import make_cluster, seeded_request, wait_until_idle
 
 MAX_REQUEST_BYTES = 2 << 20
 MAX_REFERENCE_S = 2  # 25 frames at 12.5 Hz
+MAX_VOICES = 3
 BIG = 1_000_000  # characters: under the request size limit, far over every string limit
 LONG_ID = "v" * 17_000  # an id longer than a client's default metadata limit allows echoing
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -26,7 +27,8 @@ SERVICE = "/chorus.v1.TextToSpeech/"
 def service():
     with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
                       scheduler_args=["--max-request-bytes", str(MAX_REQUEST_BYTES),
-                                      "--max-reference-s", str(MAX_REFERENCE_S)]) as c:
+                                      "--max-reference-s", str(MAX_REFERENCE_S),
+                                      "--max-voices", str(MAX_VOICES)]) as c:
         yield c
 
 
@@ -200,3 +202,19 @@ def test_a_request_id_cannot_forge_a_log_line(service, stub):
     lines = service.service("scheduler").lines
     assert not any(line.startswith("FORGED") for line in lines)
     assert any("abc\\nFORGED INFO all is well\\x1b[2J" in line for line in lines)
+
+
+def test_the_voice_store_is_bounded(stub):
+    audio = common_pb2.AudioData(data=wav(0.5))
+    for i in range(MAX_VOICES):
+        stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id=f"v{i}", audio=audio))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="one-too-many", audio=audio))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "voice store" in e.value.details()
+    assert str(MAX_VOICES) in e.value.details() and len(e.value.details()) < 300
+    stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="v0", audio=audio))  # replacing one still works
+    assert sorted(v.voice_id for v in stub.ListVoices(tts_pb2.ListVoicesRequest()).voices) == ["v0", "v1", "v2"]
+    for i in range(MAX_VOICES):
+        stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id=f"v{i}"))
+    stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="room-again", audio=audio))
+    stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="room-again"))
