@@ -96,8 +96,10 @@ def _check_reference(field: str, ref: tts_pb2.VoiceReference, limits: Limits, fr
 def check_sizes(req: tts_pb2.SynthesizeRequest, limits: Limits, frame_rate: float) -> None:
     """Every string's length and the references' count and durations: cheap checks that keep
     oversized input away from the tokenizer and the codec."""
-    for field, limit in (("text", limits.max_text_chars), ("model", limits.max_id_chars),
-                         ("language", limits.max_language_chars),
+    if len(req.text) > limits.max_text_chars:
+        raise InvalidRequest(f"text has {len(req.text)} characters; the limit is {limits.max_text_chars} "
+                             "(split long text into several requests)")
+    for field, limit in (("model", limits.max_id_chars), ("language", limits.max_language_chars),
                          ("instructions", limits.max_instructions_chars),
                          ("request_id", limits.max_request_id_chars)):
         _check_length(field, getattr(req, field), limit)
@@ -170,9 +172,6 @@ def resolve_sampling(s: tts_pb2.SamplingParams, min_frames: int) -> worker_pb2.S
 def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str],
              frame_rate: float) -> ResolvedRequest:
     """frame_rate: the codec's frames per second (a reference's duration limit in frames)."""
-    if len(req.text) > limits.max_text_chars:
-        raise InvalidRequest(f"text has {len(req.text)} characters; the limit is {limits.max_text_chars} "
-                             "(split long text into several requests)")
     check_sizes(req, limits, frame_rate)
     if not req.text.strip():
         raise InvalidRequest("text is empty: give the words to speak")

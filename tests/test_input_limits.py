@@ -218,3 +218,28 @@ def test_the_voice_store_is_bounded(stub):
         stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id=f"v{i}"))
     stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="room-again", audio=audio))
     stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="room-again"))
+
+
+def test_the_request_decoder_never_raises_on_mutated_bytes():
+    """Whatever the bytes, the servicer gets a message or an Undecodable naming what is wrong (an
+    exception in the deserializer would reach the client as UNKNOWN)."""
+    from scheduler_svc.request_decoding import Undecodable, deserializer
+    decode = deserializer(tts_pb2.SynthesizeRequest)
+    valid = bytearray(synth(language="English", references=[ref(voice_id="v", transcript="hello")],
+                            continuation=ref(codes=codes(2), transcript="said")))
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        body = bytearray(valid)
+        for i in rng.integers(0, len(body), size=int(rng.integers(1, 4))):
+            body[i] = int(rng.integers(0, 256))
+        out = decode(bytes(body[:int(rng.integers(0, len(body) + 1))]))
+        assert isinstance(out, (tts_pb2.SynthesizeRequest, Undecodable))
+        if isinstance(out, Undecodable):
+            assert len(out.message) < 300
+
+
+def test_log_text_escapes_control_characters_and_is_capped():
+    from scheduler_svc.validation import printable, shown
+    assert printable("abc\ndef\x1b\t") == "abc\\ndef\\x1b\\t"
+    assert len(printable("x" * 10_000)) == 128 and printable("plain-id_1") == "plain-id_1"
+    assert shown("y" * 17_000) == repr("y" * 32) + "..."
