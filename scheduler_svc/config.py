@@ -46,8 +46,18 @@ class SchedulerConfig:
                                  metavar="HOST:PORT")
     tokenizer: str | None = setting(None, "directory with the checkpoint's tokenizer files (usually the model's); "
                                     "unset: the bundled Qwen BPE", metavar="DIR")
-    max_text_chars: int = setting(5000, "longest accepted text in characters", minimum=1)
+    max_text_chars: int = setting(5000, "longest accepted text or transcript in characters", minimum=1)
     max_frames: int = setting(4096, "cap on a request's max_frames (80 ms frames)", minimum=1)
+    max_request_bytes: int = setting(32 << 20, "largest accepted request message in bytes", minimum=1024)
+    max_language_chars: int = setting(64, "longest accepted language in characters", minimum=1)
+    max_instructions_chars: int = setting(1000, "longest accepted instructions in characters", minimum=1)
+    max_request_id_chars: int = setting(128, "longest accepted request_id in characters", minimum=1)
+    max_id_chars: int = setting(128, "longest accepted model name or voice_id in characters", minimum=1)
+    max_references: int = setting(8, "voice references one request may give", minimum=1)
+    max_reference_seconds: float = setting(60.0, "longest voice reference or stored voice in seconds",
+                                           flag="--max-reference-s", metavar="S", minimum=1)
+    max_voices: int = setting(128, "voices the store keeps; CreateVoice of a new id beyond this is refused",
+                              minimum=1)
     first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)

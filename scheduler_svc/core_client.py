@@ -141,8 +141,9 @@ class CoreClient:
                                                                              outcome=outcome)))
 
     # ---- voices ---------------------------------------------------------------------------------
-    async def put_voice(self, voice: frontend_pb2.StoredVoice) -> None:
-        await self._call(frontend_pb2.FrontendMessage(put_voice=voice))
+    async def put_voice(self, voice: frontend_pb2.StoredVoice) -> bool:
+        """False: the store is full (it holds max_voices others)."""
+        return bool((await self._call(frontend_pb2.FrontendMessage(put_voice=voice))).voices.voices)
 
     async def get_voice(self, voice_id: str) -> frontend_pb2.StoredVoice | None:
         found = (await self._call(frontend_pb2.FrontendMessage(

@@ -13,6 +13,7 @@ service's CPU, scales with processes while one core schedules every request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,8 @@ from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; the wrapper below: InvalidRequest
-from scheduler_svc.validation import InvalidRequest, Limits, validate
+from scheduler_svc.request_decoding import add_text_to_speech
+from scheduler_svc.validation import InvalidRequest, Limits, check_create_voice, printable, shown, validate
 from scheduler_svc.vocoder_client import VocoderPool
 
 log = logging.getLogger("chorus.scheduler")
@@ -44,11 +46,11 @@ SERVICE_NAME = "chorus.v1.TextToSpeech"
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 
-def matrix_array(m: common_pb2.IntMatrix) -> np.ndarray:
+def matrix_array(m: common_pb2.IntMatrix, field: str) -> np.ndarray:
     try:
         return _matrix(m)
     except ValueError as e:
-        raise InvalidRequest(f"codes: {e}") from None
+        raise InvalidRequest(f"{field}: {e}") from None
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
@@ -64,21 +66,31 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.codec = codec
         self.first_chunk_frames_loaded = first_chunk_frames_loaded
         self.relay = AudioRelay(vocoders, codec, cfg.n_vq)
+        self.frame_rate = codec.sample_rate / codec.samples_per_frame
 
     # ---- references ------------------------------------------------------------
     async def _encode_audio(self, audio: common_pb2.AudioData, field: str) -> np.ndarray:
+        """The audio's codes, [T, n_vq] with 0 < T <= the reference limit (checked again here: a
+        container's header, which validation read, may understate its length)."""
         try:
             resp = await self.vocoders.encode(vocoder_pb2.EncodeRequest(audio=audio, codebooks=self.cfg.n_vq))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequest(f"{field}: {e.details()}") from e
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder could not encode {field}: {e.details()}")
-        return matrix_array(resp.codes)
+        codes = matrix_array(resp.codes, field)
+        if codes.shape[0] == 0:
+            raise InvalidRequest(f"{field} is too short to give one frame; it needs at least "
+                                 f"{1000 / self.frame_rate:g} ms of audio")
+        limit = self.limits.max_reference_seconds
+        if codes.shape[0] > limit * self.frame_rate:
+            raise InvalidRequest(f"{field} is {codes.shape[0] / self.frame_rate:.1f} s long; the limit is {limit:g} s")
+        return codes
 
     async def _reference_codes(self, ref: tts_pb2.VoiceReference, field: str) -> np.ndarray:
         kind = ref.WhichOneof("source")
         if kind == "codes":
-            codes = matrix_array(ref.codes)
+            codes = matrix_array(ref.codes, f"{field}.codes")
             if codes.shape[1] != self.cfg.n_vq or codes.shape[0] == 0:
                 raise InvalidRequest(f"{field}.codes must be [T>0, {self.cfg.n_vq}], got {list(codes.shape)}")
             if codes.min() < 0 or codes.max() >= self.cfg.audio_vocab_size:
@@ -88,7 +100,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             voice = await self.core.get_voice(ref.voice_id)
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
-                                      f"voice_id {ref.voice_id!r} not found; create it with CreateVoice first")
+                                      f"{field}.voice_id {shown(ref.voice_id)} not found; create it with "
+                                      "CreateVoice first")
             return _matrix(voice.codes)
         if kind == "audio":
             return await self._encode_audio(ref.audio, f"{field}.audio")
@@ -148,7 +161,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             self.core.report("end", outcome=outcome)
 
     async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
-        resolved = validate(request, self.limits, [self.cfg.name])
+        resolved = validate(request, self.limits, [self.cfg.name], self.frame_rate)
         request_id = request.request_id or uuid.uuid4().hex
         rows = await self._prompt_rows(request)
         worker = self.core.worker
@@ -162,7 +175,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
         except QueueFull as e:
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
-        log.info("request %s (#%d): %d prompt rows, max_frames %d", request_id, req.id, rows.shape[0],
+        log.info("request %s (#%d): %d prompt rows, max_frames %d", printable(request_id), req.id, rows.shape[0],
                  resolved.max_frames)
         output = AudioOutput(self.codec.sample_rate, self.codec.channels, resolved.sample_rate or
                              self.codec.sample_rate, resolved.output_format)
@@ -199,14 +212,17 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
         try:
+            check_create_voice(request, self.limits)
             codes = await self._encode_audio(request.audio, "audio")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
         voice_id = request.voice_id or uuid.uuid4().hex[:12]
-        await self.core.put_voice(frontend_pb2.StoredVoice(voice_id=voice_id, codes=rows_matrix(codes),
-                                                           transcript=request.transcript, frames=codes.shape[0]))
+        if not await self.core.put_voice(frontend_pb2.StoredVoice(
+                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0])):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
+                                f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript)
 
     async def ListVoices(self, request, context):
@@ -215,8 +231,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             for v in await self.core.list_voices()])
 
     async def DeleteVoice(self, request, context):
+        if len(request.voice_id) > self.limits.max_id_chars:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice_id has {len(request.voice_id)} "
+                                f"characters; the limit is {self.limits.max_id_chars}")
         if not await self.core.delete_voice(request.voice_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {request.voice_id!r} not found")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {shown(request.voice_id)} not found")
         return tts_pb2.DeleteVoiceResponse()
 
 
@@ -244,11 +263,12 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if index == 0:
         log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
-    limits = Limits(max_text_chars=args.max_text_chars, max_frames=args.max_frames)
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 1)])
-    tts_pb2_grpc.add_TextToSpeechServicer_to_server(
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
+                                      ("grpc.so_reuseport", 1)])
+    add_text_to_speech(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -35,7 +35,7 @@ class _Outbox:
 
 
 class FrontendLink(EventSink):
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None):
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds the HWM: never drop frames
@@ -44,6 +44,7 @@ class FrontendLink(EventSink):
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler: Scheduler | None = None
         self.voices: dict[str, frontend_pb2.StoredVoice] = {}
+        self.max_voices = max_voices
         self.ready: set[bytes] = set()
         self.ready_changed = asyncio.Event()
         self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
@@ -138,6 +139,8 @@ class FrontendLink(EventSink):
                 worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size))
         if kind == "put_voice":
             v = msg.put_voice
+            if v.voice_id not in self.voices and len(self.voices) >= self.max_voices:
+                return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList())  # full: not stored
             self.voices[v.voice_id] = v
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v]))
         if kind in ("get_voice", "delete_voice"):

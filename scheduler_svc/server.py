@@ -115,7 +115,7 @@ async def serve(args: SchedulerConfig) -> None:
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.model_config_json))
     cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
     with tempfile.TemporaryDirectory(prefix="chorus-scheduler-") as tmp:
-        link = FrontendLink(f"ipc://{tmp}/core")
+        link = FrontendLink(f"ipc://{tmp}/core", args.max_voices)
         scheduler = Scheduler(worker, hello, dataclasses.replace(args, cache_key=cache_key), sink=link)
         scheduler.start()
         link.start(scheduler)

@@ -1,12 +1,17 @@
-"""Checks a SynthesizeRequest at the gRPC edge and resolves its defaults.
-Every message names the field, the value and the allowed range."""
+"""Checks the public requests at the gRPC edge and resolves a SynthesizeRequest's defaults.
+Every message names the field, the value and the allowed range, and shows at most a short
+prefix of what the client sent. Sizes are checked first, before anything decodes audio or
+tokenizes text."""
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 
-from chorus.v1 import tts_pb2, worker_pb2
+import soundfile as sf
+
+from chorus.v1 import common_pb2, tts_pb2, worker_pb2
 from chorus.seeds import derive_sampling_seed
 
 # Model defaults (spec moss_tts_local.md §4.2: the app's recommended values).
@@ -20,11 +25,98 @@ class InvalidRequest(ValueError):
     pass
 
 
+SHOWN_CHARS = 32  # the most of a client's string an error message repeats
+
+
+def shown(value: str) -> str:
+    """A client's string as an error message may quote it: a repr'd prefix."""
+    return repr(value[:SHOWN_CHARS]) + ("..." if len(value) > SHOWN_CHARS else "")
+
+
+def printable(value: str, limit: int = 128) -> str:
+    """A client's string as a log line may carry it: control characters escaped, length capped."""
+    value = value[:limit]
+    return value if value.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+
+
 @dataclass(frozen=True)
 class Limits:
-    """The scheduler config's request limits (SchedulerConfig.max_text_chars, max_frames)."""
-    max_text_chars: int
+    """The scheduler config's request limits (the SchedulerConfig fields of the same names)."""
+    max_text_chars: int  # text and transcripts
     max_frames: int  # a request's cap, and its default when it asks for none
+    max_language_chars: int
+    max_instructions_chars: int
+    max_request_id_chars: int
+    max_id_chars: int  # model names and voice ids
+    max_references: int
+    max_reference_seconds: float
+    max_voices: int  # voices in the store
+
+
+def _check_length(field: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise InvalidRequest(f"{field} has {len(value)} characters; the limit is {limit}")
+
+
+def audio_seconds(audio: common_pb2.AudioData) -> float | None:
+    """The audio's duration from its size or its container's header, without decoding it
+    (None: unknown here; the vocoder then says what is wrong with it)."""
+    raw = {common_pb2.AUDIO_ENCODING_PCM16: 2, common_pb2.AUDIO_ENCODING_FLOAT32: 4}.get(audio.encoding)
+    if raw:
+        if audio.sample_rate <= 0 or audio.channels <= 0:
+            return None
+        return len(audio.data) / (raw * audio.channels * audio.sample_rate)
+    try:
+        info = sf.info(io.BytesIO(audio.data))
+    except Exception:  # not a container soundfile reads: the vocoder's decoder reports it
+        return None
+    return info.frames / info.samplerate if info.samplerate > 0 else None
+
+
+def _check_audio(field: str, audio: common_pb2.AudioData, limits: Limits) -> None:
+    seconds = audio_seconds(audio)
+    if seconds is not None and seconds > limits.max_reference_seconds:
+        raise InvalidRequest(f"{field} is {seconds:.1f} s long; the limit is {limits.max_reference_seconds:g} s")
+
+
+def _check_reference(field: str, ref: tts_pb2.VoiceReference, limits: Limits, frame_rate: float) -> None:
+    _check_length(f"{field}.transcript", ref.transcript, limits.max_text_chars)
+    kind = ref.WhichOneof("source")
+    if kind == "voice_id":
+        _check_length(f"{field}.voice_id", ref.voice_id, limits.max_id_chars)
+    elif kind == "audio":
+        _check_audio(f"{field}.audio", ref.audio, limits)
+    elif kind == "codes":
+        max_rows = int(limits.max_reference_seconds * frame_rate)
+        if ref.codes.rows > max_rows:
+            raise InvalidRequest(f"{field}.codes has {ref.codes.rows} frames; the limit is {max_rows} "
+                                 f"({limits.max_reference_seconds:g} s)")
+
+
+def check_sizes(req: tts_pb2.SynthesizeRequest, limits: Limits, frame_rate: float) -> None:
+    """Every string's length and the references' count and durations: cheap checks that keep
+    oversized input away from the tokenizer and the codec."""
+    if len(req.text) > limits.max_text_chars:
+        raise InvalidRequest(f"text has {len(req.text)} characters; the limit is {limits.max_text_chars} "
+                             "(split long text into several requests)")
+    for field, limit in (("model", limits.max_id_chars), ("language", limits.max_language_chars),
+                         ("instructions", limits.max_instructions_chars),
+                         ("request_id", limits.max_request_id_chars)):
+        _check_length(field, getattr(req, field), limit)
+    if len(req.references) > limits.max_references:
+        raise InvalidRequest(f"references has {len(req.references)} entries; the limit is {limits.max_references}")
+    for i, ref in enumerate(req.references):
+        _check_reference(f"references[{i}]", ref, limits, frame_rate)
+    if req.HasField("continuation"):
+        _check_reference("continuation", req.continuation, limits, frame_rate)
+
+
+def check_create_voice(req: tts_pb2.CreateVoiceRequest, limits: Limits) -> None:
+    _check_length("voice_id", req.voice_id, limits.max_id_chars)
+    _check_length("transcript", req.transcript, limits.max_text_chars)
+    if not req.HasField("audio") or not req.audio.data:
+        raise InvalidRequest("audio is empty: give the voice's audio (a WAV/FLAC/OGG file or raw PCM)")
+    _check_audio("audio", req.audio, limits)
 
 
 @dataclass
@@ -77,14 +169,14 @@ def resolve_sampling(s: tts_pb2.SamplingParams, min_frames: int) -> worker_pb2.S
         seed=derive_sampling_seed(seed), min_frames=min_frames)
 
 
-def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str]) -> ResolvedRequest:
+def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str],
+             frame_rate: float) -> ResolvedRequest:
+    """frame_rate: the codec's frames per second (a reference's duration limit in frames)."""
+    check_sizes(req, limits, frame_rate)
     if not req.text.strip():
         raise InvalidRequest("text is empty: give the words to speak")
-    if len(req.text) > limits.max_text_chars:
-        raise InvalidRequest(f"text has {len(req.text)} characters; the limit is {limits.max_text_chars} "
-                             "(split long text into several requests)")
     if req.model and req.model not in known_models:
-        raise InvalidRequest(f"model {req.model!r} is not served here; available: {', '.join(known_models)}")
+        raise InvalidRequest(f"model {shown(req.model)} is not served here; available: {', '.join(known_models)}")
     max_frames = req.max_frames or limits.max_frames
     if not 0 < max_frames <= limits.max_frames:
         raise InvalidRequest(f"max_frames must be in [1, {limits.max_frames}] (0 = default), "

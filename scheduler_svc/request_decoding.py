@@ -1,0 +1,116 @@
+"""The public service's request decoding: bytes that are not a valid message (a corrupt body,
+invalid UTF-8 in a string field) end INVALID_ARGUMENT naming the field, where gRPC's own
+handling would end them UNKNOWN with no word on what is wrong."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError
+
+from chorus.v1 import tts_pb2
+
+_LENGTH_DELIMITED = 2
+
+
+class Undecodable:
+    """What the deserializer hands the servicer for bytes it could not decode."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def bad_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
+    """The path of the first string field (e.g. references[0].transcript) whose bytes are not
+    UTF-8, walking the wire format; None when there is none or the bytes are not protobuf."""
+    counts: dict[str, int] = {}
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, i = _varint(data, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            elif wire == _LENGTH_DELIMITED:
+                size, i = _varint(data, i)
+                chunk, i = data[i:i + size], i + size
+                field = descriptor.fields_by_number.get(number)
+                if field is None:
+                    continue
+                name = prefix + field.name
+                if field.is_repeated:
+                    counts[name] = counts.get(name, -1) + 1
+                    name += f"[{counts[name]}]"
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                    found = bad_utf8_field(field.message_type, chunk, name + ".")
+                    if found:
+                        return found
+            else:
+                return None
+    except ValueError:
+        return None
+    return None
+
+
+def deserializer(cls):
+    def decode(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            field = bad_utf8_field(cls.DESCRIPTOR, data)
+            if field:
+                return Undecodable(f"{field} is not valid UTF-8")
+            return Undecodable(f"request body ({len(data)} bytes) is not a valid {cls.DESCRIPTOR.full_name}")
+    return decode
+
+
+def _guard(behavior, streaming: bool):
+    if streaming:
+        async def call(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in behavior(request, context):
+                yield response
+    else:
+        async def call(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await behavior(request, context)
+    return call
+
+
+def add_text_to_speech(servicer, server) -> None:
+    """tts_pb2_grpc.add_TextToSpeechServicer_to_server with the deserializers above."""
+    service = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"]
+    handlers = {}
+    for method in service.methods:
+        request = getattr(tts_pb2, method.input_type.name)
+        response = getattr(tts_pb2, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_guard(getattr(servicer, method.name), method.server_streaming),
+                                     request_deserializer=deserializer(request),
+                                     response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
