@@ -83,10 +83,11 @@ def test_a_dead_frontend_stops_the_service():
 
 def test_sigterm_lets_open_streams_finish():
     """Rolling restarts: SIGTERM stops new calls, but a stream already open gets all its audio."""
+    # The drain outlasts the stream however slow the machine (the default 5 s is for servers).
     with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
-                      scheduler_args=["--frontends", "2"]) as c:
+                      scheduler_args=["--frontends", "2", "--drain-seconds", "120"]) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(own_connection(c.address))
-        responses = stub.Synthesize(seeded_request(seed=6, frames=40), timeout=60)
+        responses = stub.Synthesize(seeded_request(seed=6, frames=40), timeout=120)
         kinds = []
         for resp in responses:
             kinds.append(resp.WhichOneof("kind"))
@@ -96,7 +97,7 @@ def test_sigterm_lets_open_streams_finish():
         core.send_signal(signal.SIGTERM)
         rest = list(responses)
         assert rest[-1].WhichOneof("kind") == "summary" and rest[-1].summary.frames == 40
-        assert core.wait(30) == 0
+        assert core.wait(60) == 0
 
 
 def test_full_queue_is_resource_exhausted_and_leaks_nothing():
