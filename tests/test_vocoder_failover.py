@@ -435,7 +435,7 @@ def test_decode_process_death_fails_over_byte_identical():
     fault-free run, and the replica whose decoder died exits non-zero."""
     from chorus.launcher import child_pids
 
-    slots_args = ["--engine", "slots", "--decode-process", "on", "--slots", "4", "--buckets", "4", "--graphs", "off"]
+    slots_args = ["--engine", "slots", "--slots", "4", "--buckets", "4", "--graphs", "off"]
     c = make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
                      scheduler_args=["--max-queue", "16"], vocoder_ports=[0, 0], vocoder_args=slots_args)
     with c:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import queue
@@ -20,14 +21,20 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chorus.audio import encode_pcm16
-from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
+from chorus.config import parse
+from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb, vocoder_pb2, vocoder_pb2_grpc
+from vocoder_svc import slot_decoder as slot_decoder_module
 from vocoder_svc.codec import tiny_v2
 from vocoder_svc.codec_checkpoint import build_codec
+from vocoder_svc.config import VocoderConfig
+from vocoder_svc.decode_process import Decoder, host_in_thread
 from vocoder_svc.decoder_build import resolve_engine
+from vocoder_svc.decoder_client import DecodeProcess, host_endpoints
 from vocoder_svc.metrics import Metrics
 from vocoder_svc.selfcheck import check_batch_invariance
 from vocoder_svc.servicer import VocoderServicer
@@ -378,28 +385,51 @@ def _refused(stub) -> bool:
     return False
 
 
-# ---- the slots engine (SlotDecoder) on CPU --------------------------------------------------------
+# ---- the slots engine on CPU, its decoder hosted in this process ----------------------------------
 
 SLOTS = 3
 
 
-class InProcessVocoder:
-    """A VocoderServicer served by grpc.aio on a private event loop thread; tests see its slot decoder."""
+def stop_hosted_decoder(decoder: Decoder, path: str) -> None:
+    """Stand in for a vocoder on the hosted decoder's endpoint (none is attached any more) and stop it."""
+    ctx = zmq.Context()
+    try:
+        jobs = ctx.socket(zmq.PUSH)
+        jobs.bind(host_endpoints(path)[0])
+        jobs.send(dpb.DecoderInput(shutdown=True).SerializeToString())
+        assert wait_for(lambda: decoder.worker._closed)
+    finally:
+        ctx.destroy(linger=0)
 
-    def __init__(self, servicer: VocoderServicer):
-        self.servicer = servicer
+
+class InProcessVocoder:
+    """A VocoderServicer served by grpc.aio on a private event loop thread, its slots engine a decoder
+    hosted in this process (host_in_thread, as gpu_worker hosts one) under `path`, configured by the
+    vocoder flags `flags`: no process is started, and the tests can look into the slot decoder."""
+
+    def __init__(self, codec, path: str, *flags: str, first_chunk_frames: int = 5, chunk_frames: int = 25):
+        # --torch-threads 0: the host leaves this process's torch thread count alone.
+        config = parse(VocoderConfig, ["--preset", "tiny", "--seed", str(SEED), "--torch-threads", "0", *flags])
+        self.path = path
+        self.decoder = host_in_thread(path, config, "cpu")
+        self.slot_decoder = self.decoder.worker.slot_decoder
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-vocoder-loop", daemon=True)
         self.thread.start()
 
-        async def start():
+        async def start():  # on the loop: the client's asyncio sockets and tasks live there
+            metrics = Metrics()
+            client = DecodeProcess(config, metrics, attach=path)
+            await client.start()
+            servicer = VocoderServicer(codec, "tiny", first_chunk_frames=first_chunk_frames,
+                                       chunk_frames=chunk_frames, metrics=metrics, decoder=client)
             server = grpc.aio.server()
             vocoder_pb2_grpc.add_VocoderServicer_to_server(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
-            return server, port
+            return servicer, server, port
 
-        self.server, port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.servicer, self.server, port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = vocoder_pb2_grpc.VocoderStub(self.channel)
 
@@ -409,9 +439,14 @@ class InProcessVocoder:
     def close(self) -> None:
         self.channel.close()
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
-        self.servicer.close()
+
+        async def close_servicer():  # on the loop, like its client's tasks and sockets
+            self.servicer.close()
+
+        asyncio.run_coroutine_threadsafe(close_servicer(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        stop_hosted_decoder(self.decoder, self.path)
 
 
 @pytest.fixture(scope="module")
@@ -420,12 +455,10 @@ def tiny_codec():
 
 
 @pytest.fixture(scope="module")
-def slots_vocoder(tiny_codec):
+def slots_vocoder(tiny_codec, tmp_path_factory):
     # Emulated graphs for the service's chunk sizes (5, 25): the graph bookkeeping runs, replays are eager.
-    slot_decoder = SlotDecoder(tiny_codec, slots=SLOTS, n_q=12, graphs="emulate", graph_frames=[5, 25])
-    slot_decoder.capture()
-    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
-                                         slot_decoder=slot_decoder))
+    v = InProcessVocoder(tiny_codec, str(tmp_path_factory.mktemp("decoder")), "--slots", str(SLOTS),
+                         "--graphs", "emulate", "--graph-frames", "5,25")
     yield v
     v.close()
 
@@ -466,7 +499,7 @@ def decode_33_at_once(stub_of_seed: dict, codec) -> None:
 
 def settled(v: InProcessVocoder) -> bool:
     """No call open and every slot back (slots are freed on the worker thread, after the call ends)."""
-    return v.info().active_streams == 0 and v.servicer.slot_decoder.free_slots == SLOTS
+    return v.info().active_streams == 0 and v.slot_decoder.free_slots == SLOTS
 
 
 def test_slots_engine_decode_matches_offline(slots_vocoder, tiny_codec):
@@ -546,7 +579,7 @@ def _open_stream(stub, codes: np.ndarray):
 
 def test_slots_engine_frees_slots_on_cancel_and_error(slots_vocoder):
     v = slots_vocoder
-    slot_decoder = v.servicer.slot_decoder
+    slot_decoder = v.slot_decoder
     outbox, got, call = _open_stream(v.stub, random_codes(7, seed=40))
     assert got.get(timeout=30).frames == 5  # first step done: the stream holds a slot
     assert v.info().active_streams == 1 and slot_decoder.free_slots == SLOTS - 1
@@ -564,7 +597,7 @@ def test_slots_engine_frees_slots_on_cancel_and_error(slots_vocoder):
     assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert wait_for(lambda: settled(v))
     sample = v.servicer.metrics.registry.get_sample_value
-    assert sample("chorus_vocoder_free_slots") == SLOTS
+    assert wait_for(lambda: sample("chorus_vocoder_free_slots") == SLOTS)  # the decoder's report follows
     assert sample("chorus_vocoder_active_streams") == 0
 
 
@@ -572,7 +605,7 @@ def test_slots_engine_queues_streams_beyond_slots(slots_vocoder, tiny_codec):
     """With every slot held, a new stream's first step waits (no error) until a call ends; a waiting
     stream that is cancelled leaves nothing behind."""
     v = slots_vocoder
-    slot_decoder = v.servicer.slot_decoder
+    slot_decoder = v.slot_decoder
     holders = [_open_stream(v.stub, random_codes(5, seed=50 + i)) for i in range(SLOTS)]
     for _, got, _ in holders:
         assert got.get(timeout=30).frames == 5
@@ -699,14 +732,17 @@ def test_engine_choice():
     assert resolve_engine("slots", "cpu") == "slots" and resolve_engine("stream", "cuda") == "stream"
 
 
-def test_slots_engine_stream_limit_is_out_of_range(tiny_codec):
+def test_slots_engine_stream_limit_is_out_of_range(tiny_codec, tmp_path, monkeypatch):
     """A stream past the slot decoder's exact-position limit ends with OUT_OF_RANGE (no failover) after the
     chunks that fit, and frees its slot."""
-    slot_decoder = SlotDecoder(tiny_codec, slots=1, n_q=12)
-    slot_decoder._max_mult = (1 << 24) // 12  # max_stream_frames = 12 instead of 2184
-    assert slot_decoder.max_stream_frames == 12
-    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=5, slot_decoder=slot_decoder))
+    build_weights = slot_decoder_module.build_weights  # max_stream_frames = 12 instead of 2184:
+    monkeypatch.setattr(slot_decoder_module, "build_weights", lambda *a: dataclasses.replace(
+        build_weights(*a), max_mult=slot_decoder_module.MAX_POSITION // 12))
+    v = InProcessVocoder(tiny_codec, str(tmp_path / "d"), "--slots", "1", "--graphs", "off",
+                         first_chunk_frames=5, chunk_frames=5)
+    slot_decoder = v.slot_decoder
     try:
+        assert slot_decoder.max_stream_frames == 12 and v.servicer.decoder.max_stream_frames == 12
         got = []
         with pytest.raises(grpc.RpcError) as e:
             for r in v.stub.Decode(decode_requests(random_codes(16, seed=80), [16]), timeout=60):
@@ -718,13 +754,13 @@ def test_slots_engine_stream_limit_is_out_of_range(tiny_codec):
         v.close()
 
 
-# ---- the slots engine in a decode process (--decode-process on) ------------------------------------
+# ---- the slots engine in its child decode process -----------------------------------------------
 
 def _start_decode_process_vocoder(metrics_port: int = 0):
     """The vocoder with its slot decoder in a child process (2 slots, emulated graphs); returns (proc, address,
     decode process pid, output lines)."""
     proc, address, seen, lines = start_vocoder(
-        "--metrics-port", str(metrics_port), "--engine", "slots", "--decode-process", "on", "--slots", "2",
+        "--metrics-port", str(metrics_port), "--engine", "slots", "--slots", "2",
         "--graphs", "emulate", "--graph-frames", "5,25", "--grace", "5")
     child = next((int(m.group(1)) for line in seen if (m := re.match(r"vocoder: decode process (\d+) ready", line))),
                  None)
@@ -809,14 +845,6 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
     """A decoder hosted in this process (as gpu_worker hosts it) serves a vocoder started with
     --attach-decoder; SIGKILL that vocoder mid-stream and a new one attaches to the same decoder: its
     hello frees the dead one's slot, and its streams decode to the offline PCM."""
-    import zmq
-
-    from chorus.v1 import vocoder_decoder_pb2 as dpb
-    from chorus.config import parse
-    from vocoder_svc.config import VocoderConfig
-    from vocoder_svc.decode_process import host_in_thread
-    from vocoder_svc.decoder_client import host_endpoints
-
     path = str(tmp_path / "decoder")
     decoder = host_in_thread(path, parse(VocoderConfig, ["--preset", "tiny", "--seed", str(SEED), "--slots", "2",
                                                          "--graphs", "emulate", "--graph-frames", "5,25"]), "cpu")
@@ -853,11 +881,8 @@ def test_hosted_decoder_serves_one_vocoder_after_another(tiny_codec, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        jobs = ctx.socket(zmq.PUSH)  # nobody is bound any more: stand in for a vocoder and stop the decoder
-        jobs.bind(host_endpoints(path)[0])
-        jobs.send(dpb.DecoderInput(shutdown=True).SerializeToString())
-        assert wait_for(lambda: decoder.worker._closed)
         ctx.destroy(linger=0)
+        stop_hosted_decoder(decoder, path)
 
 
 def test_hosted_decoder_death_fails_calls_unavailable_and_stops_the_vocoder(tmp_path):
@@ -1159,16 +1184,14 @@ def test_slot_worker_decodes_a_backlog_one_chunk_a_step():
                    step_pcm(1, range(5)), step_pcm(1, range(5))]
 
 
-def test_slots_engine_step_frames_match_offline(tiny_codec):
+def test_slots_engine_step_frames_match_offline(tiny_codec, tmp_path):
     """--step-frames 5 on a real slot decoder: chunks of 5, 25 and a 12-frame tail come back as those
     chunks, decoded in 5-frame graph steps (1 + 5 + 3: the tail is padded to 15, not 25), with the
     offline decode's audio."""
-    slot_decoder = SlotDecoder(tiny_codec, slots=SLOTS, n_q=12, graphs="emulate", graph_frames=[5])
-    slot_decoder.capture()
-    v = InProcessVocoder(VocoderServicer(tiny_codec, "tiny", first_chunk_frames=5, chunk_frames=25,
-                                         slot_decoder=slot_decoder, step_frames=5))
+    v = InProcessVocoder(tiny_codec, str(tmp_path / "d"), "--slots", str(SLOTS), "--graphs", "emulate",
+                         "--graph-frames", "5", "--step-frames", "5")
     try:
-        info = v.info()  # the in-process slot decoder's facts
+        info = v.info()  # the hosted slot decoder's facts
         assert (info.first_chunk_frames, info.chunk_frames, info.step_frames, list(info.graph_frames),
                 info.slots) == (5, 25, 5, [5], SLOTS)
         sample = v.servicer.metrics.registry.get_sample_value

@@ -55,8 +55,6 @@ class VocoderConfig:
                                        metavar="T,T,...")
     graphs: str = setting("auto", "slots engine: auto = CUDA graphs on CUDA; off = eager; emulate = the graph "
                           "bookkeeping with eager replays (CPU tests)", choices=("auto", "off", "emulate"))
-    decode_process: str = setting("auto", "slots engine: run the decoder in a child process (auto = on CUDA)",
-                                  choices=("auto", "on", "off"))
     attach_decoder: str | None = setting(None, "slots engine: use the decoder served under DIR (by a gpu_worker "
                                          "--host-vocoder-decoder, or a shared decode process) instead of a child",
                                          metavar="DIR")

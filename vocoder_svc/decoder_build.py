@@ -1,5 +1,5 @@
-"""Building the codec and the slot decoder from the vocoder's options: shared by the gRPC process
-(vocoder_svc/server.py) and a decode process (vocoder_svc/decode_process.py)."""
+"""Building the codec and the slot decoder from the vocoder's options: the codec for the gRPC process
+(vocoder_svc/server.py), both for a decode process (vocoder_svc/decode_process.py)."""
 
 from __future__ import annotations
 

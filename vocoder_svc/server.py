@@ -36,11 +36,12 @@ CUDA graph at startup, one progress line each, and replayed; any other T (a
 request's own chunk sizes) runs eagerly at the same bucket. A stream's short
 last step (the tail flush) is padded to its chunk size and its PCM cut back.
 Streams whose start.codebooks is not --slot-codebooks use the stream
-engine. Startup prints a self-check of the byte-identity facts below. On
-CUDA the slot decoder and its step loop run in a child process
-(--decode-process, vocoder_svc/decode_process.py) so that gRPC's threads,
-which hold the GIL while they write PCM, never stall the steps; this
-process keeps the calls, the chunking, Encode and the metrics.
+engine. Startup prints a self-check of the byte-identity facts below. The
+slot decoder and its step loop run in another process: a child decode
+process (vocoder_svc/decode_process.py), or a decoder hosted elsewhere
+(--attach-decoder), so that gRPC's threads, which hold the GIL while they
+write PCM, never stall the steps; this process keeps the calls, the
+chunking, Encode and the metrics.
 
 Byte identity on GPU (slots engine), which matters because the scheduler
 replays a broken stream on another replica, where other streams share its
@@ -90,8 +91,7 @@ from prometheus_client import start_http_server
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 from chorus.config import ConfigError, add_config_flags, parse
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
-from vocoder_svc.decoder_build import (build_slot_decoder, first_chunk, make_codec,
-                                       resolve_engine, stall_exit_seconds)
+from vocoder_svc.decoder_build import first_chunk, make_codec, resolve_engine
 from vocoder_svc.decoder_client import DecodeProcess
 from vocoder_svc.metrics import Metrics
 from vocoder_svc.selfcheck import check_batch_invariance
@@ -111,21 +111,11 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def use_decode_process(args: VocoderConfig) -> bool:
-    """--decode-process: auto = for the slots engine on CUDA devices."""
-    if getattr(args, "attach_decoder", None):
-        return True
-    if resolve_engine(args.engine, args.device) != "slots" or args.decode_process == "off":
-        return False
-    return args.decode_process == "on" or torch.device(args.device).type == "cuda"
-
-
 async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     metrics = Metrics()
-    engine = resolve_engine(args.engine, args.device)
     decoder = failure = None
-    if use_decode_process(args):
+    if args.attach_decoder or resolve_engine(args.engine, args.device) == "slots":
         def decoder_exited(reason: str) -> None:
             nonlocal failure
             failure = reason
@@ -135,7 +125,6 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
         # A child starts loading beside this process; a hosted decoder may be up already.
         decoder = DecodeProcess(args, metrics, on_exit=decoder_exited, attach=args.attach_decoder)
     codec, name = make_codec(args)
-    slot_decoder = None
     if decoder is not None:
         try:
             ready = await decoder.start()
@@ -146,30 +135,26 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
         metrics.slot_kernels.labels("glue", ready.glue).set(1)
         where = f"the decoder hosted by process {decoder.pid}" if ready.hosted else f"decode process {decoder.pid}"
         print(f"vocoder: slots engine in {where}", flush=True)
-    elif engine == "slots":
-        slot_decoder = build_slot_decoder(codec, args)
-        metrics.slot_kernels.labels("attention", slot_decoder.attention_path).set(1)
-        metrics.slot_kernels.labels("glue", slot_decoder.glue_impl).set(1)
     max_batch, invariant = max(1, args.max_batch_streams), args.batch_mode == "invariant"
-    if slot_decoder is not None or decoder is not None:
+    if decoder is not None:
         max_batch = 1  # the stream engine only serves other codebook counts
-    elif max_batch > 1 and invariant:
-        problem = check_batch_invariance(codec, first_chunk(args), max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
-        if problem is not None:
-            print(f"vocoder: batched decode is not batch-invariant on {args.device}/{args.dtype} "
-                  f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",
-                  flush=True)
-            max_batch = 1
-    if slot_decoder is None and decoder is None:
+    else:
+        if max_batch > 1 and invariant:
+            problem = check_batch_invariance(codec, first_chunk(args),
+                                             max(1, min(args.chunk_frames, MAX_CHUNK_FRAMES)))
+            if problem is not None:
+                print(f"vocoder: batched decode is not batch-invariant on {args.device}/{args.dtype} "
+                      f"(torch threads {torch.get_num_threads()}): {problem}; decoding one stream per step",
+                      flush=True)
+                max_batch = 1
         print(f"vocoder: stream engine, up to {max_batch} streams per decode step"
               + ("" if max_batch == 1 else f" ({'batch-invariant' if invariant else 'fast, not batch-invariant'})"),
               flush=True)
     servicer = VocoderServicer(codec, name, first_chunk_frames=args.first_chunk_frames,
                                chunk_frames=args.chunk_frames, encode_cache_size=args.encode_cache_size,
                                max_batch_streams=max_batch, batch_invariant=invariant, metrics=metrics,
-                               slot_decoder=slot_decoder, decoder=decoder, launch_ahead_streams=args.launch_ahead_streams,
-                               step_frames=args.step_frames, stall_exit_s=stall_exit_seconds(args))
-    if slot_decoder is None and decoder is None:
+                               decoder=decoder)
+    if decoder is None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
                           batch_invariant=invariant)

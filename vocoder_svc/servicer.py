@@ -20,10 +20,9 @@ from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc.codec import MossAudioTokenizer, StreamState
 from vocoder_svc.codec_config import DEFAULT_CODEBOOKS
 from vocoder_svc.config import MAX_CHUNK_FRAMES
-from vocoder_svc.decoder_client import DecodeProcess, DecoderGone
+from vocoder_svc.decoder_client import DecodeProcess, DecoderGone, RemoteStream
 from vocoder_svc.metrics import Metrics
-from vocoder_svc.slot_decoder import SlotDecoder
-from vocoder_svc.slot_worker import SlotStream, SlotWorker, StreamTooLong
+from vocoder_svc.slot_worker import StreamTooLong
 from vocoder_svc.stream_worker import DecodeWorker
 
 
@@ -35,7 +34,7 @@ async def _then(fut: asyncio.Future, fn):
 class _Stream:
     stream_id: str
     state: StreamState | None  # stream engine (or codebooks the slot decoder does not decode)
-    handle: SlotStream | None  # slots engine
+    handle: RemoteStream | None  # slots engine
     codebooks: int
     first_chunk: int
     chunk: int
@@ -64,32 +63,22 @@ class _BadRequest(Exception):
 class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: MossAudioTokenizer, name: str, first_chunk_frames: int = 5, chunk_frames: int = 25,
                  encode_cache_size: int = 256, max_batch_streams: int = 8, batch_invariant: bool = True,
-                 metrics: Metrics | None = None, slot_decoder: SlotDecoder | None = None,
-                 decoder: DecodeProcess | None = None, launch_ahead_streams: int | None = None,
-                 step_frames: int = 0, stall_exit_s: float = 0.0):
-        """slot_decoder: decode streams of slot_decoder.n_q codebooks on this SlotDecoder (the slots
-        engine); decoder: the same, with the slot decoder in a decode process (already started); other
-        streams, and every stream without either, use the stream engine."""
+                 metrics: Metrics | None = None, decoder: DecodeProcess | None = None):
+        """decoder: the slots engine, a started client of a slot decoder in a decode process (or hosted
+        by another process); it decodes the streams of its n_q codebooks. Other streams, and every
+        stream without it, use the stream engine."""
         if not 1 <= chunk_frames <= MAX_CHUNK_FRAMES or first_chunk_frames < 1:
             raise ValueError(f"chunk sizes must be >= 1 (chunk <= {MAX_CHUNK_FRAMES}); got first "
                              f"{first_chunk_frames}, chunk {chunk_frames}")
         self.codec, self.name = codec, name
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.metrics = metrics or Metrics()
-        if slot_decoder is not None and slot_decoder.codec is not codec:
-            raise ValueError("the slot decoder must decode with the servicer's codec")
-        if slot_decoder is not None and decoder is not None:
-            raise ValueError("a slot decoder runs in this process or in a decode process, not both")
-        self.slot_decoder = slot_decoder
-        self.step_frames = step_frames
+        self.decoder = decoder
+        # The decoder's own step size: it pads a short last step (_padded_length).
+        self.step_frames = decoder.ready.step_frames if decoder is not None else 0
         self.queued_steps = 2  # steps a call may have queued before its reader stops reading (backpressure)
-        # The slots engine, either way: open / submit / release / close, n_q, max_stream_frames.
-        self.slot_worker: SlotWorker | DecodeProcess | None = (
-            SlotWorker(slot_decoder, self.metrics.record_step, launch_ahead_streams, step_frames,
-                          stall_exit_s=stall_exit_s)
-            if slot_decoder is not None else decoder)
         # With a slot decoder, the stream engine only serves the odd codebook count: one stream per step.
-        self.worker = DecodeWorker(codec, self.metrics, 1 if self.slot_worker is not None else max_batch_streams,
+        self.worker = DecodeWorker(codec, self.metrics, 1 if decoder is not None else max_batch_streams,
                                    batch_invariant)
         # Encoding a long reference takes a while; its own thread keeps streams flowing.
         self._encode_lock = threading.Lock()
@@ -99,8 +88,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
 
     def close(self) -> None:
         self.worker.close()
-        if self.slot_worker is not None:
-            self.slot_worker.close()
+        if self.decoder is not None:
+            self.decoder.close()
 
     # ---- Decode ---------------------------------------------------------------------------------
     def _open(self, start: vocoder_pb2.DecodeStart) -> _Stream:
@@ -117,8 +106,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         first = min(start.first_chunk_frames or self.first_chunk_frames, chunk)  # never above the steady size
         if start.pcm_encoding not in (vocoder_pb2.PCM_FLOAT32, vocoder_pb2.PCM_INT16):
             raise _BadRequest(f"start.pcm_encoding={start.pcm_encoding}: use PCM_FLOAT32 (0) or PCM_INT16 (1)")
-        if self.slot_worker is not None and codebooks == self.slot_worker.n_q:
-            return _Stream(start.stream_id, None, self.slot_worker.open(), codebooks, first, chunk,
+        if self.decoder is not None and codebooks == self.decoder.n_q:
+            return _Stream(start.stream_id, None, self.decoder.open(), codebooks, first, chunk,
                            start.pcm_encoding)
         return _Stream(start.stream_id, self.codec.new_stream(), None, codebooks, first, chunk, start.pcm_encoding)
 
@@ -156,7 +145,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         steady steps of other streams in their graph instead of running alone, eagerly (a W1 tail of
         20 frames otherwise waited behind 128-stream steps at c256). Padding is a pure function of the
         chunk sizes and the length, like the chunking, so a replay on another replica pads alike."""
-        limit = self.slot_worker.max_stream_frames if stream.handle is not None else None
+        limit = self.decoder.max_stream_frames if stream.handle is not None else None
         if limit is not None and stream.next_frame + n > limit:
             raise StreamTooLong(f"decode stream longer than {limit} frames: the slot decoder "
                                 f"engine keeps positions exact in fp32 only that far")
@@ -167,7 +156,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             pad = self._padded_length(stream.threshold, n) - n if last else 0
             if pad > 0 and first_frame + n + pad <= limit:
                 codes = np.concatenate([codes, np.zeros((pad, codes.shape[1]), dtype=codes.dtype)])
-            step = self.slot_worker.submit(stream.handle, codes, int16=int16)
+            step = self.decoder.submit(stream.handle, codes, int16=int16)
         else:
             step = self.worker.submit(stream.state, codes)  # [C, n*hop] float32
         stream.next_frame += n
@@ -251,7 +240,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                     item.cancel()
             if stream is not None:  # also on cancellation and errors: the state goes with the call
                 if stream.handle is not None:
-                    self.slot_worker.release(stream.handle)  # the slot is freed before the next step
+                    self.decoder.release(stream.handle)  # the slot is freed before the next step
                 self.active_streams -= 1
                 self.metrics.active_streams.dec()
 
@@ -296,14 +285,12 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         return vocoder_pb2.EncodeResponse(codes=mat, cache_hit=False)
 
     def _slots_facts(self) -> tuple[int, int, list[int]]:
-        """(slots, step_frames, graph_frames) of the slots engine as it runs: the decode process's
-        ready message, or this process's slot decoder; zeros for the stream engine."""
-        if isinstance(self.slot_worker, DecodeProcess):
-            ready = self.slot_worker.ready
-            return ready.slots, ready.step_frames, list(ready.graph_frames)
-        if self.slot_decoder is not None:
-            return self.slot_decoder.slots, self.step_frames, self.slot_decoder.graphed_frames()
-        return 0, 0, []
+        """(slots, step_frames, graph_frames) of the slots engine as it runs (the decoder's ready
+        message); zeros for the stream engine."""
+        if self.decoder is None:
+            return 0, 0, []
+        ready = self.decoder.ready
+        return ready.slots, ready.step_frames, list(ready.graph_frames)
 
     async def Info(self, request, context):
         slots, step_frames, graph_frames = self._slots_facts()

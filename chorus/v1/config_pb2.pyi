@@ -47,7 +47,7 @@ class WorkerConfig(_message.Message):
     def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ...) -> None: ...
 
 class VocoderConfig(_message.Message):
-    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "decode_process", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace")
+    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -63,7 +63,6 @@ class VocoderConfig(_message.Message):
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FRAMES_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_PROCESS_FIELD_NUMBER: _ClassVar[int]
     ATTACH_DECODER_FIELD_NUMBER: _ClassVar[int]
     ATTACH_SILENCE_S_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_AHEAD_STREAMS_FIELD_NUMBER: _ClassVar[int]
@@ -92,7 +91,6 @@ class VocoderConfig(_message.Message):
     buckets: str
     graph_frames: str
     graphs: str
-    decode_process: str
     attach_decoder: str
     attach_silence_s: float
     launch_ahead_streams: int
@@ -106,7 +104,7 @@ class VocoderConfig(_message.Message):
     torch_threads: int
     switch_interval_ms: float
     grace: float
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., decode_process: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ...) -> None: ...
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
     __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds")
