@@ -59,10 +59,8 @@ steps, and resumes at the exact sample:
     would have sent: the CPU stream engine's guarantee does not carry over.
   * one bucket (--buckets equal to --slots) restores it for replicas with the
     same --slots, GPU and software: every step has the same shapes. The cost
-    is that every step computes the full bucket whatever the load. H200, full
-    codec, bf16, 25-frame steps: 167 ms per step at 64 slots, where one
-    stream alone takes 14 ms in bucket 1 (30 ms at 8, 52 ms at 16, 89 ms at
-    32); throughput at full load is unchanged, latency at light load is not.
+    is that every step computes the full bucket whatever the load:
+    throughput at full load is unchanged, latency at light load is not.
     Per-stream GEMMs (the stream engine's invariant mode) are not a cheap
     alternative here: cuBLAS gives no bitwise guarantee for a bmm across
     batch counts, and one GEMM per stream gives up the batching that makes

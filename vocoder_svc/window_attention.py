@@ -52,8 +52,8 @@ __all__ = ["HAVE_TRITON", "INTERPRET", "window_attention", "use_triton", "ring_g
            "ring_write", "ring_write_kv", "chunk_window_mask", "additive_window_mask"]
 
 MAX_KERNEL_HEAD_DIM = 256
-# (largest BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention kernel: the fastest of 16 on the H200 at
-# every step shape tried, 32-64 streams of 5-25 frames (benchmarks/results/window_attention_ab_s11_h200.json)
+# (largest BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention kernel: the fastest of those
+# chorus.bench.window_attention_tune tries at every step shape measured (benchmarks/results/window_attention_tune_*)
 KERNEL_CONFIG = (64, 32, 4, 3)
 
 
