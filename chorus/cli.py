@@ -13,6 +13,7 @@ Every command takes --help.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -54,7 +55,12 @@ def cmd_up(args: argparse.Namespace) -> None:
     if args.print_config:
         print(layout.toml(), end="")
         return
-    cluster = layout.cluster_launcher()
+    cluster = layout.cluster_launcher(die_with_parent=True)
+
+    def terminate(*_):  # SIGTERM (a supervisor, kill) stops the services as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
     print("starting worker, vocoder and scheduler ...", flush=True)
     with cluster:
         vocoders = ", ".join(s.address for s in cluster.services if s.name.startswith("vocoder"))

@@ -7,6 +7,7 @@ it (so ephemeral ports work) and relays every line with a prefix.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -60,6 +61,13 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In a service's process before exec: SIGTERM when the thread that started it ends, so a
+    launcher killed without a chance to clean up (SIGKILL, OOM) leaves no service behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class Service:
     name: str
@@ -69,9 +77,10 @@ class Service:
     lines: list[str] = field(default_factory=list)
     _ready: threading.Event = field(default_factory=threading.Event)
 
-    def start(self, echo: bool, env: dict[str, str]) -> None:
+    def start(self, echo: bool, env: dict[str, str], die_with_parent: bool = False) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, env=env, start_new_session=True)
+                                     bufsize=1, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent if die_with_parent else None)
         threading.Thread(target=self._pump, args=(echo,), daemon=True).start()
 
     def _pump(self, echo: bool) -> None:
@@ -186,6 +195,8 @@ class Cluster:
     colocate_vocoder: bool = False
     # The vocoder replicas in front of one decoder process: see vocoder_svc.decode_process.main.
     shared_decoder: bool = False
+    # The services get SIGTERM when the thread that started them ends (chorus up: its main thread).
+    die_with_parent: bool = False
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
 
@@ -239,7 +250,7 @@ class Cluster:
         self.services += vocoders
         try:
             for s in self.services:
-                s.start(self.echo, env)
+                s.start(self.echo, env, self.die_with_parent)
             deadline = time.monotonic() + timeout
             for s in self.services:
                 s.wait_ready(max(1.0, deadline - time.monotonic()))
@@ -247,7 +258,7 @@ class Cluster:
                                             worker=self.services[0].address, vocoder=[v.address for v in vocoders])
             self.services.append(Service("scheduler", py + [
                 "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))]))
-            self.services[-1].start(self.echo, env)
+            self.services[-1].start(self.echo, env, self.die_with_parent)
             self.services[-1].wait_ready(max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
