@@ -197,7 +197,7 @@ def test_prefill_graph_buckets_and_padding():
     assert g.bucket(ROW_BUCKETS[-1], 1) is None
     # Folded decodes: rows, but not sequences (the decode kernel takes them, up to the decode batch).
     assert g.bucket(450 + 180, 10, 180) == (640, 16)  # W1 c256: ~450 prefill rows beside 180 decodes
-    assert g.bucket(2048 + 256, 46, 256) is None  # more rows than the largest bucket: apart, as unfolded
+    assert g.bucket(2048 + 256, 46, 256) is None  # more rows than the largest bucket: eager
     assert g.bucket(100, 1, 257) is None  # more decodes than the pool holds
     real = [SequenceSpan(np.arange(100, 140), 30), SequenceSpan(np.arange(200, 215), 15)]
     padded = g._padding(real, 64, 4)

@@ -78,12 +78,21 @@ class VocoderConfig:
     switch_interval_ms: float = setting(0.5, "the interpreter's GIL switch interval in milliseconds", minimum=0)
     grace: float = setting(10.0, "seconds open calls get to finish on SIGINT/SIGTERM", minimum=0)
 
-    def validate(self) -> None:
-        if self.buckets is not None:
-            buckets = _int_list(self.buckets, "buckets")
-            if not buckets or max(buckets) < self.slots:
-                raise ConfigError(f"vocoder.buckets = {self.buckets!r}: the largest must be >= slots ({self.slots})")
-        if self.graph_frames is not None and self.graph_frames.strip().lower() not in ("", "none"):
-            if any(t > MAX_CHUNK_FRAMES for t in _int_list(self.graph_frames, "graph_frames")):
-                raise ConfigError(f"vocoder.graph_frames = {self.graph_frames!r}: at most {MAX_CHUNK_FRAMES} frames")
+    def bucket_sizes(self) -> list[int] | None:
+        """buckets as integers (None: the slot decoder's default)."""
+        return None if self.buckets is None else _int_list(self.buckets, "buckets")
 
+    def graphed_frames(self, first: int) -> list[int]:
+        """The step sizes that get graphs; first is the first chunk's size as the service uses it."""
+        if self.graph_frames is None:
+            return sorted({first, self.step_frames or self.chunk_frames})
+        if self.graph_frames.strip().lower() in ("", "none"):
+            return []
+        return sorted(set(_int_list(self.graph_frames, "graph_frames")))
+
+    def validate(self) -> None:
+        buckets = self.bucket_sizes()
+        if buckets is not None and (not buckets or max(buckets) < self.slots):
+            raise ConfigError(f"vocoder.buckets = {self.buckets!r}: the largest must be >= slots ({self.slots})")
+        if any(t > MAX_CHUNK_FRAMES for t in self.graphed_frames(1)):
+            raise ConfigError(f"vocoder.graph_frames = {self.graph_frames!r}: at most {MAX_CHUNK_FRAMES} frames")

@@ -12,7 +12,7 @@ from chorus.watchdog import stall_limit
 from vocoder_svc.codec import MossAudioTokenizer
 from vocoder_svc.codec_checkpoint import build_codec, load_codec
 from vocoder_svc.codec_config import full_v2, tiny_v2
-from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
+from vocoder_svc.config import VocoderConfig
 from vocoder_svc.selfcheck import check_slot_decoder, describe_slot_check
 from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
 
@@ -42,16 +42,6 @@ def resolve_engine(engine: str, device: str) -> str:
     return engine
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"{flag} {text!r}: expected comma-separated integers") from None
-    if any(v < 1 for v in values):
-        raise SystemExit(f"{flag} {text!r}: values must be >= 1")
-    return values
-
-
 def first_chunk(args: VocoderConfig) -> int:
     """The first chunk's frames as the service uses them: never above the steady chunk size."""
     return max(1, min(args.first_chunk_frames, args.chunk_frames))
@@ -65,25 +55,12 @@ def build_slot_decoder(codec: MossAudioTokenizer, args: VocoderConfig, log=print
     """The slots engine's SlotDecoder, ready to serve: every (bucket, T in --graph-frames) graph
     captured now (largest first, one progress line each), then the self-check of its byte-identity
     facts (also the warm-up), logged with a warning if the fused glue kernels fell back."""
-    if args.slots < 1:
-        raise SystemExit(f"--slots {args.slots}: must be >= 1")
     n_q = args.slot_codebooks
-    if not 1 <= n_q <= codec.num_codebooks:
+    if n_q > codec.num_codebooks:
         raise SystemExit(f"--slot-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
-    buckets = default_buckets(args.slots) if args.buckets is None else _int_list(args.buckets, "--buckets")
-    if not buckets or max(buckets) < args.slots:
-        raise SystemExit(f"--buckets {args.buckets}: the largest bucket must be >= --slots ({args.slots})")
+    buckets = args.bucket_sizes() or default_buckets(args.slots)
     first = first_chunk(args)
-    if args.step_frames < 0:
-        raise SystemExit(f"--step-frames {args.step_frames}: must be >= 0")
-    if args.graph_frames is None:
-        frames = sorted({first, args.step_frames or args.chunk_frames})
-    elif args.graph_frames.strip().lower() in ("", "none"):
-        frames = []
-    else:
-        frames = sorted(set(_int_list(args.graph_frames, "--graph-frames")))
-    if any(t > MAX_CHUNK_FRAMES for t in frames):
-        raise SystemExit(f"--graph-frames: at most {MAX_CHUNK_FRAMES} frames")
+    frames = args.graphed_frames(first)
     graphs = {"auto": None, "off": False, "emulate": "emulate"}[args.graphs] if frames else False
     slot_decoder = SlotDecoder(codec, slots=args.slots, n_q=n_q, buckets=buckets, graphs=graphs, graph_frames=frames,
                            priority_frames=[first] if args.priority_first_chunks else [])
