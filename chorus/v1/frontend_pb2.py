@@ -26,7 +26,7 @@ from chorus.v1 import common_pb2 as chorus_dot_v1_dot_common__pb2
 from chorus.v1 import worker_pb2 as chorus_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63horus/v1/frontend.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\x1a\x16\x63horus/v1/worker.proto\"\x12\n\x10\x43oreHelloRequest\"R\n\tCoreHello\x12 \n\x06worker\x18\x01 \x01(\x0b\x32\x10.chorus.v1.Hello\x12\x10\n\x08kv_pages\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"\x84\x01\n\x06Submit\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12)\n\x0bprompt_rows\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.chorus.v1.SamplingConfig\x12\x12\n\nmax_frames\x18\x04 \x01(\x05\"S\n\tSubmitted\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\nqueue_full\x18\x03 \x01(\t\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\"w\n\x08\x46inished\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x05\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x06 \x01(\x05\"w\n\x08Progress\x12\x0f\n\x07tickets\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\x05\x12\"\n\x04rows\x18\x03 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12%\n\x08\x66inished\x18\x04 \x03(\x0b\x32\x13.chorus.v1.Finished\"h\n\x0bStoredVoice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x05\"\x1e\n\nVoiceQuery\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"3\n\tVoiceList\x12&\n\x06voices\x18\x01 \x03(\x0b\x32\x16.chorus.v1.StoredVoice\"<\n\nCallReport\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\x0e\n\x06ttfa_s\x18\x02 \x01(\x01\x12\x0f\n\x07outcome\x18\x03 \x01(\t\"\xfc\x02\n\x0f\x46rontendMessage\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12,\n\x05hello\x18\x02 \x01(\x0b\x32\x1b.chorus.v1.CoreHelloRequestH\x00\x12#\n\x06submit\x18\x03 \x01(\x0b\x32\x11.chorus.v1.SubmitH\x00\x12!\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x10.chorus.v1.AbortH\x00\x12+\n\tput_voice\x18\x05 \x01(\x0b\x32\x16.chorus.v1.StoredVoiceH\x00\x12*\n\tget_voice\x18\x06 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12-\n\x0c\x64\x65lete_voice\x18\x07 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12,\n\x0blist_voices\x18\x08 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12\'\n\x06report\x18\t \x01(\x0b\x32\x15.chorus.v1.CallReportH\x00\x42\x06\n\x04kind\"\xc6\x01\n\x0b\x43oreMessage\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12%\n\x05hello\x18\x02 \x01(\x0b\x32\x14.chorus.v1.CoreHelloH\x00\x12)\n\tsubmitted\x18\x03 \x01(\x0b\x32\x14.chorus.v1.SubmittedH\x00\x12\'\n\x08progress\x18\x04 \x01(\x0b\x32\x13.chorus.v1.ProgressH\x00\x12&\n\x06voices\x18\x05 \x01(\x0b\x32\x14.chorus.v1.VoiceListH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63horus/v1/frontend.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\x1a\x16\x63horus/v1/worker.proto\"\x12\n\x10\x43oreHelloRequest\"\x93\x01\n\tCoreHello\x12 \n\x06worker\x18\x01 \x01(\x0b\x32\x10.chorus.v1.Hello\x12(\n\x0e\x63\x61nvas_workers\x18\x04 \x03(\x0b\x32\x10.chorus.v1.Hello\x12\x15\n\rdefault_model\x18\x05 \x01(\t\x12\x10\n\x08kv_pages\x18\x02 \x01(\x05\x12\x11\n\tpage_size\x18\x03 \x01(\x05\"\x84\x01\n\x06Submit\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12)\n\x0bprompt_rows\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.chorus.v1.SamplingConfig\x12\x12\n\nmax_frames\x18\x04 \x01(\x05\"U\n\x0c\x43\x61nvasSubmit\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x06\x63\x61nvas\x18\x03 \x01(\x0b\x32\x16.chorus.v1.CanvasStart\"w\n\nCanvasDone\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x13\n\x0bgenerate_ms\x18\x05 \x01(\x01\"S\n\tSubmitted\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x12\n\nqueue_full\x18\x03 \x01(\t\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\"w\n\x08\x46inished\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x05\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x06 \x01(\x05\"w\n\x08Progress\x12\x0f\n\x07tickets\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\x05\x12\"\n\x04rows\x18\x03 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12%\n\x08\x66inished\x18\x04 \x03(\x0b\x32\x13.chorus.v1.Finished\"\x84\x01\n\x0bStoredVoice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0b\n\x03rms\x18\x06 \x01(\x02\"\x1e\n\nVoiceQuery\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"3\n\tVoiceList\x12&\n\x06voices\x18\x01 \x03(\x0b\x32\x16.chorus.v1.StoredVoice\"<\n\nCallReport\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\x0e\n\x06ttfa_s\x18\x02 \x01(\x01\x12\x0f\n\x07outcome\x18\x03 \x01(\t\"\xae\x03\n\x0f\x46rontendMessage\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12,\n\x05hello\x18\x02 \x01(\x0b\x32\x1b.chorus.v1.CoreHelloRequestH\x00\x12#\n\x06submit\x18\x03 \x01(\x0b\x32\x11.chorus.v1.SubmitH\x00\x12!\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x10.chorus.v1.AbortH\x00\x12+\n\tput_voice\x18\x05 \x01(\x0b\x32\x16.chorus.v1.StoredVoiceH\x00\x12*\n\tget_voice\x18\x06 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12-\n\x0c\x64\x65lete_voice\x18\x07 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12,\n\x0blist_voices\x18\x08 \x01(\x0b\x32\x15.chorus.v1.VoiceQueryH\x00\x12\'\n\x06report\x18\t \x01(\x0b\x32\x15.chorus.v1.CallReportH\x00\x12\x30\n\rcanvas_submit\x18\n \x01(\x0b\x32\x17.chorus.v1.CanvasSubmitH\x00\x42\x06\n\x04kind\"\xf4\x01\n\x0b\x43oreMessage\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12%\n\x05hello\x18\x02 \x01(\x0b\x32\x14.chorus.v1.CoreHelloH\x00\x12)\n\tsubmitted\x18\x03 \x01(\x0b\x32\x14.chorus.v1.SubmittedH\x00\x12\'\n\x08progress\x18\x04 \x01(\x0b\x32\x13.chorus.v1.ProgressH\x00\x12&\n\x06voices\x18\x05 \x01(\x0b\x32\x14.chorus.v1.VoiceListH\x00\x12,\n\x0b\x63\x61nvas_done\x18\x06 \x01(\x0b\x32\x15.chorus.v1.CanvasDoneH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COREHELLOREQUEST']._serialized_start=87
   _globals['_COREHELLOREQUEST']._serialized_end=105
-  _globals['_COREHELLO']._serialized_start=107
-  _globals['_COREHELLO']._serialized_end=189
-  _globals['_SUBMIT']._serialized_start=192
-  _globals['_SUBMIT']._serialized_end=324
-  _globals['_SUBMITTED']._serialized_start=326
-  _globals['_SUBMITTED']._serialized_end=409
-  _globals['_ABORT']._serialized_start=411
-  _globals['_ABORT']._serialized_end=434
-  _globals['_FINISHED']._serialized_start=436
-  _globals['_FINISHED']._serialized_end=555
-  _globals['_PROGRESS']._serialized_start=557
-  _globals['_PROGRESS']._serialized_end=676
-  _globals['_STOREDVOICE']._serialized_start=678
-  _globals['_STOREDVOICE']._serialized_end=782
-  _globals['_VOICEQUERY']._serialized_start=784
-  _globals['_VOICEQUERY']._serialized_end=814
-  _globals['_VOICELIST']._serialized_start=816
-  _globals['_VOICELIST']._serialized_end=867
-  _globals['_CALLREPORT']._serialized_start=869
-  _globals['_CALLREPORT']._serialized_end=929
-  _globals['_FRONTENDMESSAGE']._serialized_start=932
-  _globals['_FRONTENDMESSAGE']._serialized_end=1312
-  _globals['_COREMESSAGE']._serialized_start=1315
-  _globals['_COREMESSAGE']._serialized_end=1513
+  _globals['_COREHELLO']._serialized_start=108
+  _globals['_COREHELLO']._serialized_end=255
+  _globals['_SUBMIT']._serialized_start=258
+  _globals['_SUBMIT']._serialized_end=390
+  _globals['_CANVASSUBMIT']._serialized_start=392
+  _globals['_CANVASSUBMIT']._serialized_end=477
+  _globals['_CANVASDONE']._serialized_start=479
+  _globals['_CANVASDONE']._serialized_end=598
+  _globals['_SUBMITTED']._serialized_start=600
+  _globals['_SUBMITTED']._serialized_end=683
+  _globals['_ABORT']._serialized_start=685
+  _globals['_ABORT']._serialized_end=708
+  _globals['_FINISHED']._serialized_start=710
+  _globals['_FINISHED']._serialized_end=829
+  _globals['_PROGRESS']._serialized_start=831
+  _globals['_PROGRESS']._serialized_end=950
+  _globals['_STOREDVOICE']._serialized_start=953
+  _globals['_STOREDVOICE']._serialized_end=1085
+  _globals['_VOICEQUERY']._serialized_start=1087
+  _globals['_VOICEQUERY']._serialized_end=1117
+  _globals['_VOICELIST']._serialized_start=1119
+  _globals['_VOICELIST']._serialized_end=1170
+  _globals['_CALLREPORT']._serialized_start=1172
+  _globals['_CALLREPORT']._serialized_end=1232
+  _globals['_FRONTENDMESSAGE']._serialized_start=1235
+  _globals['_FRONTENDMESSAGE']._serialized_end=1665
+  _globals['_COREMESSAGE']._serialized_start=1668
+  _globals['_COREMESSAGE']._serialized_end=1912
 # @@protoc_insertion_point(module_scope)

@@ -13,14 +13,18 @@ class CoreHelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CoreHello(_message.Message):
-    __slots__ = ("worker", "kv_pages", "page_size")
+    __slots__ = ("worker", "canvas_workers", "default_model", "kv_pages", "page_size")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker: _worker_pb2.Hello
+    canvas_workers: _containers.RepeatedCompositeFieldContainer[_worker_pb2.Hello]
+    default_model: str
     kv_pages: int
     page_size: int
-    def __init__(self, worker: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker: _Optional[_Union[_worker_pb2.Hello, _Mapping]] = ..., canvas_workers: _Optional[_Iterable[_Union[_worker_pb2.Hello, _Mapping]]] = ..., default_model: _Optional[str] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class Submit(_message.Message):
     __slots__ = ("ticket", "prompt_rows", "sampling", "max_frames")
@@ -33,6 +37,30 @@ class Submit(_message.Message):
     sampling: _worker_pb2.SamplingConfig
     max_frames: int
     def __init__(self, ticket: _Optional[int] = ..., prompt_rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingConfig, _Mapping]] = ..., max_frames: _Optional[int] = ...) -> None: ...
+
+class CanvasSubmit(_message.Message):
+    __slots__ = ("ticket", "model", "canvas")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    model: str
+    canvas: _worker_pb2.CanvasStart
+    def __init__(self, ticket: _Optional[int] = ..., model: _Optional[str] = ..., canvas: _Optional[_Union[_worker_pb2.CanvasStart, _Mapping]] = ...) -> None: ...
+
+class CanvasDone(_message.Message):
+    __slots__ = ("ticket", "codes", "error", "queue_ms", "generate_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    codes: _common_pb2.IntMatrix
+    error: str
+    queue_ms: float
+    generate_ms: float
+    def __init__(self, ticket: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., error: _Optional[str] = ..., queue_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
 
 class Submitted(_message.Message):
     __slots__ = ("ticket", "request_id", "queue_full", "loaded")
@@ -81,16 +109,20 @@ class Progress(_message.Message):
     def __init__(self, tickets: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ...) -> None: ...
 
 class StoredVoice(_message.Message):
-    __slots__ = ("voice_id", "codes", "transcript", "frames")
+    __slots__ = ("voice_id", "codes", "transcript", "frames", "model", "rms")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RMS_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     codes: _common_pb2.IntMatrix
     transcript: str
     frames: int
-    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
+    model: str
+    rms: float
+    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ...) -> None: ...
 
 class VoiceQuery(_message.Message):
     __slots__ = ("voice_id",)
@@ -115,7 +147,7 @@ class CallReport(_message.Message):
     def __init__(self, event: _Optional[str] = ..., ttfa_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
-    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report")
+    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report", "canvas_submit")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +157,7 @@ class FrontendMessage(_message.Message):
     DELETE_VOICE_FIELD_NUMBER: _ClassVar[int]
     LIST_VOICES_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_SUBMIT_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHelloRequest
     submit: Submit
@@ -134,18 +167,21 @@ class FrontendMessage(_message.Message):
     delete_voice: VoiceQuery
     list_voices: VoiceQuery
     report: CallReport
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ...) -> None: ...
+    canvas_submit: CanvasSubmit
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ..., canvas_submit: _Optional[_Union[CanvasSubmit, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
-    __slots__ = ("call", "hello", "submitted", "progress", "voices")
+    __slots__ = ("call", "hello", "submitted", "progress", "voices", "canvas_done")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     VOICES_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_DONE_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHello
     submitted: Submitted
     progress: Progress
     voices: VoiceList
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ...) -> None: ...
+    canvas_done: CanvasDone
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ..., canvas_done: _Optional[_Union[CanvasDone, _Mapping]] = ...) -> None: ...

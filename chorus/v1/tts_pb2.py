@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from chorus.v1 import common_pb2 as chorus_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63horus/v1/tts.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x90\x01\n\x0eVoiceReference\x12%\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioDataH\x00\x12%\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12\x12\n\ntranscript\x18\x04 \x01(\tB\x08\n\x06source\"\x9c\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10text_temperature\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\ntext_top_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\ntext_top_k\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x61udio_temperature\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x18\n\x0b\x61udio_top_p\x18\n \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0b\x61udio_top_k\x18\x0b \x01(\x05H\n\x88\x01\x01\x12%\n\x18\x61udio_repetition_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_text_temperatureB\r\n\x0b_text_top_pB\r\n\x0b_text_top_kB\x14\n\x12_audio_temperatureB\x0e\n\x0c_audio_top_pB\x0e\n\x0c_audio_top_kB\x1b\n\x19_audio_repetition_penalty\"C\n\x0fStreamingPolicy\x12\x1a\n\x12\x66irst_chunk_frames\x18\x01 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\"\xee\x03\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x14\n\x0cinstructions\x18\x04 \x01(\t\x12-\n\nreferences\x18\x05 \x03(\x0b\x32\x19.chorus.v1.VoiceReference\x12/\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x19.chorus.v1.VoiceReference\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.chorus.v1.SamplingParams\x12\x12\n\nmax_frames\x18\x08 \x01(\x05\x12\x12\n\nmin_frames\x18\t \x01(\x05\x12\x17\n\x0f\x64uration_frames\x18\n \x01(\x05\x12\'\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x13\n\x0bsample_rate\x18\x0c \x01(\x05\x12-\n\tstreaming\x18\r \x01(\x0b\x32\x1a.chorus.v1.StreamingPolicy\x12\x14\n\x0creturn_codes\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x10 \x01(\x02\x12\x15\n\rauto_duration\x18\x11 \x01(\x08\"\x9c\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\'\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x19\n\x11samples_per_frame\x18\x06 \x01(\x05\"E\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66irst_sample\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\"F\n\nCodesChunk\x12\x13\n\x0b\x66irst_frame\x18\x01 \x01(\x05\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\"\xbe\x02\n\x10SynthesisSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.chorus.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_audio_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x13\n\x0bprompt_rows\x18\x07 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x08 \x01(\x05\x12\x16\n\x0e\x66irst_frame_ms\x18\t \x01(\x01\x12\x1d\n\x15\x66irst_chunk_frames_ms\x18\n \x01(\x01\x12\x15\n\rlast_frame_ms\x18\x0b \x01(\x01\x12\x18\n\x10max_audio_lag_ms\x18\x0c \x01(\x01\"\xc7\x01\n\x12SynthesizeResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.chorus.v1.StreamHeaderH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.chorus.v1.AudioChunkH\x00\x12&\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x15.chorus.v1.CodesChunkH\x00\x12.\n\x07summary\x18\x04 \x01(\x0b\x32\x1b.chorus.v1.SynthesisSummaryH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x11\n\tcodebooks\x18\x06 \x01(\x05\x12\x12\n\nmax_frames\x18\x07 \x01(\x05\x12\x12\n\nis_default\x18\x08 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.chorus.v1.ModelInfo\"_\n\x12\x43reateVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x12\n\ntranscript\x18\x03 \x01(\t\"=\n\x05Voice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x12\n\ntranscript\x18\x03 \x01(\t\"\x13\n\x11ListVoicesRequest\"6\n\x12ListVoicesResponse\x12 \n\x06voices\x18\x01 \x03(\x0b\x32\x10.chorus.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*N\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x07\n\x03WAV\x10\x03*G\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0e\n\nMAX_FRAMES\x10\x02\x32\xff\x02\n\x0cTextToSpeech\x12K\n\nSynthesize\x12\x1c.chorus.v1.SynthesizeRequest\x1a\x1d.chorus.v1.SynthesizeResponse0\x01\x12I\n\nListModels\x12\x1c.chorus.v1.ListModelsRequest\x1a\x1d.chorus.v1.ListModelsResponse\x12>\n\x0b\x43reateVoice\x12\x1d.chorus.v1.CreateVoiceRequest\x1a\x10.chorus.v1.Voice\x12I\n\nListVoices\x12\x1c.chorus.v1.ListVoicesRequest\x1a\x1d.chorus.v1.ListVoicesResponse\x12L\n\x0b\x44\x65leteVoice\x12\x1d.chorus.v1.DeleteVoiceRequest\x1a\x1e.chorus.v1.DeleteVoiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63horus/v1/tts.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x90\x01\n\x0eVoiceReference\x12%\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioDataH\x00\x12%\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12\x12\n\ntranscript\x18\x04 \x01(\tB\x08\n\x06source\"\x9c\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10text_temperature\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\ntext_top_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\ntext_top_k\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x61udio_temperature\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x18\n\x0b\x61udio_top_p\x18\n \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0b\x61udio_top_k\x18\x0b \x01(\x05H\n\x88\x01\x01\x12%\n\x18\x61udio_repetition_penalty\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_text_temperatureB\r\n\x0b_text_top_pB\r\n\x0b_text_top_kB\x14\n\x12_audio_temperatureB\x0e\n\x0c_audio_top_pB\x0e\n\x0c_audio_top_kB\x1b\n\x19_audio_repetition_penalty\"C\n\x0fStreamingPolicy\x12\x1a\n\x12\x66irst_chunk_frames\x18\x01 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\"\x9d\x04\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x14\n\x0cinstructions\x18\x04 \x01(\t\x12-\n\nreferences\x18\x05 \x03(\x0b\x32\x19.chorus.v1.VoiceReference\x12/\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x19.chorus.v1.VoiceReference\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.chorus.v1.SamplingParams\x12\x12\n\nmax_frames\x18\x08 \x01(\x05\x12\x12\n\nmin_frames\x18\t \x01(\x05\x12\x17\n\x0f\x64uration_frames\x18\n \x01(\x05\x12\'\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x13\n\x0bsample_rate\x18\x0c \x01(\x05\x12-\n\tstreaming\x18\r \x01(\x0b\x32\x1a.chorus.v1.StreamingPolicy\x12\x14\n\x0creturn_codes\x18\x0e \x01(\x08\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x10 \x01(\x02\x12\x15\n\rauto_duration\x18\x11 \x01(\x08\x12-\n\tomnivoice\x18\x12 \x01(\x0b\x32\x1a.chorus.v1.OmniVoiceParams\"\x9f\x03\n\x0fOmniVoiceParams\x12\x15\n\x08num_step\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07t_shift\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12!\n\x14layer_penalty_factor\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12!\n\x14position_temperature\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x63lass_temperature\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x12\n\x05speed\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x14\n\x07\x64\x65noise\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x18\n\x0bpostprocess\x18\t \x01(\x08H\x08\x88\x01\x01\x42\x0b\n\t_num_stepB\x11\n\x0f_guidance_scaleB\n\n\x08_t_shiftB\x17\n\x15_layer_penalty_factorB\x17\n\x15_position_temperatureB\x14\n\x12_class_temperatureB\x08\n\x06_speedB\n\n\x08_denoiseB\x0e\n\x0c_postprocess\"\x9c\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\'\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x17.chorus.v1.OutputFormat\x12\x19\n\x11samples_per_frame\x18\x06 \x01(\x05\"E\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x14\n\x0c\x66irst_sample\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\"F\n\nCodesChunk\x12\x13\n\x0b\x66irst_frame\x18\x01 \x01(\x05\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\"\xbe\x02\n\x10SynthesisSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.chorus.v1.FinishReason\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x66irst_audio_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x13\n\x0bprompt_rows\x18\x07 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_prompt_rows\x18\x08 \x01(\x05\x12\x16\n\x0e\x66irst_frame_ms\x18\t \x01(\x01\x12\x1d\n\x15\x66irst_chunk_frames_ms\x18\n \x01(\x01\x12\x15\n\rlast_frame_ms\x18\x0b \x01(\x01\x12\x18\n\x10max_audio_lag_ms\x18\x0c \x01(\x01\"\xc7\x01\n\x12SynthesizeResponse\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.chorus.v1.StreamHeaderH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.chorus.v1.AudioChunkH\x00\x12&\n\x05\x63odes\x18\x03 \x01(\x0b\x32\x15.chorus.v1.CodesChunkH\x00\x12.\n\x07summary\x18\x04 \x01(\x0b\x32\x1b.chorus.v1.SynthesisSummaryH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x11\n\tcodebooks\x18\x06 \x01(\x05\x12\x12\n\nmax_frames\x18\x07 \x01(\x05\x12\x12\n\nis_default\x18\x08 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.chorus.v1.ModelInfo\"n\n\x12\x43reateVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12#\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"L\n\x05Voice\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"\x13\n\x11ListVoicesRequest\"6\n\x12ListVoicesResponse\x12 \n\x06voices\x18\x01 \x03(\x0b\x32\x10.chorus.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*N\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x07\n\x03WAV\x10\x03*G\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\x0e\n\nMAX_FRAMES\x10\x02\x32\xff\x02\n\x0cTextToSpeech\x12K\n\nSynthesize\x12\x1c.chorus.v1.SynthesizeRequest\x1a\x1d.chorus.v1.SynthesizeResponse0\x01\x12I\n\nListModels\x12\x1c.chorus.v1.ListModelsRequest\x1a\x1d.chorus.v1.ListModelsResponse\x12>\n\x0b\x43reateVoice\x12\x1d.chorus.v1.CreateVoiceRequest\x1a\x10.chorus.v1.Voice\x12I\n\nListVoices\x12\x1c.chorus.v1.ListVoicesRequest\x1a\x1d.chorus.v1.ListVoicesResponse\x12L\n\x0b\x44\x65leteVoice\x12\x1d.chorus.v1.DeleteVoiceRequest\x1a\x1e.chorus.v1.DeleteVoiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chorus.v1.tts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTFORMAT']._serialized_start=2688
-  _globals['_OUTPUTFORMAT']._serialized_end=2766
-  _globals['_FINISHREASON']._serialized_start=2768
-  _globals['_FINISHREASON']._serialized_end=2839
+  _globals['_OUTPUTFORMAT']._serialized_start=3183
+  _globals['_OUTPUTFORMAT']._serialized_end=3261
+  _globals['_FINISHREASON']._serialized_start=3263
+  _globals['_FINISHREASON']._serialized_end=3334
   _globals['_VOICEREFERENCE']._serialized_start=59
   _globals['_VOICEREFERENCE']._serialized_end=203
   _globals['_SAMPLINGPARAMS']._serialized_start=206
@@ -43,35 +43,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMINGPOLICY']._serialized_start=748
   _globals['_STREAMINGPOLICY']._serialized_end=815
   _globals['_SYNTHESIZEREQUEST']._serialized_start=818
-  _globals['_SYNTHESIZEREQUEST']._serialized_end=1312
-  _globals['_STREAMHEADER']._serialized_start=1315
-  _globals['_STREAMHEADER']._serialized_end=1471
-  _globals['_AUDIOCHUNK']._serialized_start=1473
-  _globals['_AUDIOCHUNK']._serialized_end=1542
-  _globals['_CODESCHUNK']._serialized_start=1544
-  _globals['_CODESCHUNK']._serialized_end=1614
-  _globals['_SYNTHESISSUMMARY']._serialized_start=1617
-  _globals['_SYNTHESISSUMMARY']._serialized_end=1935
-  _globals['_SYNTHESIZERESPONSE']._serialized_start=1938
-  _globals['_SYNTHESIZERESPONSE']._serialized_end=2137
-  _globals['_LISTMODELSREQUEST']._serialized_start=2139
-  _globals['_LISTMODELSREQUEST']._serialized_end=2158
-  _globals['_MODELINFO']._serialized_start=2161
-  _globals['_MODELINFO']._serialized_end=2326
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2328
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2386
-  _globals['_CREATEVOICEREQUEST']._serialized_start=2388
-  _globals['_CREATEVOICEREQUEST']._serialized_end=2483
-  _globals['_VOICE']._serialized_start=2485
-  _globals['_VOICE']._serialized_end=2546
-  _globals['_LISTVOICESREQUEST']._serialized_start=2548
-  _globals['_LISTVOICESREQUEST']._serialized_end=2567
-  _globals['_LISTVOICESRESPONSE']._serialized_start=2569
-  _globals['_LISTVOICESRESPONSE']._serialized_end=2623
-  _globals['_DELETEVOICEREQUEST']._serialized_start=2625
-  _globals['_DELETEVOICEREQUEST']._serialized_end=2663
-  _globals['_DELETEVOICERESPONSE']._serialized_start=2665
-  _globals['_DELETEVOICERESPONSE']._serialized_end=2686
-  _globals['_TEXTTOSPEECH']._serialized_start=2842
-  _globals['_TEXTTOSPEECH']._serialized_end=3225
+  _globals['_SYNTHESIZEREQUEST']._serialized_end=1359
+  _globals['_OMNIVOICEPARAMS']._serialized_start=1362
+  _globals['_OMNIVOICEPARAMS']._serialized_end=1777
+  _globals['_STREAMHEADER']._serialized_start=1780
+  _globals['_STREAMHEADER']._serialized_end=1936
+  _globals['_AUDIOCHUNK']._serialized_start=1938
+  _globals['_AUDIOCHUNK']._serialized_end=2007
+  _globals['_CODESCHUNK']._serialized_start=2009
+  _globals['_CODESCHUNK']._serialized_end=2079
+  _globals['_SYNTHESISSUMMARY']._serialized_start=2082
+  _globals['_SYNTHESISSUMMARY']._serialized_end=2400
+  _globals['_SYNTHESIZERESPONSE']._serialized_start=2403
+  _globals['_SYNTHESIZERESPONSE']._serialized_end=2602
+  _globals['_LISTMODELSREQUEST']._serialized_start=2604
+  _globals['_LISTMODELSREQUEST']._serialized_end=2623
+  _globals['_MODELINFO']._serialized_start=2626
+  _globals['_MODELINFO']._serialized_end=2791
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2793
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2851
+  _globals['_CREATEVOICEREQUEST']._serialized_start=2853
+  _globals['_CREATEVOICEREQUEST']._serialized_end=2963
+  _globals['_VOICE']._serialized_start=2965
+  _globals['_VOICE']._serialized_end=3041
+  _globals['_LISTVOICESREQUEST']._serialized_start=3043
+  _globals['_LISTVOICESREQUEST']._serialized_end=3062
+  _globals['_LISTVOICESRESPONSE']._serialized_start=3064
+  _globals['_LISTVOICESRESPONSE']._serialized_end=3118
+  _globals['_DELETEVOICEREQUEST']._serialized_start=3120
+  _globals['_DELETEVOICEREQUEST']._serialized_end=3158
+  _globals['_DELETEVOICERESPONSE']._serialized_start=3160
+  _globals['_DELETEVOICERESPONSE']._serialized_end=3181
+  _globals['_TEXTTOSPEECH']._serialized_start=3337
+  _globals['_TEXTTOSPEECH']._serialized_end=3720
 # @@protoc_insertion_point(module_scope)

@@ -77,7 +77,7 @@ class StreamingPolicy(_message.Message):
     def __init__(self, first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ...) -> None: ...
 
 class SynthesizeRequest(_message.Message):
-    __slots__ = ("text", "model", "language", "instructions", "references", "continuation", "sampling", "max_frames", "min_frames", "duration_frames", "format", "sample_rate", "streaming", "return_codes", "request_id", "duration_seconds", "auto_duration")
+    __slots__ = ("text", "model", "language", "instructions", "references", "continuation", "sampling", "max_frames", "min_frames", "duration_frames", "format", "sample_rate", "streaming", "return_codes", "request_id", "duration_seconds", "auto_duration", "omnivoice")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class SynthesizeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AUTO_DURATION_FIELD_NUMBER: _ClassVar[int]
+    OMNIVOICE_FIELD_NUMBER: _ClassVar[int]
     text: str
     model: str
     language: str
@@ -112,7 +113,30 @@ class SynthesizeRequest(_message.Message):
     request_id: str
     duration_seconds: float
     auto_duration: bool
-    def __init__(self, text: _Optional[str] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., instructions: _Optional[str] = ..., references: _Optional[_Iterable[_Union[VoiceReference, _Mapping]]] = ..., continuation: _Optional[_Union[VoiceReference, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., duration_frames: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., sample_rate: _Optional[int] = ..., streaming: _Optional[_Union[StreamingPolicy, _Mapping]] = ..., return_codes: _Optional[bool] = ..., request_id: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., auto_duration: _Optional[bool] = ...) -> None: ...
+    omnivoice: OmniVoiceParams
+    def __init__(self, text: _Optional[str] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., instructions: _Optional[str] = ..., references: _Optional[_Iterable[_Union[VoiceReference, _Mapping]]] = ..., continuation: _Optional[_Union[VoiceReference, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., duration_frames: _Optional[int] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., sample_rate: _Optional[int] = ..., streaming: _Optional[_Union[StreamingPolicy, _Mapping]] = ..., return_codes: _Optional[bool] = ..., request_id: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., auto_duration: _Optional[bool] = ..., omnivoice: _Optional[_Union[OmniVoiceParams, _Mapping]] = ...) -> None: ...
+
+class OmniVoiceParams(_message.Message):
+    __slots__ = ("num_step", "guidance_scale", "t_shift", "layer_penalty_factor", "position_temperature", "class_temperature", "speed", "denoise", "postprocess")
+    NUM_STEP_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    T_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PENALTY_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    POSITION_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CLASS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
+    DENOISE_FIELD_NUMBER: _ClassVar[int]
+    POSTPROCESS_FIELD_NUMBER: _ClassVar[int]
+    num_step: int
+    guidance_scale: float
+    t_shift: float
+    layer_penalty_factor: float
+    position_temperature: float
+    class_temperature: float
+    speed: float
+    denoise: bool
+    postprocess: bool
+    def __init__(self, num_step: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., t_shift: _Optional[float] = ..., layer_penalty_factor: _Optional[float] = ..., position_temperature: _Optional[float] = ..., class_temperature: _Optional[float] = ..., speed: _Optional[float] = ..., denoise: _Optional[bool] = ..., postprocess: _Optional[bool] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
     __slots__ = ("request_id", "model", "sample_rate", "channels", "format", "samples_per_frame")
@@ -219,24 +243,28 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CreateVoiceRequest(_message.Message):
-    __slots__ = ("voice_id", "audio", "transcript")
+    __slots__ = ("voice_id", "audio", "transcript", "model")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     audio: _common_pb2.AudioData
     transcript: str
-    def __init__(self, voice_id: _Optional[str] = ..., audio: _Optional[_Union[_common_pb2.AudioData, _Mapping]] = ..., transcript: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, voice_id: _Optional[str] = ..., audio: _Optional[_Union[_common_pb2.AudioData, _Mapping]] = ..., transcript: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("voice_id", "frames", "transcript")
+    __slots__ = ("voice_id", "frames", "transcript", "model")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     frames: int
     transcript: str
-    def __init__(self, voice_id: _Optional[str] = ..., frames: _Optional[int] = ..., transcript: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, voice_id: _Optional[str] = ..., frames: _Optional[int] = ..., transcript: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListVoicesRequest(_message.Message):
     __slots__ = ()

@@ -64,12 +64,40 @@ class EncodeRequest(_message.Message):
     def __init__(self, audio: _Optional[_Union[_common_pb2.AudioData, _Mapping]] = ..., codebooks: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("codes", "cache_hit")
+    __slots__ = ("codes", "cache_hit", "rms")
     CODES_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    RMS_FIELD_NUMBER: _ClassVar[int]
     codes: _common_pb2.IntMatrix
     cache_hit: bool
-    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    rms: float
+    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., rms: _Optional[float] = ...) -> None: ...
+
+class DecodeClipRequest(_message.Message):
+    __slots__ = ("codes", "pcm_encoding", "postprocess", "reference_rms", "fade_seconds", "pad_seconds")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    PCM_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    POSTPROCESS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_RMS_FIELD_NUMBER: _ClassVar[int]
+    FADE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    codes: _common_pb2.IntMatrix
+    pcm_encoding: PcmEncoding
+    postprocess: bool
+    reference_rms: float
+    fade_seconds: float
+    pad_seconds: float
+    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ..., postprocess: _Optional[bool] = ..., reference_rms: _Optional[float] = ..., fade_seconds: _Optional[float] = ..., pad_seconds: _Optional[float] = ...) -> None: ...
+
+class DecodeClipResponse(_message.Message):
+    __slots__ = ("pcm", "num_samples", "pcm_encoding")
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PCM_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    pcm: bytes
+    num_samples: int
+    pcm_encoding: PcmEncoding
+    def __init__(self, pcm: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ...) -> None: ...
 
 class VocoderInfoRequest(_message.Message):
     __slots__ = ()

@@ -50,6 +50,11 @@ class VocoderStub:
                 request_serializer=chorus_dot_v1_dot_vocoder__pb2.VocoderInfoRequest.SerializeToString,
                 response_deserializer=chorus_dot_v1_dot_vocoder__pb2.VocoderInfo.FromString,
                 _registered_method=True)
+        self.DecodeClip = channel.unary_unary(
+                '/chorus.v1.Vocoder/DecodeClip',
+                request_serializer=chorus_dot_v1_dot_vocoder__pb2.DecodeClipRequest.SerializeToString,
+                response_deserializer=chorus_dot_v1_dot_vocoder__pb2.DecodeClipResponse.FromString,
+                _registered_method=True)
 
 
 class VocoderServicer:
@@ -76,6 +81,14 @@ class VocoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeClip(self, request, context):
+        """Whole-clip decode (OmniVoice's codec): one finished canvas in, its PCM out,
+        post-processed as asked. Calls that arrive together are decoded in one batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VocoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_VocoderServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=chorus_dot_v1_dot_vocoder__pb2.VocoderInfoRequest.FromString,
                     response_serializer=chorus_dot_v1_dot_vocoder__pb2.VocoderInfo.SerializeToString,
+            ),
+            'DecodeClip': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeClip,
+                    request_deserializer=chorus_dot_v1_dot_vocoder__pb2.DecodeClipRequest.FromString,
+                    response_serializer=chorus_dot_v1_dot_vocoder__pb2.DecodeClipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +195,33 @@ class Vocoder:
             '/chorus.v1.Vocoder/Info',
             chorus_dot_v1_dot_vocoder__pb2.VocoderInfoRequest.SerializeToString,
             chorus_dot_v1_dot_vocoder__pb2.VocoderInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeClip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chorus.v1.Vocoder/DecodeClip',
+            chorus_dot_v1_dot_vocoder__pb2.DecodeClipRequest.SerializeToString,
+            chorus_dot_v1_dot_vocoder__pb2.DecodeClipResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,19 +60,75 @@ class DecodeItem(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., kv_slot: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "release", "prefill", "decode")
+    __slots__ = ("step_id", "release", "prefill", "decode", "canvas_start", "canvas_step")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_START_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_STEP_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillItem]
     decode: _containers.RepeatedCompositeFieldContainer[DecodeItem]
-    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
+    canvas_start: _containers.RepeatedCompositeFieldContainer[CanvasStart]
+    canvas_step: _containers.RepeatedCompositeFieldContainer[CanvasStep]
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., decode: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., canvas_start: _Optional[_Iterable[_Union[CanvasStart, _Mapping]]] = ..., canvas_step: _Optional[_Iterable[_Union[CanvasStep, _Mapping]]] = ...) -> None: ...
+
+class UnmaskKnobs(_message.Message):
+    __slots__ = ("num_step", "guidance_scale", "t_shift", "layer_penalty_factor", "position_temperature", "class_temperature")
+    NUM_STEP_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    T_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PENALTY_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    POSITION_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CLASS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    num_step: int
+    guidance_scale: float
+    t_shift: float
+    layer_penalty_factor: float
+    position_temperature: float
+    class_temperature: float
+    def __init__(self, num_step: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., t_shift: _Optional[float] = ..., layer_penalty_factor: _Optional[float] = ..., position_temperature: _Optional[float] = ..., class_temperature: _Optional[float] = ...) -> None: ...
+
+class CanvasStart(_message.Message):
+    __slots__ = ("request_id", "text_ids", "reference_codes", "target_frames", "knobs", "seed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_CODES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    KNOBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    text_ids: _containers.RepeatedScalarFieldContainer[int]
+    reference_codes: _common_pb2.IntMatrix
+    target_frames: int
+    knobs: UnmaskKnobs
+    seed: int
+    def __init__(self, request_id: _Optional[int] = ..., text_ids: _Optional[_Iterable[int]] = ..., reference_codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., target_frames: _Optional[int] = ..., knobs: _Optional[_Union[UnmaskKnobs, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CanvasStep(_message.Message):
+    __slots__ = ("request_id", "step")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    step: int
+    def __init__(self, request_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CanvasResult(_message.Message):
+    __slots__ = ("request_id", "step", "finished", "codes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    step: int
+    finished: bool
+    codes: _common_pb2.IntMatrix
+    def __init__(self, request_id: _Optional[int] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ...) -> None: ...
 
 class Journal(_message.Message):
-    __slots__ = ("step_id", "request_ids", "rows", "stopped", "generation_steps", "skipped", "step_ms", "error", "incarnation")
+    __slots__ = ("step_id", "request_ids", "rows", "stopped", "generation_steps", "skipped", "step_ms", "error", "incarnation", "canvases")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +138,7 @@ class Journal(_message.Message):
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CANVASES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[int]
     rows: _common_pb2.IntMatrix
@@ -91,14 +148,15 @@ class Journal(_message.Message):
     step_ms: float
     error: str
     incarnation: int
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., stopped: _Optional[_Iterable[bool]] = ..., generation_steps: _Optional[_Iterable[int]] = ..., skipped: _Optional[_Iterable[int]] = ..., step_ms: _Optional[float] = ..., error: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    canvases: _containers.RepeatedCompositeFieldContainer[CanvasResult]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., stopped: _Optional[_Iterable[bool]] = ..., generation_steps: _Optional[_Iterable[int]] = ..., skipped: _Optional[_Iterable[int]] = ..., step_ms: _Optional[float] = ..., error: _Optional[str] = ..., incarnation: _Optional[int] = ..., canvases: _Optional[_Iterable[_Union[CanvasResult, _Mapping]]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size", "incarnation")
+    __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size", "incarnation", "max_packed_rows")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +168,7 @@ class Hello(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PACKED_ROWS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     model_config_json: str
@@ -121,7 +180,8 @@ class Hello(_message.Message):
     pid: int
     page_size: int
     incarnation: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ..., page_size: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    max_packed_rows: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., kv_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., pid: _Optional[int] = ..., page_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., max_packed_rows: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("active_requests", "steps", "prefill_rows", "decode_rows")
