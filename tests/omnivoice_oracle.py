@@ -38,3 +38,20 @@ def omnivoice():
     pytest.importorskip("pydub")
     _stand_in_torchaudio()
     return pytest.importorskip("omnivoice")
+
+
+class PackageTokenizer:
+    """Our tokenizer in the calling convention the package uses on a Hugging Face tokenizer
+    (`tok(text, add_special_tokens=False).input_ids`, `return_tensors="pt"`), so the package's
+    prompt code runs over exactly the ids ours sees."""
+
+    def __init__(self, tokenizer=None):
+        from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
+
+        self.tokenizer = tokenizer or load_omnivoice_tokenizer(None)
+
+    def __call__(self, text, add_special_tokens=True, return_tensors=None):
+        import torch
+
+        ids = self.tokenizer.encode(text)
+        return types.SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
