@@ -63,7 +63,18 @@ class SchedulerConfig:
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
     frontends: int = setting(1, "frontend processes serving the gRPC port", minimum=1)
     drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
+    omnivoice_worker: list[str] = setting([], "ZeroMQ endpoint of an OmniVoice gpu_worker; repeat the flag for "
+                                          "several (none: OmniVoice is not served)", metavar="ENDPOINT")
+    omnivoice_vocoder: list[str] = setting([], "an OmniVoice codec (Higgs-Audio-v2) vocoder replica's address; repeat "
+                                           "the flag for several", metavar="HOST:PORT")
+    omnivoice_tokenizer: str | None = setting(None, "directory with the OmniVoice checkpoint's tokenizer files; unset: "
+                                              "the bundled Qwen BPE", metavar="DIR")
+    default_model: str = setting("", "model of requests that name none: a served model's name or architecture "
+                                 "(empty: the MOSS model)", metavar="NAME")
 
     def validate(self) -> None:
         if not self.vocoder:
             raise ConfigError("scheduler.vocoder is empty: give at least one vocoder address")
+        if self.omnivoice_worker and not self.omnivoice_vocoder:
+            raise ConfigError("scheduler.omnivoice_worker is set but scheduler.omnivoice_vocoder is empty: give the "
+                              "address of at least one OmniVoice codec vocoder")

@@ -32,6 +32,12 @@ class UnmaskKnobs:
         return cls(**{f.name: getattr(m, f.name) for f in fields(cls)})
 
 
+def packed_rows(prefix_rows: int, target_frames: int, guidance_scale: float) -> int:
+    """Rows one request adds to a packed step: the cond document (prefix + target), plus the
+    uncond document (the target alone) when guidance is on."""
+    return prefix_rows + target_frames + (target_frames if guidance_scale != 0 else 0)
+
+
 # name -> (low, high, low inclusive, high inclusive): the accepted range of each public knob.
 RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "num_step": (1, MAX_NUM_STEP, True, True),

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from chorus.v1 import common_pb2 as chorus_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63horus/v1/vocoder.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x93\x01\n\x0b\x44\x65\x63odeStart\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x1a\n\x12\x66irst_chunk_frames\x18\x02 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x03 \x01(\x05\x12\x11\n\tcodebooks\x18\x04 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x05 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"w\n\rDecodeRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.chorus.v1.DecodeStartH\x00\x12&\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\r\n\x03\x65nd\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\x9b\x01\n\x0e\x44\x65\x63odeResponse\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x0b\n\x03pcm\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x05 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x06 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"G\n\rEncodeRequest\x12#\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x11\n\tcodebooks\x18\x02 \x01(\x05\"U\n\x0e\x45ncodeResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x0b\n\x03rms\x18\x03 \x01(\x02\"\xbd\x01\n\x11\x44\x65\x63odeClipRequest\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12,\n\x0cpcm_encoding\x18\x02 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\x12\x13\n\x0bpostprocess\x18\x03 \x01(\x08\x12\x15\n\rreference_rms\x18\x04 \x01(\x02\x12\x14\n\x0c\x66\x61\x64\x65_seconds\x18\x05 \x01(\x02\x12\x13\n\x0bpad_seconds\x18\x06 \x01(\x02\"d\n\x12\x44\x65\x63odeClipResponse\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x03 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"\x14\n\x12VocoderInfoRequest\"\xf9\x01\n\x0bVocoderInfo\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\x19\n\x11samples_per_frame\x18\x04 \x01(\x05\x12\x15\n\rmax_codebooks\x18\x05 \x01(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x06 \x01(\x05\x12\x1a\n\x12\x66irst_chunk_frames\x18\x07 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x08 \x01(\x05\x12\x13\n\x0bstep_frames\x18\t \x01(\x05\x12\x14\n\x0cgraph_frames\x18\n \x03(\x05\x12\r\n\x05slots\x18\x0b \x01(\x05*-\n\x0bPcmEncoding\x12\x0f\n\x0bPCM_FLOAT32\x10\x00\x12\r\n\tPCM_INT16\x10\x01\x32\x95\x02\n\x07Vocoder\x12\x41\n\x06\x44\x65\x63ode\x12\x18.chorus.v1.DecodeRequest\x1a\x19.chorus.v1.DecodeResponse(\x01\x30\x01\x12=\n\x06\x45ncode\x12\x18.chorus.v1.EncodeRequest\x1a\x19.chorus.v1.EncodeResponse\x12=\n\x04Info\x12\x1d.chorus.v1.VocoderInfoRequest\x1a\x16.chorus.v1.VocoderInfo\x12I\n\nDecodeClip\x12\x1c.chorus.v1.DecodeClipRequest\x1a\x1d.chorus.v1.DecodeClipResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63horus/v1/vocoder.proto\x12\tchorus.v1\x1a\x16\x63horus/v1/common.proto\"\x93\x01\n\x0b\x44\x65\x63odeStart\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x1a\n\x12\x66irst_chunk_frames\x18\x02 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x03 \x01(\x05\x12\x11\n\tcodebooks\x18\x04 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x05 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"w\n\rDecodeRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.chorus.v1.DecodeStartH\x00\x12&\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x14.chorus.v1.IntMatrixH\x00\x12\r\n\x03\x65nd\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\x9b\x01\n\x0e\x44\x65\x63odeResponse\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x0b\n\x03pcm\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x05 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x06 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"G\n\rEncodeRequest\x12#\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x14.chorus.v1.AudioData\x12\x11\n\tcodebooks\x18\x02 \x01(\x05\"U\n\x0e\x45ncodeResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x0b\n\x03rms\x18\x03 \x01(\x02\"\xe3\x01\n\x11\x44\x65\x63odeClipRequest\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.chorus.v1.IntMatrix\x12,\n\x0cpcm_encoding\x18\x02 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\x12\x13\n\x0bpostprocess\x18\x03 \x01(\x08\x12\x15\n\rreference_rms\x18\x04 \x01(\x02\x12\x14\n\x0c\x66\x61\x64\x65_seconds\x18\x05 \x01(\x02\x12\x13\n\x0bpad_seconds\x18\x06 \x01(\x02\x12\x11\n\tcontinues\x18\x07 \x01(\x08\x12\x11\n\tcontinued\x18\x08 \x01(\x08\"d\n\x12\x44\x65\x63odeClipResponse\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12,\n\x0cpcm_encoding\x18\x03 \x01(\x0e\x32\x16.chorus.v1.PcmEncoding\"\x14\n\x12VocoderInfoRequest\"\xf9\x01\n\x0bVocoderInfo\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\x19\n\x11samples_per_frame\x18\x04 \x01(\x05\x12\x15\n\rmax_codebooks\x18\x05 \x01(\x05\x12\x16\n\x0e\x61\x63tive_streams\x18\x06 \x01(\x05\x12\x1a\n\x12\x66irst_chunk_frames\x18\x07 \x01(\x05\x12\x14\n\x0c\x63hunk_frames\x18\x08 \x01(\x05\x12\x13\n\x0bstep_frames\x18\t \x01(\x05\x12\x14\n\x0cgraph_frames\x18\n \x03(\x05\x12\r\n\x05slots\x18\x0b \x01(\x05*-\n\x0bPcmEncoding\x12\x0f\n\x0bPCM_FLOAT32\x10\x00\x12\r\n\tPCM_INT16\x10\x01\x32\x95\x02\n\x07Vocoder\x12\x41\n\x06\x44\x65\x63ode\x12\x18.chorus.v1.DecodeRequest\x1a\x19.chorus.v1.DecodeResponse(\x01\x30\x01\x12=\n\x06\x45ncode\x12\x18.chorus.v1.EncodeRequest\x1a\x19.chorus.v1.EncodeResponse\x12=\n\x04Info\x12\x1d.chorus.v1.VocoderInfoRequest\x1a\x16.chorus.v1.VocoderInfo\x12I\n\nDecodeClip\x12\x1c.chorus.v1.DecodeClipRequest\x1a\x1d.chorus.v1.DecodeClipResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chorus.v1.vocoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PCMENCODING']._serialized_start=1219
-  _globals['_PCMENCODING']._serialized_end=1264
+  _globals['_PCMENCODING']._serialized_start=1257
+  _globals['_PCMENCODING']._serialized_end=1302
   _globals['_DECODESTART']._serialized_start=63
   _globals['_DECODESTART']._serialized_end=210
   _globals['_DECODEREQUEST']._serialized_start=212
@@ -45,13 +45,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERESPONSE']._serialized_start=564
   _globals['_ENCODERESPONSE']._serialized_end=649
   _globals['_DECODECLIPREQUEST']._serialized_start=652
-  _globals['_DECODECLIPREQUEST']._serialized_end=841
-  _globals['_DECODECLIPRESPONSE']._serialized_start=843
-  _globals['_DECODECLIPRESPONSE']._serialized_end=943
-  _globals['_VOCODERINFOREQUEST']._serialized_start=945
-  _globals['_VOCODERINFOREQUEST']._serialized_end=965
-  _globals['_VOCODERINFO']._serialized_start=968
-  _globals['_VOCODERINFO']._serialized_end=1217
-  _globals['_VOCODER']._serialized_start=1267
-  _globals['_VOCODER']._serialized_end=1544
+  _globals['_DECODECLIPREQUEST']._serialized_end=879
+  _globals['_DECODECLIPRESPONSE']._serialized_start=881
+  _globals['_DECODECLIPRESPONSE']._serialized_end=981
+  _globals['_VOCODERINFOREQUEST']._serialized_start=983
+  _globals['_VOCODERINFOREQUEST']._serialized_end=1003
+  _globals['_VOCODERINFO']._serialized_start=1006
+  _globals['_VOCODERINFO']._serialized_end=1255
+  _globals['_VOCODER']._serialized_start=1305
+  _globals['_VOCODER']._serialized_end=1582
 # @@protoc_insertion_point(module_scope)

@@ -74,20 +74,24 @@ class EncodeResponse(_message.Message):
     def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., rms: _Optional[float] = ...) -> None: ...
 
 class DecodeClipRequest(_message.Message):
-    __slots__ = ("codes", "pcm_encoding", "postprocess", "reference_rms", "fade_seconds", "pad_seconds")
+    __slots__ = ("codes", "pcm_encoding", "postprocess", "reference_rms", "fade_seconds", "pad_seconds", "continues", "continued")
     CODES_FIELD_NUMBER: _ClassVar[int]
     PCM_ENCODING_FIELD_NUMBER: _ClassVar[int]
     POSTPROCESS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_RMS_FIELD_NUMBER: _ClassVar[int]
     FADE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     codes: _common_pb2.IntMatrix
     pcm_encoding: PcmEncoding
     postprocess: bool
     reference_rms: float
     fade_seconds: float
     pad_seconds: float
-    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ..., postprocess: _Optional[bool] = ..., reference_rms: _Optional[float] = ..., fade_seconds: _Optional[float] = ..., pad_seconds: _Optional[float] = ...) -> None: ...
+    continues: bool
+    continued: bool
+    def __init__(self, codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., pcm_encoding: _Optional[_Union[PcmEncoding, str]] = ..., postprocess: _Optional[bool] = ..., reference_rms: _Optional[float] = ..., fade_seconds: _Optional[float] = ..., pad_seconds: _Optional[float] = ..., continues: _Optional[bool] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class DecodeClipResponse(_message.Message):
     __slots__ = ("pcm", "num_samples", "pcm_encoding")
