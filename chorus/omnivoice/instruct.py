@@ -26,7 +26,8 @@ TRANSLATED: tuple[dict[str, str], ...] = (
 ACCENTS = frozenset(f"{who} accent" for who in (
     "american", "british", "australian", "chinese", "canadian", "indian", "korean", "portuguese",
     "russian", "japanese"))
-DIALECTS = frozenset("河南话 陕西话 四川话 贵州话 云南话 桂林话 济南话 石家庄话 甘肃话 宁夏话 青岛话 东北话".split())
+DIALECTS = frozenset(f"{place}话" for place in (
+    "河南", "陕西", "四川", "贵州", "云南", "桂林", "济南", "石家庄", "甘肃", "宁夏", "青岛", "东北"))
 
 TO_CHINESE = {en: zh for category in TRANSLATED for en, zh in category.items()}
 TO_ENGLISH = {zh: en for en, zh in TO_CHINESE.items()}
