@@ -373,3 +373,14 @@ def test_pieces_match_package(ov, package_model, monkeypatch, case):
         assert piece.reference == expected_ref
         if piece.reference == "first_piece":
             assert ref_frames == pieces[0].target_frames
+
+
+def test_product_code_does_not_import_the_package():
+    import pathlib
+    import re
+
+    import chorus.omnivoice
+
+    here = pathlib.Path(chorus.omnivoice.__file__).parent
+    importing = re.compile(r"^\s*(from|import)\s+omnivoice\b", re.M)
+    assert [p.name for p in here.glob("*.py") if importing.search(p.read_text(encoding="utf-8"))] == []
