@@ -215,7 +215,7 @@ async def serve(cfg: GatewayConfig) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           lifespan="on"))
+                                           lifespan="on", timeout_graceful_shutdown=cfg.drain_seconds))
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
