@@ -5,10 +5,13 @@ an append-only sink: every byte it writes at the end is sent as soon as it exist
 back to patch at close (FLAC's total length and checksum) are already sent and stay as first
 written; those fields mean "unknown" there, and the stream decodes the same. mp3 is constant bit
 rate, so a decoder needs no tag frame to know its length: the blank frame LAME reserves for one is
-dropped (it would decode as a frame of silence before the speech).
+dropped (it would decode as a frame of silence before the speech). Ogg Opus pages are cut every
+50 ms instead of libsndfile's default second, so a chunk's audio leaves with the chunk.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import soundfile as sf
@@ -24,6 +27,8 @@ FORMATS = {
     "pcm": ("audio/pcm", None),
 }
 NOT_OFFERED = {"aac": "this server has no AAC encoder; use mp3, opus, flac, wav or pcm"}
+OGG_PAGE_MS = 50.0
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h; soundfile has no wrapper for it
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 
@@ -94,12 +99,24 @@ class _AppendOnlySink:
         return out
 
 
+def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
+    """Cut Ogg pages every `ms` (before the first write). Through soundfile's private handle: where
+    that is missing, pages stay a second long (later audio, same bytes)."""
+    try:
+        value = sf._ffi.new("double*", ms)
+        sf._snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, sf._ffi.sizeof("double"))
+    except AttributeError:
+        pass
+
+
 class Encoder:
     """PCM16 (interleaved, little-endian) in, the container's bytes out, chunk by chunk."""
 
     def __init__(self, fmt: str, sample_rate: int, channels: int, mp3_kbps: int = 128):
         self.media_type, codec = FORMATS[fmt]
         self.channels = channels
+        # encode runs in a worker thread; close may come from the event loop while one is in flight
+        self._lock = threading.Lock()
         self._first = fmt == "mp3"  # its first bytes may hold the blank tag frame
         # libsndfile's lossy encoders mangle int16 input (clicks throughout): hand them float32
         self._as_float = fmt in ("mp3", "opus")
@@ -111,13 +128,23 @@ class Encoder:
                 # libsndfile's compression level runs 0 (best, 320 kbit/s) .. 1 (smallest, 32 kbit/s)
                 extra = dict(bitrate_mode="CONSTANT", compression_level=(320 - mp3_kbps) / 288)
             self._file = sf.SoundFile(self._sink, "w", sample_rate, channels, codec[1], format=codec[0], **extra)
+            if fmt == "opus":
+                _set_ogg_page_latency(self._file, OGG_PAGE_MS)
+
+    @property
+    def passthrough(self) -> bool:
+        """wav and pcm: the bytes go out as they came, no work to move off the event loop."""
+        return self._file is None
 
     def encode(self, pcm16: bytes) -> bytes:
         if self._file is None:
             return pcm16
         pcm = np.frombuffer(pcm16, dtype="<i2").reshape(-1, self.channels)
-        self._file.write(pcm.astype(np.float32) / 32768 if self._as_float else pcm)
-        return self._drained()
+        with self._lock:
+            if self._file.closed:  # closed under a write that was already on its way
+                return b""
+            self._file.write(pcm.astype(np.float32) / 32768 if self._as_float else pcm)
+            return self._drained()
 
     def _drained(self) -> bytes:
         out = self._sink.drain()
@@ -129,10 +156,13 @@ class Encoder:
     def finish(self) -> bytes:
         if self._file is None:
             return b""
-        self._file.close()
-        return self._drained()
+        with self._lock:
+            self._file.close()
+            return self._drained()
 
     def close(self) -> None:
         """Drop the encoder without finishing (the client went away)."""
-        if self._file is not None and not self._file.closed:
-            self._file.close()
+        if self._file is not None:
+            with self._lock:
+                if not self._file.closed:
+                    self._file.close()

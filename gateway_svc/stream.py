@@ -57,6 +57,12 @@ class AudioStream:
         while (await receive())["type"] != "http.disconnect":
             pass
 
+    async def _encode(self, pcm16: bytes | None) -> bytes:
+        """Encoded bytes of a chunk (None: the encoder's tail). The codecs run in a thread (libsndfile
+        lets go of the GIL) so that one stream's encoding never stalls the others' relays."""
+        work = self.encoder.finish if pcm16 is None else lambda: self.encoder.encode(pcm16)
+        return work() if self.encoder.passthrough else await asyncio.to_thread(work)
+
     async def _pump(self, send) -> None:
         headers = [(b"content-type", self.media_type.encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
@@ -73,10 +79,10 @@ class AudioStream:
             while (msg := await self.call.read()) is not grpc.aio.EOF:
                 kind = msg.WhichOneof("kind")
                 if kind == "audio":
-                    await body(self.encoder.encode(msg.audio.data))
+                    await body(await self._encode(msg.audio.data))
                 elif kind == "summary":
                     summary = msg.summary
-            await body(self.encoder.finish())
+            await body(await self._encode(None))
         except grpc.aio.AioRpcError as e:
             if not self.sse:
                 raise

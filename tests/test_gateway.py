@@ -298,3 +298,18 @@ def test_an_unreachable_scheduler_is_503_with_retry_after():
     finally:
         gateway.stop()
 
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac"])
+def test_each_chunk_leaves_the_encoder_with_its_audio(fmt):
+    """No encoder sits on a chunk: the first (5 frames) comes out at about the steady rate."""
+    from gateway_svc.encoders import Encoder
+
+    rng = np.random.default_rng(0)
+    chunk = 5 * SAMPLES_PER_FRAME
+    pcm = (rng.standard_normal((10 * chunk, 2)) * 3000).astype("<i2")
+    enc = Encoder(fmt, 48000, 2)
+    sizes = [len(enc.encode(pcm[i:i + chunk].tobytes())) for i in range(0, len(pcm), chunk)]
+    tail = enc.finish()
+    assert min(sizes) > 0 and sizes[0] >= 0.5 * np.mean(sizes[1:]), sizes
+    assert len(tail) < np.mean(sizes), (len(tail), sizes)
