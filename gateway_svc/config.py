@@ -21,6 +21,9 @@ class GatewayConfig:
     retry_after: int = setting(1, "seconds a 429 or 503 answer asks the client to wait (Retry-After)",
                                flag="--retry-after-s", metavar="S", minimum=0)
     mp3_bitrate_kbps: int = setting(128, "constant bit rate of mp3 output in kbit/s", minimum=32, maximum=320)
+    voice_name_cache: float = setting(2.0, "seconds the gateway remembers that an OpenAI voice name is no stored "
+                                      "voice, skipping the lookup (0 = ask every time)", flag="--voice-name-cache-s",
+                                      metavar="S", minimum=0)
     drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
     log_level: str = setting("warning", "uvicorn's log level",
                              choices=("critical", "error", "warning", "info", "debug"))

@@ -41,6 +41,8 @@ class Gateway:
         self.channel: grpc.aio.Channel | None = None
         self.stub: tts_pb2_grpc.TextToSpeechStub | None = None
         self._models: dict[str, tts_pb2.ModelInfo] = {}
+        # OpenAI voice names lately found not stored -> until when to trust that (monotonic seconds)
+        self._not_stored: dict[str, float] = {}
 
     async def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.cfg.scheduler, options=[
@@ -73,6 +75,9 @@ class Gateway:
 
     async def open_synthesis(self, plan: SpeechPlan):
         """The call and its stream header; a failure before the header is an HTTP error answer."""
+        name = plan.request.references[0].voice_id if plan.voice_may_be_builtin else ""
+        if name and self._not_stored.get(name, 0.0) > time.monotonic():
+            self._use_model_voice(plan)
         while True:
             call = self.stub.Synthesize(plan.request)
             try:
@@ -80,8 +85,8 @@ class Gateway:
             except grpc.aio.AioRpcError as e:
                 if (e.code() == grpc.StatusCode.NOT_FOUND and plan.voice_may_be_builtin
                         and "voice_id" in (e.details() or "")):
-                    del plan.request.references[:]  # an OpenAI voice name: the model's own voice
-                    plan.voice_may_be_builtin = False
+                    self._not_stored[name] = time.monotonic() + self.cfg.voice_name_cache
+                    self._use_model_voice(plan)
                     continue
                 err = from_rpc(e, self.cfg.retry_after)
                 if err.param == "voice":
@@ -91,6 +96,14 @@ class Gateway:
                 call.cancel()
                 raise GatewayError(502, "the scheduler's stream did not start with a header", code="bad_gateway")
             return call, first.header
+
+    @staticmethod
+    def _use_model_voice(plan: SpeechPlan) -> None:
+        del plan.request.references[:]
+        plan.voice_may_be_builtin = False
+
+    def voice_stored(self, voice_id: str) -> None:
+        self._not_stored.pop(voice_id, None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -143,7 +156,9 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         req = await voice_request(request)
         if req.model:
             req.model = resolve_model(req.model, await gw.models(refresh=True)).name
-        return JSONResponse(voice_json(await gw.rpc(gw.stub.CreateVoice, req, timeout=120)))
+        voice = await gw.rpc(gw.stub.CreateVoice, req, timeout=120)
+        gw.voice_stored(voice.voice_id)
+        return JSONResponse(voice_json(voice))
 
     async def voice_request(request: Request) -> tts_pb2.CreateVoiceRequest:
         """From multipart/form-data (file `audio_sample` or `audio`, `name`, `transcript`, `model`)
