@@ -150,6 +150,10 @@ def test_a_frontend_process_does_not_import_torch():
     assert _run_isolated("import sys, scheduler_svc.frontend; print('torch' in sys.modules)") == "False"
 
 
+def test_the_gateway_does_not_import_torch():
+    assert _run_isolated("import sys, gateway_svc.server; print('torch' in sys.modules)") == "False"
+
+
 def test_a_checkpoint_tokenizer_loads_without_torch(tmp_path):
     """A frontend serving a real checkpoint loads its tokenizer.json; transformers would bring torch."""
     from tokenizers import Tokenizer, models, pre_tokenizers
