@@ -128,6 +128,37 @@ async def read_json(request: Request, limit: int):
         raise GatewayError(400, f"the body is not JSON: {e}", code="invalid_json") from None
 
 
+async def read_voice_request(request: Request, limit: int) -> tts_pb2.CreateVoiceRequest:
+    """From multipart/form-data (file `audio_sample` or `audio`, `name`, `transcript`, `model`)
+    or a JSON object (`audio` base64, `name` or `voice_id`, `transcript`, `model`)."""
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        await read_body(request, limit)  # 413 before parsing a body too large
+        form = await request.form(max_part_size=limit)
+        upload = form.get("audio_sample") or form.get("audio") or form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise invalid("audio_sample", "attach the reference audio file as audio_sample")
+        fields = {k: form.get(k) for k in ("name", "voice_id", "transcript", "model") if form.get(k)}
+        audio = await upload.read()
+    else:
+        fields = await read_json(request, limit)
+        if not isinstance(fields, dict):
+            raise GatewayError(400, "the body must be a JSON object or multipart/form-data", code="invalid_json")
+        for key, value in fields.items():
+            if key not in ("audio", "name", "voice_id", "transcript", "model"):
+                raise invalid(key, "unknown field; the fields are audio, name, voice_id, transcript, model")
+            if not isinstance(value, str):
+                raise invalid(key, f"expected a string, got {value!r:.40}")
+        try:
+            audio = base64.b64decode(fields.get("audio", ""), validate=True)
+        except (binascii.Error, ValueError):
+            raise invalid("audio", "is not base64 (send an audio file's bytes, base64-encoded)") from None
+    if not audio:
+        raise invalid("audio", "is required: the reference audio file")
+    return tts_pb2.CreateVoiceRequest(voice_id=fields.get("voice_id") or fields.get("name") or "",
+                                      audio=common_pb2.AudioData(data=audio),
+                                      transcript=fields.get("transcript", ""), model=fields.get("model", ""))
+
+
 def voice_json(v: tts_pb2.Voice) -> dict:
     return {"id": v.voice_id, "object": "audio.voice", "name": v.voice_id, "frames": v.frames,
             "transcript": v.transcript, "model": v.model}
@@ -153,42 +184,12 @@ def build_app(cfg: GatewayConfig) -> Starlette:
              "max_frames": m.max_frames, "default": m.is_default} for m in models.values()]})
 
     async def create_voice(request: Request):
-        req = await voice_request(request)
+        req = await read_voice_request(request, cfg.max_body_bytes)
         if req.model:
             req.model = resolve_model(req.model, await gw.models(refresh=True)).name
         voice = await gw.rpc(gw.stub.CreateVoice, req, timeout=120)
         gw.voice_stored(voice.voice_id)
         return JSONResponse(voice_json(voice))
-
-    async def voice_request(request: Request) -> tts_pb2.CreateVoiceRequest:
-        """From multipart/form-data (file `audio_sample` or `audio`, `name`, `transcript`, `model`)
-        or a JSON object (`audio` base64, `name` or `voice_id`, `transcript`, `model`)."""
-        if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            await read_body(request, cfg.max_body_bytes)  # 413 before parsing a body too large
-            form = await request.form(max_part_size=cfg.max_body_bytes)
-            upload = form.get("audio_sample") or form.get("audio") or form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise invalid("audio_sample", "attach the reference audio file as audio_sample")
-            fields = {k: form.get(k) for k in ("name", "voice_id", "transcript", "model") if form.get(k)}
-            audio = await upload.read()
-        else:
-            fields = await read_json(request, cfg.max_body_bytes)
-            if not isinstance(fields, dict):
-                raise GatewayError(400, "the body must be a JSON object or multipart/form-data", code="invalid_json")
-            for key, value in fields.items():
-                if key not in ("audio", "name", "voice_id", "transcript", "model"):
-                    raise invalid(key, "unknown field; the fields are audio, name, voice_id, transcript, model")
-                if not isinstance(value, str):
-                    raise invalid(key, f"expected a string, got {value!r:.40}")
-            try:
-                audio = base64.b64decode(fields.get("audio", ""), validate=True)
-            except (binascii.Error, ValueError):
-                raise invalid("audio", "is not base64 (send an audio file's bytes, base64-encoded)") from None
-        if not audio:
-            raise invalid("audio", "is required: the reference audio file")
-        return tts_pb2.CreateVoiceRequest(voice_id=fields.get("voice_id") or fields.get("name") or "",
-                                          audio=common_pb2.AudioData(data=audio),
-                                          transcript=fields.get("transcript", ""), model=fields.get("model", ""))
 
     async def list_voices(request: Request):
         resp = await gw.rpc(gw.stub.ListVoices, tts_pb2.ListVoicesRequest())
@@ -207,7 +208,11 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         return exc.response()
 
     async def on_http(request: Request, exc):
-        return GatewayError(exc.status_code, exc.detail or "not found", code="not_found").response()
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        return GatewayError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    async def on_crash(request: Request, exc: Exception):
+        return GatewayError(500, f"the gateway failed: {type(exc).__name__}: {exc}", code="internal_error").response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -222,7 +227,8 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         Route("/v1/audio/voices", list_voices, methods=["GET"]),
         Route("/v1/audio/voices/{voice_id}", delete_voice, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
-    ], exception_handlers={GatewayError: on_error, 404: on_http, 405: on_http}, lifespan=lifespan)
+    ], exception_handlers={
+        GatewayError: on_error, 404: on_http, 405: on_http, Exception: on_crash}, lifespan=lifespan)
 
 
 async def serve(cfg: GatewayConfig) -> None:

@@ -313,3 +313,20 @@ def test_each_chunk_leaves_the_encoder_with_its_audio(fmt):
     tail = enc.finish()
     assert min(sizes) > 0 and sizes[0] >= 0.5 * np.mean(sizes[1:]), sizes
     assert len(tail) < np.mean(sizes), (len(tail), sizes)
+
+
+def test_unknown_routes_and_methods_answer_in_openais_shape(http):
+    for resp, status in ((http.get("/v1/nothing"), 404), (http.get("/v1/audio/speech"), 405)):
+        assert resp.status_code == status and error_of(resp)["message"].startswith("GET /v1/")
+
+
+@pytest.mark.parametrize("kw,status,param", [
+    (dict(data={"name": "x"}, files={"other": ("a.txt", b"hi", "text/plain")}), 400, "audio_sample"),
+    (dict(json={"name": "x", "colour": "blue"}), 400, "colour"),
+    (dict(json={"name": "x"}), 400, "audio"),
+    (dict(json={"name": "x", "audio": base64.b64encode(b"not audio").decode()}), 400, "audio"),
+    (dict(json={"name": "x", "audio": base64.b64encode(_wav()).decode(), "model": "nope"}), 404, "model"),
+])
+def test_bad_voices_name_the_field(http, kw, status, param):
+    resp = http.post("/v1/audio/voices", **kw)
+    assert resp.status_code == status and error_of(resp)["param"] == param, resp.text
