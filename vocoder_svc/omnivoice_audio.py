@@ -28,9 +28,15 @@ quantised to int16 and back.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
-from pydub import AudioSegment
-from pydub.silence import detect_leading_silence, detect_nonsilent, split_on_silence
+
+with warnings.catch_warnings():  # pydub looks for ffmpeg on import; it only ever sees raw samples here
+    warnings.simplefilter("ignore", RuntimeWarning)
+    warnings.simplefilter("ignore", DeprecationWarning)  # its audioop import (deprecated in Python 3.11+)
+    from pydub import AudioSegment
+    from pydub.silence import detect_leading_silence, detect_nonsilent, split_on_silence
 
 from chorus.audio import resample
 
