@@ -124,3 +124,18 @@ def test_sinc_resample_band_limits_and_lengths():
     for n in (1, 959, 23999):
         assert sinc_resample.resample(torch.zeros(n), 24000, 16000).shape[-1] == math.ceil(n * 2 / 3)
     assert sinc_resample.resample(wave, 24000, 24000) is wave
+
+
+def test_a_torchaudio_that_cannot_resample_is_replaced(codec, monkeypatch):
+    """As when the package oracle's refusing stand-in was bound first: the codec still encodes."""
+    import sys
+    import types
+
+    from vocoder_svc.higgs_codec import _model_classes
+
+    module = sys.modules[type(codec.model).__module__]
+    refusing = types.SimpleNamespace(functional=types.SimpleNamespace(resample=lambda *a, **k: 1 / 0))
+    monkeypatch.setattr(module, "torchaudio", refusing)
+    _model_classes()
+    assert module.torchaudio is not refusing
+    assert codec.encode([np.zeros(1920, np.float32)])[0].shape == (2, 8)

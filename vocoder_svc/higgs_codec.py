@@ -51,30 +51,40 @@ class CodecInputError(ValueError):
         self.field = field
 
 
+def _resamples(torchaudio_module) -> bool:
+    try:
+        return tuple(torchaudio_module.functional.resample(torch.zeros(1, 3), 3, 2).shape) == (1, 2)
+    except Exception:  # noqa: BLE001 - absent, or a stand-in that refuses
+        return False
+
+
 def _model_classes():
     """(HiggsAudioV2TokenizerConfig, HiggsAudioV2TokenizerModel). The model module imports torchaudio
-    only to resample to 16 kHz; where torchaudio does not import, it gets sinc_resample's equivalent
-    for the duration of the import, and sys.modules is left as it was."""
+    only to resample to 16 kHz. Where torchaudio does not import it is imported beside sinc_resample's
+    equivalent (sys.modules is left as it was), and whatever it holds that cannot resample (a test
+    stand-in that refuses, say) is replaced by that equivalent."""
     config_module = importlib.import_module(f"{_PACKAGE}.configuration_higgs_audio_v2_tokenizer")
     name = f"{_PACKAGE}.modeling_higgs_audio_v2_tokenizer"
-    if name in sys.modules:
-        return config_module.HiggsAudioV2TokenizerConfig, sys.modules[name].HiggsAudioV2TokenizerModel
-    try:
-        import torchaudio  # noqa: F401
-        stand_in = None
-    except Exception:  # noqa: BLE001 - missing, or a build that cannot load beside this torch
-        stand_in = sinc_resample.stand_in_module()
-    previous = sys.modules.get("torchaudio")
-    if stand_in is not None:
-        sys.modules["torchaudio"] = stand_in
-    try:
-        model_module = importlib.import_module(name)
-    finally:
+    model_module = sys.modules.get(name)
+    if model_module is None:
+        try:
+            import torchaudio  # noqa: F401
+            stand_in = None
+        except Exception:  # noqa: BLE001 - missing, or a build that cannot load beside this torch
+            stand_in = sinc_resample.stand_in_module()
+        previous = sys.modules.get("torchaudio")
         if stand_in is not None:
-            if previous is None:
-                sys.modules.pop("torchaudio", None)
-            else:
-                sys.modules["torchaudio"] = previous
+            sys.modules["torchaudio"] = stand_in
+        try:
+            model_module = importlib.import_module(name)
+        finally:
+            if stand_in is not None:
+                if previous is None:
+                    sys.modules.pop("torchaudio", None)
+                else:
+                    sys.modules["torchaudio"] = previous
+    if not _resamples(getattr(model_module, "torchaudio", None)):
+        model_module.torchaudio = sinc_resample.stand_in_module()
     return config_module.HiggsAudioV2TokenizerConfig, model_module.HiggsAudioV2TokenizerModel
 
 
