@@ -412,7 +412,7 @@ def test_final_canvas_equals_the_package(package_checkpoint, case, dtype):
     for k in range(args["knobs"].num_step):
         (outcome,) = engine.step([(1, k)])
     assert outcome.finished and outcome.codes.shape == (args["frames"], 8) and len(engine) == 0
-    assert (outcome.codes != MASK).all()
+    assert (outcome.codes != MASK).all() and len(np.unique(outcome.codes)) > args["frames"]  # not a degenerate model
     assert np.array_equal(outcome.codes, expected.T.numpy())
 
 
@@ -526,3 +526,13 @@ def test_bad_canvas_requests_name_the_field():
     with pytest.raises(CanvasError, match="max_packed_rows"):
         engine.step([(1, 0), (2, 0)])
     assert [o.step for o in engine.step([(1, 0)])] == [0] and len(engine) == 2
+
+
+def test_steps_that_reveal_nothing_skip_the_forward(monkeypatch):
+    engine = CanvasEngine(build_omnivoice(preset="tiny"))
+    engine.start(CanvasSpec(1, np.arange(4), None, 1, UnmaskKnobs(num_step=32), seed=1))  # reveals 1,1,...,0,0
+    calls = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda *a: calls.append(1) or forward(*a))
+    outcomes = [engine.step([(1, k)])[0] for k in range(32)]
+    assert len(calls) == 8 and outcomes[-1].finished and (outcomes[-1].codes != MASK).all()

@@ -150,8 +150,8 @@ class OmniVoiceModel(nn.Module):
         -> [rows, hidden]: a text row's token embedding, or the sum over codebooks of code rows."""
         x = self.llm.embed_tokens(torch.where(audio_mask, 0, ids[0]))
         offsets = torch.arange(self.cfg.num_codebooks, device=ids.device)[:, None] * self.cfg.audio_vocab_size
-        audio = self.audio_embeddings(ids[:, audio_mask] + offsets).sum(dim=0)
-        return x.index_put((audio_mask.nonzero()[:, 0],), audio)
+        x[audio_mask] = self.audio_embeddings(ids[:, audio_mask] + offsets).sum(dim=0)
+        return x
 
     def forward(self, ids: Tensor, audio_mask: Tensor, positions: Tensor, doc_lens: list[int],
                 gather: Tensor) -> Tensor:
