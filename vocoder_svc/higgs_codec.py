@@ -13,11 +13,12 @@ hop 960 (25 frames/s), 8 quantizers of 1024 codes, and HuBERT's 320-sample strid
 and 5 quantizers.
 
 Batching decode is exact only where measured so (`measure_batching`). The decoder is a stack of
-non-causal convolutions, so frames appended after a clip reach back into its last samples: padding a
-shorter clip to share a batch changes its tail (tiny preset on CPU: the last ~110 samples, by up to
-1e-2), so clips are never padded. Equal-length clips in one forward differ from the same clips
-decoded alone on CPU in fp32 (by ~1e-8, and also in fp64, ~1e-17; a batch of 2 and of 3 agree with
-each other, a lone clip takes another kernel path), so on CPU every clip is decoded alone. On
+non-causal convolutions, so frames appended after a clip reach back into its samples, and padding a
+shorter clip to share a batch changes it. Random weights on CPU: a 10-frame clip padded by 3 frames
+moves by more than 1e-6 from its 1089th sample on (up to a third of its peak) with the full shapes,
+in its last ~110 samples with the tiny preset. So clips are never padded. Equal-length clips in one
+forward differ from the same clips decoded alone on CPU (~1e-8 in fp32, ~1e-17 in fp64; batches of
+2 and 3 agree with each other, not with a lone clip), so on CPU every clip is decoded alone. On
 another device the startup measurement decides whether equal lengths share a forward.
 """
 
