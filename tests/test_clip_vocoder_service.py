@@ -163,3 +163,17 @@ def test_encode(replica, codec):
         with pytest.raises(grpc.RpcError) as e:
             stub.Encode(bad, timeout=30)
         assert e.value.code() == code and message in e.value.details(), e.value.details()
+
+
+def test_which_settings_serve_clips(codec, tmp_path):
+    from vocoder_svc.clip_servicer import serves_clips
+    from vocoder_svc.config import VocoderConfig
+
+    codec.model.save_pretrained(tmp_path / "ckpt" / "audio_tokenizer")
+    (tmp_path / "moss").mkdir()
+    (tmp_path / "moss" / "config.json").write_text('{"model_type": "moss-audio-tokenizer"}')
+    assert serves_clips(VocoderConfig(preset="higgs-tiny")) and serves_clips(VocoderConfig(preset="higgs-full"))
+    assert serves_clips(VocoderConfig(codec=str(tmp_path / "ckpt")))
+    assert serves_clips(VocoderConfig(codec=str(tmp_path / "ckpt" / "audio_tokenizer"), preset="tiny"))
+    assert not serves_clips(VocoderConfig(preset="tiny"))
+    assert not serves_clips(VocoderConfig(codec=str(tmp_path / "moss"), preset="higgs-tiny"))  # --codec decides
