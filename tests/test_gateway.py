@@ -330,3 +330,15 @@ def test_unknown_routes_and_methods_answer_in_openais_shape(http):
 def test_bad_voices_name_the_field(http, kw, status, param):
     resp = http.post("/v1/audio/voices", **kw)
     assert resp.status_code == status and error_of(resp)["param"] == param, resp.text
+
+
+def test_chorus_fields_reach_the_request(http):
+    resp = http.post("/v1/audio/speech", json=body(response_format="pcm", sample_rate=24000, language="English",
+                                                    instructions="Calm and slow.", first_chunk_frames=2,
+                                                    chunk_frames=3, request_id="gw-test-1"))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-sample-rate"] == "24000" and resp.headers["x-request-id"] == "gw-test-1"
+    assert abs(len(resp.content) // 4 - FRAMES * SAMPLES_PER_FRAME // 2) <= 2
+    cloned = _prompt_rows(http, voice=None, reference_audio=base64.b64encode(_wav()).decode(),
+                          reference_text="A short reference.")
+    assert cloned > _prompt_rows(http, voice=None)
