@@ -8,16 +8,21 @@ TTFA is measured at the client: request sent to the first audio byte (gRPC: the 
 chunk; HTTP: the first body byte of `pcm`, which the gateway passes through, of `mp3`, which it
 encodes, and of `pcm` with voice "alloy", which costs a failed voice lookup first). The server's own first_audio_ms is the same for both paths, so the difference of the
 client-side figures is the hop.
+
+Then the gateway's own CPU per second of audio it relays, by format (`--cost-streams` requests of
+`--cost-frames` frames at once): what sizes a fleet of gateways.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -52,6 +57,24 @@ def http_ttfa(client: httpx.Client, fmt: str, frames: int, seed: int, **extra) -
     return first * 1000
 
 
+def relay_cost(client: httpx.Client, gateway: Service, fmt: str, streams: int, frames: int) -> dict:
+    """Gateway CPU ms per second of audio while `streams` requests of `frames` frames run at once."""
+    body = {"input": TEXT, "response_format": fmt, "min_frames": frames, "max_frames": frames}
+
+    def one(seed: int) -> int:
+        with client.stream("POST", "/v1/audio/speech", json={**body, "seed": seed}) as r:
+            r.raise_for_status()
+            return sum(len(b) for b in r.iter_raw())
+
+    cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        sizes = list(pool.map(one, range(streams)))
+    cpu, wall = gateway.cpu_seconds() - cpu0, time.perf_counter() - t0
+    audio_s = streams * frames * 0.08
+    return {"cpu_ms_per_audio_s": round(cpu * 1000 / audio_s, 2), "gateway_cpu_s": round(cpu, 3),
+            "audio_s": audio_s, "wall_s": round(wall, 2), "bytes_per_stream": sizes[0]}
+
+
 def summary(ms: list[float]) -> dict:
     q = statistics.quantiles(ms, n=10)  # q[-1]: the 90th percentile
     return {"p50_ms": round(statistics.median(ms), 2), "p90_ms": round(q[-1], 2), "mean_ms": round(statistics.fmean(ms), 2),
@@ -62,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=30, help="requests per path")
     ap.add_argument("--frames", type=int, default=6, help="frames per request (the first chunk is 5)")
+    ap.add_argument("--cost-streams", type=int, default=4, help="concurrent requests of the CPU-cost runs")
+    ap.add_argument("--cost-frames", type=int, default=100, help="frames per request of the CPU-cost runs")
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args(argv)
     with Cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "8192"]) as cluster:
@@ -84,15 +109,17 @@ def main(argv: list[str] | None = None) -> dict:
                     order = list(paths) if i % 2 == 0 else list(reversed(paths))
                     for k in order:
                         ms[k].append(paths[k](i + 1))
+                cost = {fmt: relay_cost(client, gateway, fmt, args.cost_streams, args.cost_frames)
+                        for fmt in ("pcm", "flac", "opus", "mp3")}
         finally:
             gateway.stop()
     result = {"benchmark": "gateway_hop", "host": platform.node(), "cpus": os.cpu_count(),
               "python": platform.python_version(), "config": vars(args),
-              "ttfa": {k: summary(v) for k, v in ms.items()}}
+              "ttfa": {k: summary(v) for k, v in ms.items()}, "relay_cost": cost}
     # paired: each HTTP request against the gRPC request next to it, so shared load cancels out
     result["hop_ms"] = {k: summary([h - g for h, g in zip(ms[k], ms["grpc"])]) for k in ms if k != "grpc"}
     write_json(args.out, result)
-    print(result["ttfa"], result["hop_ms"])
+    print(json.dumps({k: result[k] for k in ("ttfa", "hop_ms", "relay_cost")}, indent=1))
     return result
 
 
