@@ -342,3 +342,108 @@ def test_chorus_fields_reach_the_request(http):
     cloned = _prompt_rows(http, voice=None, reference_audio=base64.b64encode(_wav()).decode(),
                           reference_text="A short reference.")
     assert cloned > _prompt_rows(http, voice=None)
+
+
+# ---- the pieces, without services ---------------------------------------------------------------
+
+def _rpc_error(code, details: str):
+    import grpc
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize("code,details,status,param,retry", [
+    ("INVALID_ARGUMENT", "sampling.top_k must be >= -1, got -5", 400, "top_k", None),
+    ("INVALID_ARGUMENT", "text is empty: give the text to speak", 400, "input", None),
+    ("INVALID_ARGUMENT", "streaming.chunk_frames must be <= 100", 400, "chunk_frames", None),
+    ("NOT_FOUND", "references[0].voice_id 'x' not found", 404, "voice", None),
+    ("RESOURCE_EXHAUSTED", "the waiting queue is full (1 requests); retry later", 429, None, "2"),
+    ("RESOURCE_EXHAUSTED", "Received message larger than max (40000000 vs. 33554432)", 413, None, None),
+    ("UNAVAILABLE", "the server is draining", 503, None, "2"),
+    ("DEADLINE_EXCEEDED", "Deadline Exceeded", 504, None, None),
+    ("INTERNAL", "boom", 500, None, None),
+])
+def test_grpc_statuses_become_http_statuses(code, details, status, param, retry):
+    import grpc
+
+    from gateway_svc.errors import from_rpc
+
+    err = from_rpc(_rpc_error(getattr(grpc.StatusCode, code), details), retry_after=2)
+    resp = err.response()
+    assert (err.status, err.param, resp.headers.get("retry-after")) == (status, param, retry)
+    assert json.loads(resp.body)["error"]["message"] == details  # the scheduler's words, unchanged
+
+
+class _FakeCall:
+    """A Synthesize call whose header was read: `items` (responses, or an error to raise) follow."""
+
+    def __init__(self, items, block: bool = False):
+        self.items, self.block, self.cancelled = list(items), block, False
+
+    async def read(self):
+        import asyncio
+
+        import grpc
+        if not self.items:
+            if self.block:
+                await asyncio.sleep(3600)
+            return grpc.aio.EOF
+        item = self.items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _run_stream(call, sse: bool, fmt: str = "pcm", disconnect_after: float | None = None) -> list[dict]:
+    import asyncio
+
+    from gateway_svc.encoders import Encoder
+    from gateway_svc.stream import AudioStream
+
+    sent = []
+
+    async def receive():
+        if disconnect_after is None:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        stream = AudioStream(call, Encoder(fmt, 8000, 1), sse, {}, retry_after=1)
+        await asyncio.wait_for(stream({"type": "http"}, receive, send), 10)
+
+    asyncio.run(main())
+    return sent
+
+
+def _audio(n: int):
+    return tts_pb2.SynthesizeResponse(audio=tts_pb2.AudioChunk(data=bytes(2 * n), num_samples=n))
+
+
+def test_an_error_mid_stream_ends_sse_with_an_error_event():
+    import grpc
+    err = _rpc_error(grpc.StatusCode.UNAVAILABLE, "vocoder stream broke four times")
+    sent = _run_stream(_FakeCall([_audio(80), err]), sse=True)
+    events = [json.loads(m["body"][6:]) for m in sent if m["type"] == "http.response.body" and m["body"]]
+    assert [e["type"] for e in events] == ["speech.audio.delta", "error"]
+    assert events[-1]["error"]["message"] == "vocoder stream broke four times" and sent[-1]["more_body"] is False
+
+
+def test_an_error_mid_stream_cuts_the_audio_response():
+    import grpc
+    err = _rpc_error(grpc.StatusCode.INTERNAL, "worker step failed")
+    call = _FakeCall([_audio(80), err])
+    with pytest.raises(grpc.aio.AioRpcError):  # uvicorn then drops the connection: no clean end
+        _run_stream(call, sse=False)
+    assert call.cancelled
+
+
+def test_a_disconnect_cancels_the_call():
+    call = _FakeCall([_audio(80)], block=True)
+    sent = _run_stream(call, sse=False, fmt="mp3", disconnect_after=0.2)
+    assert call.cancelled and not any(m.get("more_body") is False for m in sent)
