@@ -81,8 +81,10 @@ def parse_speech(body, models: dict[str, tts_pb2.ModelInfo]) -> SpeechPlan:
     if "input" not in b:
         raise invalid("input", "is required: the text to speak")
     model_info = resolve_model(b.get("model", ""), models)
-    req = tts_pb2.SynthesizeRequest(text=b["input"], model="" if b.get("model", "") in OPENAI_MODELS
-                                    else b.get("model", ""), instructions=b.get("instructions", ""))
+    named = b.get("model", "") not in ("", *OPENAI_MODELS)
+    # the served model's exact name (an architecture resolved here); none: the server's default
+    model = (model_info.name if model_info else b["model"]) if named else ""
+    req = tts_pb2.SynthesizeRequest(text=b["input"], model=model, instructions=b.get("instructions", ""))
     for k in _REQUEST:
         if k in b:
             setattr(req, k, b[k])

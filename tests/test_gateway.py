@@ -447,3 +447,11 @@ def test_a_disconnect_cancels_the_call():
     call = _FakeCall([_audio(80)], block=True)
     sent = _run_stream(call, sse=False, fmt="mp3", disconnect_after=0.2)
     assert call.cancelled and not any(m.get("more_body") is False for m in sent)
+
+
+def test_a_model_by_name_or_architecture(http, grpc_pcm):
+    name = http.get("/v1/models").json()["data"][0]["id"]
+    for model in (name, "moss_tts_local", "moss"):
+        resp = http.post("/v1/audio/speech", json=body(model=model, response_format="pcm"))
+        assert resp.status_code == 200 and resp.headers["x-model"] == name, (model, resp.text)
+        assert np.array_equal(np.frombuffer(resp.content, "<i2").reshape(-1, 2), grpc_pcm[0])
