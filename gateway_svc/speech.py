@@ -62,6 +62,15 @@ def _typed(name: str, value, tp):
     return value
 
 
+def _set(msg, field: str, value, name: str | None = None) -> None:
+    """msg.field = value, or 400 naming the body field when the value does not fit the field's
+    integer type (int32; the seed uint64)."""
+    try:
+        setattr(msg, field, value)
+    except (ValueError, TypeError):
+        raise invalid(name or field, f"{value!r} is out of range for this field") from None
+
+
 def voice_name(voice) -> str:
     if isinstance(voice, dict):  # OpenAI's custom-voice form: {"id": "..."}
         if not isinstance(voice.get("id"), str) or set(voice) != {"id"}:
@@ -87,15 +96,13 @@ def parse_speech(body, models: dict[str, tts_pb2.ModelInfo]) -> SpeechPlan:
     req = tts_pb2.SynthesizeRequest(text=b["input"], model=model, instructions=b.get("instructions", ""))
     for k in _REQUEST:
         if k in b:
-            setattr(req, k, b[k])
+            _set(req, k, b[k])
     for k in _SAMPLING:
         if k in b:
-            if k == "seed" and b[k] < 0:
-                raise invalid("seed", f"must be >= 0, got {b[k]}")
-            setattr(req.sampling, k, b[k])
+            _set(req.sampling, k, b[k])
     for k in ("first_chunk_frames", "chunk_frames"):
         if k in b:
-            setattr(req.streaming, k, b[k])
+            _set(req.streaming, k, b[k], k)
     fmt = check_format(b.get("response_format", "mp3"))
     req.format = tts_pb2.WAV if fmt == "wav" else tts_pb2.PCM16
     check_rate(fmt, b.get("sample_rate") or (model_info.sample_rate if model_info else 48000))
@@ -123,7 +130,7 @@ def parse_speech(body, models: dict[str, tts_pb2.ModelInfo]) -> SpeechPlan:
         req.references.add(voice_id=voice)
     elif "reference_text" in b:
         raise invalid("reference_text", "is the transcript of reference_audio; give reference_audio too")
-    return SpeechPlan(req, fmt, stream_format == "sse", builtin and "reference_audio" not in b,
+    return SpeechPlan(req, fmt, stream_format == "sse", builtin,
                       "reference_audio" if "reference_audio" in b else "voice")
 
 
