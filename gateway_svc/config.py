@@ -17,6 +17,8 @@ class GatewayConfig:
     port: int = setting(8000, "HTTP port (0 picks a free one)", minimum=0)
     scheduler: str = setting("127.0.0.1:50051", "address of the public gRPC API the gateway translates to",
                              metavar="HOST:PORT")
+    channels: int = setting(4, "gRPC connections to the scheduler, calls spread over them (the kernel gives each "
+                            "connection to one frontend: give at least --frontends)", minimum=1)
     max_body_bytes: int = setting(32 << 20, "largest accepted request body in bytes (larger: 413)", minimum=1024)
     retry_after: int = setting(1, "seconds a 429 or 503 answer asks the client to wait (Retry-After)",
                                flag="--retry-after-s", metavar="S", minimum=0)

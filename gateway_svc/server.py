@@ -13,6 +13,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -33,25 +34,37 @@ from gateway_svc.stream import AudioStream
 
 
 class Gateway:
-    """One gRPC channel to the scheduler and the served models (cached: they change only when the
-    scheduler restarts, so a name not found refreshes them once)."""
+    """gRPC channels to the scheduler, and the served models (cached: they change only when the
+    scheduler restarts, so a name not found refreshes them once).
+
+    The scheduler's frontends share one port (SO_REUSEPORT), and the kernel hands each TCP
+    connection to one of them: over a single channel, every call of every HTTP client would land
+    on one frontend. So the gateway opens `channels` connections and spreads calls over them."""
 
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: tts_pb2_grpc.TextToSpeechStub | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[tts_pb2_grpc.TextToSpeechStub] = []
+        self._turn = itertools.count()
         self._models: dict[str, tts_pb2.ModelInfo] = {}
         # OpenAI voice names lately found not stored -> until when to trust that (monotonic seconds)
         self._not_stored: dict[str, float] = {}
 
     async def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.cfg.scheduler, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", -1)])
-        self.stub = tts_pb2_grpc.TextToSpeechStub(self.channel)
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", -1),
+                   ("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per channel
+        self._channels = [grpc.aio.insecure_channel(self.cfg.scheduler, options=options)
+                          for _ in range(self.cfg.channels)]
+        self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        for channel in self._channels:
+            await channel.close()
+
+    @property
+    def stub(self) -> tts_pb2_grpc.TextToSpeechStub:
+        """The next connection's stub, in turn."""
+        return self._stubs[next(self._turn) % len(self._stubs)]
 
     async def rpc(self, method, request, timeout: float | None = 30.0):
         try:

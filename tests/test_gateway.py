@@ -6,6 +6,7 @@ unchanged, and a client that goes away frees everything its request held."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -45,7 +46,7 @@ def stack():
                       scheduler_args=["--max-running", "1", "--max-queue", "1"]) as cluster:
         gateway = start_gateway(cluster.address, "--max-body-bytes", str(MAX_BODY), "--retry-after-s", "2")
         try:
-            cluster.http = f"http://{gateway.address}"
+            cluster.http, cluster.gateway = f"http://{gateway.address}", gateway
             yield cluster
         finally:
             gateway.stop()
@@ -197,6 +198,30 @@ def test_voices_are_created_listed_used_and_deleted(http):
     missing = http.post("/v1/audio/speech", json=body(voice="narrator"))
     assert missing.status_code == 404 and error_of(missing)["param"] == "voice"
     assert _prompt_rows(http, voice="nova") == plain
+
+
+def _connections(pid: int, port: int) -> int:
+    """Established TCP connections process `pid` holds to `port` on this host."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                count += cols[9] in inodes and int(cols[2].rsplit(":", 1)[1], 16) == port and cols[3] == "01"
+    return count
+
+
+def test_calls_spread_over_several_connections(stack, http):
+    """Frontends share the port and the kernel gives each connection to one: the gateway keeps four."""
+    for _ in range(8):
+        assert http.get("/v1/models").status_code == 200
+    assert _connections(stack.gateway.proc.pid, int(stack.address.rsplit(":", 1)[1])) == 4
 
 
 # ---- errors -------------------------------------------------------------------------------------
