@@ -1,7 +1,7 @@
 """The playground page in a real browser (headless Chromium through selenium) against the real
 services (tiny model, CPU) behind the gateway: type text, press Speak, hear it as it streams (the
-page reports what it scheduled and when the last chunk finished playing), store a voice from a file
-in the voices tab and speak with it.
+page reports what it scheduled and when the last chunk finished playing), stop one mid-stream,
+store voices from a file and from the (fake) microphone in the voices tab, and speak with them.
 
 The browser tests need Debian's `chromium` and `chromium-driver` (apt-get install chromium
 chromium-driver) and the `selenium` package; without them they skip, saying which is missing.
@@ -130,6 +130,7 @@ def test_speak_plays_the_audio_as_it_streams(browser, gateway, tmp_path):
     assert run["error"] is None, run
     assert run["done"] and run["played"] and run["samples"] > 0 and run["ttfaMs"] > 0
     assert run["rtf"] > 0 and run["sampleRate"] == 48000 and run["channels"] == 2
+    assert run["playedMs"] >= 0.9 * SECONDS * 1000  # the audio clock ran through all of it
     stats = browser.find_element("id", "stats").text
     assert "first audio" in stats and "real-time factor" in stats
     # what the page played is what the API gives for the same request
@@ -187,6 +188,19 @@ def test_a_voice_stored_in_the_voices_tab_speaks(browser, gateway, tmp_path):
     browser.find_element("css selector", "#voice-list button.delete").click()
     wait_for(browser, "document.getElementById('voice-status').textContent === 'deleted browser-voice'", 30)
     assert "browser-voice" not in {v["id"] for v in httpx.get(f"{gateway}/v1/audio/voices").json()["data"]}
+
+    # a voice recorded from the microphone (Chromium's fake one), WebM turned into WAV by the page
+    browser.find_element("id", "tab-voices").click()
+    set_field(browser, "voice-name", "recorded-voice")
+    browser.find_element("id", "voice-record").click()
+    wait_for(browser, "document.getElementById('voice-record').textContent === 'Stop recording'", 30)
+    time.sleep(1.5)
+    browser.find_element("id", "voice-record").click()
+    wait_for(browser, "document.getElementById('voice-status').textContent.startsWith('recorded')", 30)
+    browser.find_element("id", "voice-upload").click()
+    wait_for(browser, "document.getElementById('voice-status').textContent.startsWith('stored recorded-voice')", 120)
+    stored = {v["id"]: v for v in httpx.get(f"{gateway}/v1/audio/voices").json()["data"]}
+    assert stored["recorded-voice"]["frames"] > 0
 
     # the same file as a one-off clip in the speak tab (sent as reference_audio, stored nowhere)
     browser.find_element("id", "tab-speak").click()

@@ -288,7 +288,7 @@ async function speak() {
   const ctx = audioContext();
   await ctx.resume();  // a click lets the page make sound
   const run = (page.lastRun = { ttfaMs: 0, samples: 0, sampleRate: 0, channels: 0, audioSeconds: 0,
-                                totalMs: 0, rtf: 0, done: false, played: false, error: null });
+                                totalMs: 0, rtf: 0, playedMs: 0, done: false, played: false, error: null });
   const abort = new AbortController();
   state.run = { abort, player: null, run };
   $("speak-button").disabled = true;
@@ -327,6 +327,7 @@ async function speak() {
     showStats(run);
     player.finish();
     await player.allPlayed;
+    run.playedMs = (ctx.currentTime - began) * 1000;  // on the audio clock, from the first chunk's start
     run.played = !run.error;
     wave.draw(run.audioSeconds);
   } catch (e) {
