@@ -188,6 +188,7 @@ class Player {
     source.connect(this.ctx.destination);
     const at = Math.max(this.next, this.ctx.currentTime + 0.05);  // a late chunk starts a little ahead
     source.start(at);
+    this.began = this.began ?? at;
     this.next = at + n / this.rate;
     this.sources.add(source);
     source.onended = () => {
@@ -303,9 +304,8 @@ async function speak() {
     run.channels = Number(resp.headers.get("X-Channels"));
     const player = (state.run.player = new Player(ctx, run.sampleRate, run.channels));
     const wave = new Wave($("wave"), run.sampleRate, Number($("max-seconds").value) || 1);
-    const began = ctx.currentTime + 0.05;
     const animate = () => {
-      wave.draw(Math.max(0, ctx.currentTime - began));
+      wave.draw(Math.max(0, ctx.currentTime - (player.began ?? Infinity)));
       if (!run.played && !run.error) requestAnimationFrame(animate);
     };
     requestAnimationFrame(animate);
@@ -327,7 +327,7 @@ async function speak() {
     showStats(run);
     player.finish();
     await player.allPlayed;
-    run.playedMs = (ctx.currentTime - began) * 1000;  // on the audio clock, from the first chunk's start
+    run.playedMs = (ctx.currentTime - player.began) * 1000;  // on the audio clock, from the first chunk's start
     run.played = !run.error;
     wave.draw(run.audioSeconds);
   } catch (e) {
