@@ -3,7 +3,7 @@
     python -m gateway_svc.server --port 8000 --scheduler 127.0.0.1:50051
 
 Routes: POST /v1/audio/speech, GET /v1/models, POST/GET /v1/audio/voices,
-DELETE /v1/audio/voices/{voice_id}, GET /health.
+DELETE /v1/audio/voices/{voice_id}, GET /health, and the playground: GET / and /static/*.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import itertools
 import json
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
@@ -31,6 +33,8 @@ from gateway_svc.encoders import Encoder
 from gateway_svc.errors import GatewayError, from_rpc, invalid
 from gateway_svc.speech import SpeechPlan, parse_speech, resolve_model
 from gateway_svc.stream import AudioStream
+
+STATIC = Path(__file__).with_name("static")  # the playground: one page, its script and its style
 
 
 class Gateway:
@@ -217,6 +221,9 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         await gw.models(refresh=True)
         return JSONResponse({"status": "ok", "time": time.time()})
 
+    async def playground(request: Request):
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
     async def on_error(request: Request, exc: GatewayError):
         return exc.response()
 
@@ -240,6 +247,8 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         Route("/v1/audio/voices", list_voices, methods=["GET"]),
         Route("/v1/audio/voices/{voice_id}", delete_voice, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
+        Route("/", playground, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ], exception_handlers={
         GatewayError: on_error, 404: on_http, 405: on_http, Exception: on_crash}, lifespan=lifespan)
 
