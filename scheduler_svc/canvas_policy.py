@@ -17,11 +17,12 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import numpy as np
 
-from chorus.omnivoice.knobs import NUM_CODEBOOKS, packed_rows
+from chorus.omnivoice.knobs import MAX_NUM_STEP, NUM_CODEBOOKS, packed_rows
 from chorus.v1 import worker_pb2
 from chorus.wire import matrix_array
 from scheduler_svc.request import QueueFull
@@ -29,6 +30,10 @@ from scheduler_svc.request import QueueFull
 
 class CanvasTooLarge(ValueError):
     """A canvas that could never run: it alone needs more packed rows than the worker allows."""
+
+
+class InvalidCanvas(ValueError):
+    """A canvas the frontend should not have sent (its validation lets none through)."""
 
 
 class CanvasPhase(enum.Enum):
@@ -62,6 +67,19 @@ class Canvas:
         return canvas_rows(self.start)
 
 
+def check_canvas(start: worker_pb2.CanvasStart) -> None:
+    ref = start.reference_codes
+    if not 1 <= start.knobs.num_step <= MAX_NUM_STEP:
+        raise InvalidCanvas(f"canvas.knobs.num_step = {start.knobs.num_step}: must be in [1, {MAX_NUM_STEP}]")
+    if start.target_frames < 1:
+        raise InvalidCanvas(f"canvas.target_frames = {start.target_frames}: must be >= 1")
+    if not start.text_ids:
+        raise InvalidCanvas("canvas.text_ids is empty: the style and text segments are missing")
+    if ref.rows and (ref.cols != NUM_CODEBOOKS or len(ref.data) != 4 * ref.rows * ref.cols):
+        raise InvalidCanvas(f"canvas.reference_codes is {ref.rows}x{ref.cols} with {len(ref.data)} bytes: give "
+                            f"[frames, {NUM_CODEBOOKS}] int32 codes")
+
+
 def canvas_rows(start: worker_pb2.CanvasStart) -> int:
     """Packed rows of one canvas: its cond document (text + reference + target) and, with
     guidance, its uncond document (the target again)."""
@@ -87,7 +105,9 @@ class CanvasPolicy:
 
     # ---- canvases in and out -------------------------------------------------
     def add(self, canvas: Canvas) -> Canvas:
-        """Queue a canvas. CanvasTooLarge: it would never fit; QueueFull: the queue is full."""
+        """Queue a canvas. InvalidCanvas: malformed; CanvasTooLarge: it would never fit; QueueFull: the
+        queue is full."""
+        check_canvas(canvas.start)
         if self.max_rows is not None and canvas.cost > self.max_rows:
             raise CanvasTooLarge(
                 f"this request needs {canvas.cost} packed rows per step (text + reference + target frames, the "
@@ -176,11 +196,12 @@ class CanvasPolicy:
         """End these running canvases with an error (their step failed); returns them."""
         return [self._fail(self.running[rid], message) for rid in request_ids if rid in self.running]
 
-    def forget_worker(self, message: str) -> list[Canvas]:
-        """The worker restarted and its canvases are gone: every running canvas fails (they cannot
-        resume; the frontend's request is retried whole by the client). Waiting ones stay queued."""
-        ended = self.fail(list(self.running), message)
-        self.pending_release = []  # a new worker process holds nothing of ours
+    def forget_worker(self, message: str, keep: Collection[int] = ()) -> list[Canvas]:
+        """The worker restarted and its canvases are gone: every running canvas but those in `keep`
+        (started on the new process) fails; a canvas cannot resume mid-unmasking, the client retries
+        the request. Waiting canvases stay queued for the new process."""
+        ended = self.fail([rid for rid in self.running if rid not in keep], message)
+        self.pending_release = []  # the new process never held these
         return ended
 
     # ---- ending --------------------------------------------------------------
