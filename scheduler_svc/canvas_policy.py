@@ -98,8 +98,7 @@ class CanvasPolicy:
         self.waiting: deque[Canvas] = deque()
         self.running: dict[int, Canvas] = {}
         self.used_rows = 0
-        self.pending_release: list[int] = []
-        self.steps = 0
+        self.pending_release: list[int] = []  # canvases the next plan frees on the worker
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
 
@@ -122,11 +121,11 @@ class CanvasPolicy:
 
     def cancel(self, canvas: Canvas) -> None:
         """The client went away: drop the canvas wherever it is. Idempotent."""
-        if canvas.phase is CanvasPhase.WAITING:
+        if canvas.phase is CanvasPhase.DONE:
+            return
+        if canvas in self.waiting:
             self.waiting.remove(canvas)
-        elif canvas.phase is CanvasPhase.RUNNING:
-            self._end(canvas)
-        canvas.phase = CanvasPhase.DONE
+        self._end(canvas)
         canvas.cancelled = True
 
     # ---- a step --------------------------------------------------------------
@@ -143,8 +142,6 @@ class CanvasPolicy:
                 canvas.steps_planned += 1
         if not (plan.release or plan.canvas_start or plan.canvas_step):
             return None
-        if plan.canvas_step:
-            self.steps += 1
         return plan
 
     def _admit(self, plan: worker_pb2.StepPlan) -> None:

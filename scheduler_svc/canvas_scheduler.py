@@ -72,9 +72,10 @@ class CanvasScheduler:
 
     def cancel(self, canvas: Canvas) -> None:
         """The client went away: drop the canvas wherever it is; the sink hears nothing of it. Idempotent."""
-        if not canvas.cancelled and canvas.error is None and canvas.codes is None:
-            metrics.CANVASES.labels(outcome="cancelled", **self._labels).inc()
         self.policy.cancel(canvas)
+        if canvas.cancelled and canvas.t_finished is None:
+            canvas.t_finished = time.monotonic()
+            metrics.CANVASES.labels(outcome="cancelled", **self._labels).inc()
         self._publish()
         self._wakeup.set()  # its release rides on the next plan
 
