@@ -55,6 +55,11 @@ class CanvasScheduler:
     def model_name(self) -> str:
         return self.hello.model_name
 
+    @property
+    def load(self) -> tuple[int, int]:
+        """(canvases waiting, packed rows running): the smaller, the sooner a new canvas runs."""
+        return len(self.policy.waiting), self.policy.used_rows
+
     # ---- public --------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())

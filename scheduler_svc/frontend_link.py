@@ -54,7 +54,7 @@ class FrontendLink(EventSink, CanvasSink):
         self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
         self._requests: dict[tuple[bytes, int], Request] = {}     # (frontend, ticket) -> request
         self._out: dict[bytes, _Outbox] = {}
-        self.canvas_schedulers: dict[str, CanvasScheduler] = {}  # model name -> its scheduler
+        self.canvas_schedulers: dict[str, list[CanvasScheduler]] = {}  # model name -> one per worker
         self.served: dict[str, str] = {}                            # model name -> architecture
         self.default_model = ""
         self._canvas_origin: dict[Canvas, tuple[bytes, int]] = {}
@@ -62,12 +62,14 @@ class FrontendLink(EventSink, CanvasSink):
         self._late: list[tuple[bytes, frontend_pb2.CoreMessage]] = []  # sent after the current answer
         self._task: asyncio.Task | None = None
 
-    def start(self, scheduler: Scheduler, canvas_schedulers: dict[str, CanvasScheduler] | None = None,
+    def start(self, scheduler: Scheduler, canvas_schedulers: list[CanvasScheduler] = (),
               default_model: str = "") -> None:
         """Serve the frontends. default_model: the served model that requests naming none get (its
         name or architecture; empty: the MOSS model); UnknownModel when it names none."""
         self.scheduler = scheduler
-        self.canvas_schedulers = dict(canvas_schedulers or {})
+        self.canvas_schedulers = {}
+        for s in canvas_schedulers:
+            self.canvas_schedulers.setdefault(s.model_name, []).append(s)
         self.served = {scheduler.hello.model_name: scheduler.hello.architecture,
                        **{name: OMNIVOICE for name in self.canvas_schedulers}}
         self.default_model = resolve_model(default_model, self.served)
@@ -181,7 +183,8 @@ class FrontendLink(EventSink, CanvasSink):
             s = self.scheduler
             return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(
                 worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size,
-                canvas_workers=[c.hello for c in self.canvas_schedulers.values()], default_model=self.default_model))
+                canvas_workers=[c.hello for group in self.canvas_schedulers.values() for c in group],
+                default_model=self.default_model))
         if kind == "put_voice":
             v = msg.put_voice
             if v.voice_id not in self.voices and len(self.voices) >= self.max_voices:
@@ -211,16 +214,16 @@ class FrontendLink(EventSink, CanvasSink):
                                                                          loaded=self.scheduler.loaded))
 
     def _canvas_submit(self, frontend: bytes, sub: frontend_pb2.CanvasSubmit) -> frontend_pb2.CoreMessage:
-        """Queue a canvas on its model's scheduler: Submitted now (queue_full set when refused), the
-        CanvasDone when it ends. A model that takes no canvases, or a malformed canvas, is answered by a
+        """Queue a canvas on its model's least loaded scheduler that takes it: Submitted now (queue_full
+        set when none does), the CanvasDone when it ends. A model that takes no canvases, or a malformed canvas, is answered by a
         CanvasDone error."""
         try:
             name = resolve_model(sub.model, self.served, self.default_model)
-            scheduler = self.canvas_schedulers.get(name)
-            if scheduler is None:
+            group = self.canvas_schedulers.get(name)
+            if group is None:
                 raise UnknownModel(f"model {name!r} is not an OmniVoice model; OmniVoice models served: "
                                    f"{', '.join(self.canvas_schedulers) or '(none)'}")
-            canvas = scheduler.submit(sub.canvas)
+            scheduler, canvas = _submit_to_one(sorted(group, key=lambda s: s.load), sub.canvas)
         except (QueueFull, CanvasTooLarge) as e:
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
         except (UnknownModel, InvalidCanvas) as e:
@@ -243,3 +246,14 @@ class FrontendLink(EventSink, CanvasSink):
             metrics.ACTIVE_STREAMS.dec()
             if r.outcome:
                 metrics.REQUESTS.labels(r.outcome).inc()
+
+
+def _submit_to_one(schedulers: list[CanvasScheduler], start) -> tuple[CanvasScheduler, Canvas]:
+    """The first of `schedulers` that accepts the canvas, and the canvas; else the first refusal."""
+    refusal = None
+    for s in schedulers:
+        try:
+            return s, s.submit(start)
+        except (QueueFull, CanvasTooLarge) as e:
+            refusal = refusal or e
+    raise refusal

@@ -122,15 +122,12 @@ async def _hello(endpoint: str, architecture: str) -> tuple[WorkerClient, worker
     return worker, hello
 
 
-async def _canvas_schedulers(args: SchedulerConfig, sink) -> dict[str, CanvasScheduler]:
-    """A CanvasScheduler per OmniVoice worker, keyed by the model it serves (names must differ)."""
-    out: dict[str, CanvasScheduler] = {}
+async def _canvas_schedulers(args: SchedulerConfig, sink) -> list[CanvasScheduler]:
+    """A CanvasScheduler per OmniVoice worker (workers serving one model share its requests)."""
+    out = []
     for endpoint in args.omnivoice_worker:
         client, hello = await _hello(endpoint, OMNIVOICE)
-        if hello.model_name in out:
-            raise SystemExit(f"OmniVoice workers {out[hello.model_name].worker.endpoint} and {endpoint} both serve "
-                             f"{hello.model_name!r}: one worker per model")
-        out[hello.model_name] = CanvasScheduler(client, hello, args, sink=sink)
+        out.append(CanvasScheduler(client, hello, args, sink=sink))
     return out
 
 
@@ -147,7 +144,7 @@ async def serve(args: SchedulerConfig) -> None:
         except UnknownModel as e:
             raise SystemExit(f"scheduler.default_model = {args.default_model!r}: {e}") from None
         scheduler.start()
-        for s in canvas_schedulers.values():
+        for s in canvas_schedulers:
             s.start()
         metrics.KV_TOTAL.set(hello.kv_slots)
         reservation, port = _reserve_port(args.host, args.port)
@@ -158,7 +155,7 @@ async def serve(args: SchedulerConfig) -> None:
             await _wait_frontends(link, procs, timeout=900)
             if args.metrics_port:
                 start_http_server(args.metrics_port, addr=args.host, registry=metrics.REGISTRY)
-            models = ",".join([cfg.name, *canvas_schedulers])
+            models = ",".join(dict.fromkeys([cfg.name, *(s.model_name for s in canvas_schedulers)]))
             print(f"scheduler ready on {args.host}:{port} models={models} default={link.default_model} "
                   f"worker={args.worker} frontends={args.frontends} vocoders={','.join(args.vocoder)}",
                   flush=True)
@@ -172,7 +169,7 @@ async def serve(args: SchedulerConfig) -> None:
             await asyncio.get_running_loop().run_in_executor(None, _stop_frontends, procs, args.drain_seconds + 5)
             reservation.close()
             await scheduler.stop()
-            for s in canvas_schedulers.values():
+            for s in canvas_schedulers:
                 await s.stop()
                 await s.worker.close()
             link.close()

@@ -232,7 +232,7 @@ def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
         ctx = zmq.asyncio.Context.instance()
         link = FrontendLink(f"ipc://{tmp_path}/core", max_voices=4)
         sched.sink = link
-        link.start(moss_stub(), {sched.model_name: sched}, "omnivoice")
+        link.start(moss_stub(), [sched], "omnivoice")
         fe = Frontend(ctx, link.endpoint)
         try:
             await fe.send(call=1, hello=frontend_pb2.CoreHelloRequest())
@@ -281,6 +281,45 @@ def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
             fe.sock.close()
             link.close()
     run(test)
+
+
+def test_workers_serving_one_model_share_its_canvases(tmp_path):
+    """Each canvas goes to the least loaded worker of its model that can take it."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        fakes = [FakeWorker(ctx, max_packed_rows=200), FakeWorker(ctx, max_packed_rows=1000)]
+        link = FrontendLink(f"ipc://{tmp_path}/core", max_voices=4, ctx=ctx)
+        clients = [WorkerClient(f.endpoint, ctx) for f in fakes]
+        scheds = [CanvasScheduler(c, await c.hello(), SchedulerConfig(), link) for c in clients]
+        for s in scheds:
+            s.start()
+        link.start(moss_stub(), scheds)
+        fe = Frontend(ctx, link.endpoint)
+        try:
+            for f in fakes:
+                f.gate.clear()  # nothing finishes: each canvas adds to its worker's load
+            for ticket in range(1, 5):  # alternating: a tie goes to the first worker
+                await fe.send(call=ticket, canvas_submit=frontend_pb2.CanvasSubmit(ticket=ticket, model="omnivoice",
+                                                                                  canvas=start_msg(num_step=2)))
+                assert (await fe.recv()).submitted.request_id
+            await fe.send(call=9, canvas_submit=frontend_pb2.CanvasSubmit(ticket=9, canvas=start_msg(frames=300),
+                                                                         model="omnivoice-tiny"))
+            assert (await fe.recv()).submitted.request_id  # 606 rows: only the second worker's budget holds it
+            for f in fakes:
+                f.gate.set()
+            tickets = sorted([(await fe.recv()).canvas_done.ticket for _ in range(5)])
+            assert tickets == [1, 2, 3, 4, 9]
+            starts = [[s.target_frames for p in f.plans for s in p.canvas_start] for f in fakes]
+            assert len(starts[0]) == 2 and len(starts[1]) == 3 and 300 in starts[1]
+        finally:
+            fe.sock.close()
+            link.close()
+            for s, c, f in zip(scheds, clients, fakes):
+                await s.stop()
+                await c.close()
+                f.close()
+            ctx.destroy(0)
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 # ---- the real worker --------------------------------------------------------------------------
