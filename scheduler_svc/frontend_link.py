@@ -215,8 +215,8 @@ class FrontendLink(EventSink, CanvasSink):
 
     def _canvas_submit(self, frontend: bytes, sub: frontend_pb2.CanvasSubmit) -> frontend_pb2.CoreMessage:
         """Queue a canvas on its model's least loaded scheduler that takes it: Submitted now (queue_full
-        set when none does), the CanvasDone when it ends. A model that takes no canvases, or a malformed canvas, is answered by a
-        CanvasDone error."""
+        set when none does), the CanvasDone when it ends. A model that takes no canvases, or a malformed
+        canvas, is answered by a CanvasDone error."""
         try:
             name = resolve_model(sub.model, self.served, self.default_model)
             group = self.canvas_schedulers.get(name)

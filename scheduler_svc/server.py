@@ -2,10 +2,10 @@
 
 The core (this process) owns the Scheduler (queue, admission, KV, radix cache,
 lookahead, the ZeroMQ link to the gpu_worker), a CanvasScheduler per OmniVoice
-worker, the voice store and the one Prometheus endpoint. It starts --frontends frontend processes
-(scheduler_svc/frontend.py) that all serve the gRPC port: validation, prompt
-building, the vocoder streams and the client's audio, the per-frame work that
-one Python process cannot carry at full GPU throughput. They reach the core
+worker, the voice store and the one Prometheus endpoint. It starts --frontends
+frontend processes (scheduler_svc/frontend.py) that all serve the gRPC port:
+validation, prompt building, the vocoder streams and the client's audio, the
+per-frame work that one Python process cannot carry at full GPU throughput. They reach the core
 over a ZeroMQ ipc socket (protos/chorus/v1/frontend.proto). The core prints
 its `ready on` line once every frontend serves; if a frontend dies, the core
 stops the rest and exits non-zero, so an orchestrator restarts the whole pod.
@@ -127,7 +127,10 @@ async def _canvas_schedulers(args: SchedulerConfig, sink) -> list[CanvasSchedule
     out = []
     for endpoint in args.omnivoice_worker:
         client, hello = await _hello(endpoint, OMNIVOICE)
-        out.append(CanvasScheduler(client, hello, args, sink=sink))
+        try:
+            out.append(CanvasScheduler(client, hello, args, sink=sink))
+        except ValueError as e:  # a Hello the policy cannot work with
+            raise SystemExit(f"the OmniVoice worker at {endpoint}: {e}") from None
     return out
 
 
