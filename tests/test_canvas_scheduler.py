@@ -322,6 +322,45 @@ def test_workers_serving_one_model_share_its_canvases(tmp_path):
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_the_core_process_greets_its_omnivoice_workers():
+    """scheduler_svc.server with a fake OmniVoice worker beside the tiny MOSS one: its `ready on` line
+    names both models and the default; the canvas metrics are served."""
+    import threading
+    import urllib.request
+
+    from helpers import make_cluster
+
+    ready = threading.Event()
+    box = {}
+
+    def serve_fake():
+        async def main():
+            ctx = zmq.asyncio.Context()
+            box["fake"] = FakeWorker(ctx)
+            box["stop"] = asyncio.Event()
+            ready.set()
+            await box["stop"].wait()
+            box["fake"].close()
+            ctx.destroy(0)
+        box["loop"] = asyncio.new_event_loop()
+        box["loop"].run_until_complete(main())
+
+    thread = threading.Thread(target=serve_fake, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        with make_cluster(scheduler_args=["--omnivoice-worker", box["fake"].endpoint, "--omnivoice-vocoder",
+                                          "127.0.0.1:1", "--default-model", "omnivoice"]) as c:
+            line = next(x for x in c.service("scheduler").lines if "ready on" in x)
+            models = line.split("models=")[1].split()[0].split(",")
+            assert models[1:] == ["omnivoice-tiny"] and " default=omnivoice-tiny " in line
+            with urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10) as r:
+                assert 'chorus_canvas_queue_depth{model="omnivoice-tiny"} 0.0' in r.read().decode()
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+
+
 # ---- the real worker --------------------------------------------------------------------------
 
 def _omnivoice_preset() -> bool:
