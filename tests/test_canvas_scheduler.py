@@ -374,6 +374,8 @@ def test_canvases_through_a_real_omnivoice_worker():
     """The tiny OmniVoice worker process: canvases of different lengths, steps and guidance packed
     together each end with a full canvas, and one alone gets exactly the codes it gets packed."""
     from chorus.launcher import Service, free_port
+    from chorus.omnivoice.prompt import plan_pieces
+    from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 
     port = free_port()
     worker = Service("omnivoice-worker", [sys.executable, "-m", "gpu_worker.server", "--preset", "omnivoice-tiny",
@@ -389,10 +391,12 @@ def test_canvases_through_a_real_omnivoice_worker():
             assert sched.hello.architecture == "omnivoice" and sched.hello.max_packed_rows > 0
             sched.start()
             try:
-                texts = [[151644 + i % 3, 100 + i, 200 + i, 300] for i in range(3)]
-                starts = [worker_pb2.CanvasStart(text_ids=t, target_frames=8 + 3 * i, seed=40 + i, knobs=UnmaskKnobs(
-                          num_step=2 + i, guidance_scale=[2.0, 0.0, 1.5][i], position_temperature=0).to_proto())
-                          for i, t in enumerate(texts)]
+                tokenizer = load_omnivoice_tokenizer(None)
+                pieces = [plan_pieces(tokenizer, text)[0] for text in ("Hello there.", "你好，世界。", "A short one.")]
+                starts = [worker_pb2.CanvasStart(
+                    text_ids=p.text_ids, target_frames=p.target_frames, seed=40 + i, knobs=UnmaskKnobs(
+                        num_step=2 + i, guidance_scale=[2.0, 0.0, 1.5][i], position_temperature=0).to_proto())
+                    for i, p in enumerate(pieces)]
                 packed = [sched.submit(worker_pb2.CanvasStart.FromString(s.SerializeToString())) for s in starts]
                 await asyncio.wait_for(drain(sink, 3), 240)
                 alone = sched.submit(worker_pb2.CanvasStart.FromString(starts[1].SerializeToString()))
