@@ -205,6 +205,28 @@ def test_cancel_releases_on_the_worker_and_tells_nobody():
     run(test)
 
 
+def test_random_cancellations_leave_no_canvas_on_the_worker():
+    async def test(fake, sched, sink):
+        rng = np.random.default_rng(0)
+        live = []
+        for i in range(100):
+            live.append(sched.submit(start_msg(frames=int(rng.integers(1, 40)), num_step=int(rng.integers(1, 8)),
+                                               guidance=float(rng.choice([0.0, 2.0])), seed=i)))
+            if rng.random() < 0.7:
+                sched.cancel(live.pop(int(rng.integers(len(live)))))
+            await asyncio.sleep(float(rng.choice([0, 0.002])))
+        for c in live:
+            if rng.random() < 0.5:
+                sched.cancel(c)
+        p = sched.policy
+        while p.running or p.waiting or p.pending_release or fake.canvases:  # run() times out if never
+            await asyncio.sleep(0.01)
+        assert p.used_rows == 0
+        ended = [sink.done.get_nowait() for _ in range(sink.done.qsize())]
+        assert all(c.error is None and not c.cancelled for c in ended) and len(ended) > 5
+    run(test, max_packed_rows=300)
+
+
 # ---- the core's link --------------------------------------------------------------------------
 
 class Frontend:
