@@ -69,7 +69,7 @@ class CanvasScheduler:
             self._task.cancel()
 
     def submit(self, start: worker_pb2.CanvasStart) -> Canvas:
-        """Queue a canvas (request_id is assigned here). Raises CanvasTooLarge or QueueFull."""
+        """Queue a canvas (request_id is assigned here). Raises InvalidCanvas, CanvasTooLarge or QueueFull."""
         canvas = self.policy.add(Canvas(start, t_accepted=time.monotonic()))
         self._publish()
         self._wakeup.set()
@@ -117,11 +117,11 @@ class CanvasScheduler:
         if self._is_new_worker(journal.incarnation):
             started = {s.request_id for s in plan.canvas_start}  # these the new process did start
             self._worker_restarted(journal.incarnation, keep=started)
-        metrics.CANVAS_STEP_MS.labels(**self._labels).observe(journal.step_ms)
         if journal.error:
             log.error("OmniVoice step %d failed on the worker: %s", plan.step_id, journal.error)
             self._fail_step(plan, f"OmniVoice worker step failed: {journal.error}")
         else:
+            metrics.CANVAS_STEP_MS.labels(**self._labels).observe(journal.step_ms)
             self._ended(self.policy.apply(journal))
 
     async def _journal(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal | None:
