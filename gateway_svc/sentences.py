@@ -13,8 +13,9 @@ word that does not start in lower case, and a word before them that is no title 
 A line break ends a sentence. Text with no boundary for `max_chars` is cut at its last comma or
 space before that.
 
-pysbd was considered: it segments whole texts, and its decision for a cut may change with text
-after the next sentence, which breaks the pieces-independence above.
+Why not pysbd, the usual rule-based segmenter: it segments a whole text, so a stream would mean
+re-segmenting a growing buffer, and nothing in it promises that a cut stays where it was as text
+is added, which the pieces-independence above needs. (Its English abbreviation list is longer.)
 """
 
 from __future__ import annotations
