@@ -2,7 +2,8 @@
 
     python -m gateway_svc.server --port 8000 --scheduler 127.0.0.1:50051
 
-Routes: POST /v1/audio/speech, GET /v1/models, POST/GET /v1/audio/voices,
+Routes: POST /v1/audio/speech, WebSocket /v1/audio/speech/stream (text in as it is written,
+gateway_svc.speech_stream), GET /v1/models, POST/GET /v1/audio/voices,
 DELETE /v1/audio/voices/{voice_id}, GET /health, and the playground: GET / and /static/*.
 """
 
@@ -23,7 +24,7 @@ import grpc
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from chorus.config import ConfigError, add_config_flags, parse
@@ -32,6 +33,7 @@ from gateway_svc.config import GatewayConfig
 from gateway_svc.encoders import Encoder
 from gateway_svc.errors import GatewayError, from_rpc, invalid
 from gateway_svc.speech import SpeechPlan, parse_speech, resolve_model
+from gateway_svc.speech_stream import SpeechSession
 from gateway_svc.stream import AudioStream
 
 STATIC = Path(__file__).with_name("static")  # the playground: one page, its script and its style
@@ -242,6 +244,7 @@ def build_app(cfg: GatewayConfig) -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute("/v1/audio/speech/stream", lambda ws: SpeechSession(ws, gw).serve()),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/audio/voices", create_voice, methods=["POST"]),
         Route("/v1/audio/voices", list_voices, methods=["GET"]),
