@@ -270,8 +270,8 @@ class _PieceRun:
 
     def cancel(self) -> None:
         """The stream is over (done, failed or cancelled): drop whatever is still running."""
-        for t in self.tasks:
-            t.cancel()
         for t in self.tickets:
             if t is not None:
                 self.core.abort(t)
+        for t in self.tasks:
+            t.cancel()

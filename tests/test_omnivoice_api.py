@@ -147,3 +147,226 @@ def test_model_names_resolve_by_name_architecture_and_default():
         ServedModels([moss, omni, ServedModel("other-ov", OMNIVOICE)]).resolve("omnivoice")
     with pytest.raises(ValueError, match="default_model"):
         ServedModels([moss], default="omnivoice")
+
+
+# ---- the Synthesize path against stand-ins for the core, the codec and the prompt planner ------------
+from dataclasses import dataclass  # noqa: E402
+
+from scheduler_svc import omnivoice_frontend  # noqa: E402
+from scheduler_svc.core_client import CanvasTicket  # noqa: E402
+from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend, piece_seed  # noqa: E402
+from chorus.v1 import worker_pb2  # noqa: E402
+
+
+@dataclass(frozen=True)
+class FakePiece:  # chorus.omnivoice.prompt.Piece's fields
+    text: str
+    text_ids: list
+    target_frames: int
+    reference: str
+
+
+class FakeCore:
+    """Answers submit_canvas at once; a canvas is done when the test says (finish)."""
+
+    def __init__(self):
+        self.hello = frontend_pb2.CoreHello(canvas_workers=[worker_pb2.Hello(model_name=MODEL,
+                                                                             max_packed_rows=24576)])
+        self.submitted: list[tuple[CanvasTicket, worker_pb2.CanvasStart]] = []
+        self.aborted: list[int] = []
+        self.voices: dict[str, frontend_pb2.StoredVoice] = {}
+        self.changed = asyncio.Event()
+
+    async def submit_canvas(self, model, canvas):
+        assert model == MODEL
+        t = CanvasTicket(len(self.submitted) + 1)
+        self.submitted.append((t, canvas))
+        self.changed.set()
+        return t
+
+    def finish(self, i: int, fill: int) -> None:
+        t, canvas = self.submitted[i]
+        codes = np.full((canvas.target_frames, 8), fill, np.int32)
+        t.t_done = t.t_accepted
+        t.done.set_result(frontend_pb2.CanvasDone(ticket=t.ticket, codes=rows_matrix(codes), queue_ms=1.0))
+
+    def abort(self, t):
+        if not t.done.done() or t.done.cancelled():  # as CoreClient: still open in the core
+            self.aborted.append(t.ticket)
+
+    def report(self, *a, **kw):
+        pass
+
+    async def get_voice(self, voice_id):
+        return self.voices.get(voice_id)
+
+
+class FakeClips:
+    """DecodeClip: T frames -> T * 960 samples, each the canvas's first code / 1000."""
+
+    def __init__(self):
+        self.calls: list[vocoder_pb2.DecodeClipRequest] = []
+
+    async def decode_clip(self, request):
+        self.calls.append(request)
+        codes = matrix_array(request.codes)
+        pcm = np.full(codes.shape[0] * ov.SAMPLES_PER_FRAME, codes[0, 0] / 1000, np.float32)
+        if request.pcm_encoding == vocoder_pb2.PCM_INT16:
+            return vocoder_pb2.DecodeClipResponse(pcm=(pcm * 32767).round().astype("<i2").tobytes(),
+                                                  num_samples=pcm.size, pcm_encoding=vocoder_pb2.PCM_INT16)
+        return vocoder_pb2.DecodeClipResponse(pcm=pcm.tobytes(), num_samples=pcm.size)
+
+    async def encode_reference(self, audio):
+        return vocoder_pb2.EncodeResponse(codes=rows_matrix(np.ones((5, 8), np.int32)), rms=0.05)
+
+
+def frontend_with(monkeypatch, pieces):
+    monkeypatch.setattr(omnivoice_frontend, "plan", lambda *a, **kw: pieces)
+    core, clips = FakeCore(), FakeClips()
+    return OmniVoiceFrontend(core, clips, tokenizer=None, limits=LIMITS), core, clips
+
+
+async def wait_for(core: FakeCore, n: int) -> None:
+    while len(core.submitted) < n:
+        core.changed.clear()
+        await asyncio.wait_for(core.changed.wait(), 5)
+
+
+async def collect(gen, out: list) -> None:
+    async for r in gen:
+        out.append(r)
+
+
+def pieces_of(refs: list[str], frames=(4, 6, 5)) -> list[FakePiece]:
+    return [FakePiece(f"piece {i}", [100 + i] * (3 + i), frames[i], r) for i, r in enumerate(refs)]
+
+
+def test_pieces_stream_in_order_and_later_pieces_wait_for_piece_zero(monkeypatch):
+    pieces = pieces_of(["none", "first_piece", "first_piece"])
+    fe, core, clips = frontend_with(monkeypatch, pieces)
+
+    async def run():
+        out = []
+        req = ovreq(return_codes=True, format=tts_pb2.FLOAT32, sampling={"seed": 5})
+        task = asyncio.get_running_loop().create_task(collect(fe.synthesize(req, MODEL), out))
+        await wait_for(core, 1)
+        await asyncio.sleep(0.05)
+        assert len(core.submitted) == 1  # pieces 1 and 2 need piece 0's canvas as their reference
+        core.finish(0, 100)
+        await wait_for(core, 3)
+        for _, canvas in core.submitted[1:]:
+            assert np.array_equal(matrix_array(canvas.reference_codes), np.full((4, 8), 100))
+        core.finish(2, 300)  # out of order: piece 2's audio must still follow piece 1's
+        await asyncio.sleep(0.05)
+        assert sum(r.HasField("audio") for r in out) == 1  # piece 0's only
+        core.finish(1, 200)
+        await asyncio.wait_for(task, 5)
+        return out
+
+    out = asyncio.run(run())
+    header = out[0].header
+    assert (header.model, header.sample_rate, header.channels, header.samples_per_frame) == (MODEL, 24000, 1, 960)
+    audio = np.concatenate([np.frombuffer(r.audio.data, "<f4") for r in out if r.HasField("audio")])
+    expect = np.concatenate([np.full(f * 960, v / 1000, np.float32) for f, v in ((4, 100), (6, 200), (5, 300))])
+    assert np.array_equal(audio, expect)
+    starts = [r.audio.first_sample for r in out if r.HasField("audio")]
+    assert starts == sorted(starts) and starts[0] == 0
+    assert [r.codes.first_frame for r in out if r.HasField("codes")] == [0, 4, 10]
+    s = out[-1].summary
+    assert s.frames == 15 and s.finish_reason == tts_pb2.STOP and s.audio_seconds == pytest.approx(15 * 0.04)
+    canvases = [c for _, c in core.submitted]
+    assert [list(c.text_ids) for c in canvases] == [p.text_ids for p in pieces]
+    assert len({c.seed for c in canvases}) == 3 and canvases[0].seed == piece_seed(canvases[0].seed, 0)
+    assert all(c.knobs.num_step == 32 for c in canvases)
+    flags = sorted((matrix_array(c.codes)[0, 0], c.continues, c.continued) for c in clips.calls)
+    assert flags == [(100, False, True), (200, True, True), (300, True, False)]
+    assert all(c.reference_rms == 0 and c.fade_seconds == pytest.approx(0.1) for c in clips.calls)
+    assert core.aborted == []
+
+
+def test_a_clone_sends_every_piece_at_once_with_the_reference(monkeypatch):
+    pieces = pieces_of(["request", "request"])
+    fe, core, clips = frontend_with(monkeypatch, pieces)
+    ref = tts_pb2.VoiceReference(audio=common_pb2.AudioData(data=b"RIFF"), transcript="Said before.")
+
+    async def run():
+        out = []
+        task = asyncio.get_running_loop().create_task(collect(fe.synthesize(ovreq(references=[ref]), MODEL), out))
+        await wait_for(core, 2)
+        core.finish(1, 20)
+        core.finish(0, 10)
+        await asyncio.wait_for(task, 5)
+        return out
+
+    out = asyncio.run(run())
+    assert all(np.array_equal(matrix_array(c.reference_codes), np.ones((5, 8))) for _, c in core.submitted)
+    assert all(c.reference_rms == pytest.approx(0.05) for c in clips.calls)
+    pcm = np.concatenate([np.frombuffer(r.audio.data, "<i2") for r in out if r.HasField("audio")])
+    assert pcm.shape == (10 * 960,) and pcm[0] == round(0.01 * 32767) and pcm[-1] == round(0.02 * 32767)
+
+
+def test_a_voice_of_the_other_model_or_without_transcript_is_refused(monkeypatch):
+    fe, core, _ = frontend_with(monkeypatch, pieces_of(["request"]))
+    core.voices["m"] = frontend_pb2.StoredVoice(voice_id="m", codes=rows_matrix(np.zeros((3, 12), np.int32)),
+                                                transcript="Hi.", frames=3, model="moss-tts-local-tiny")
+    core.voices["quiet"] = frontend_pb2.StoredVoice(voice_id="quiet", codes=rows_matrix(np.zeros((3, 8), np.int32)),
+                                                    frames=3, model=MODEL)
+
+    def refused(ref):
+        with pytest.raises(InvalidRequest) as e:
+            asyncio.run(collect(fe.synthesize(ovreq(references=[ref]), MODEL), []))
+        return str(e.value)
+
+    assert refused(tts_pb2.VoiceReference(voice_id="m")).startswith("references[0].voice_id 'm' was made for model "
+                                                                     "moss-tts-local-tiny")
+    assert refused(tts_pb2.VoiceReference(voice_id="quiet")).startswith("references[0].transcript is empty")
+    assert refused(codes_ref(cols=12)).startswith("references[0].codes must be [T>0, 8]")
+    bad = tts_pb2.VoiceReference(codes=rows_matrix(np.full((2, 8), 1024, np.int32)), transcript="Hi.")
+    assert refused(bad).startswith("references[0].codes values must be in [0, 1024)")
+
+
+def test_cancelling_the_stream_aborts_every_piece_still_running(monkeypatch):
+    fe, core, _ = frontend_with(monkeypatch, pieces_of(["request", "request", "request"]))
+
+    async def run():
+        gen = fe.synthesize(ovreq(references=[codes_ref()]), MODEL)
+        assert (await gen.__anext__()).HasField("header")
+        core.finish(0, 1)
+        assert (await gen.__anext__()).HasField("audio")
+        await gen.aclose()  # the client went away
+
+    asyncio.run(run())
+    assert sorted(core.aborted) == [2, 3]
+
+
+def test_a_piece_over_the_budget_is_refused_before_it_is_submitted(monkeypatch):
+    fe, core, _ = frontend_with(monkeypatch, [FakePiece("long", [1] * 100, 20000, "none")])
+    with pytest.raises(InvalidRequest, match="packed rows"):
+        asyncio.run(collect(fe.synthesize(ovreq(), MODEL), []))
+    assert core.submitted == []
+
+
+def test_chorus_say_puts_the_omnivoice_flags_in_the_request(tmp_path):
+    import argparse
+
+    from chorus.cli import _add_say_flags, _say_request
+
+    p = argparse.ArgumentParser()
+    p.add_argument("text")
+    p.add_argument("--model", default="")
+    _add_say_flags(p, "out.wav")
+    voice = tmp_path / "v.wav"
+    voice.write_bytes(b"RIFF")
+    args = p.parse_args(["Hi there.", "--model", "omnivoice", "--num-step", "8", "--guidance-scale", "0",
+                         "--speed", "1.25", "--instructions", "female, low pitch", "--language", "en",
+                         "--seed", "3", "--no-denoise", "--voice", str(voice), "--transcript", "Said."])
+    req = _say_request(args)
+    assert req.model == "omnivoice" and req.instructions == "female, low pitch" and req.language == "en"
+    assert req.omnivoice.num_step == 8 and req.omnivoice.HasField("guidance_scale")
+    assert req.omnivoice.speed == 1.25 and req.omnivoice.denoise is False
+    assert not req.omnivoice.HasField("postprocess") and not req.omnivoice.HasField("t_shift")
+    assert req.references[0].transcript == "Said." and req.sampling.seed == 3
+    validate_omnivoice(req, LIMITS, MODEL)  # what chorus say sends passes the edge
+    moss = _say_request(p.parse_args(["Hi.", "--temperature", "0.5"]))
+    assert not moss.HasField("omnivoice")
+    validate(moss, LIMITS, None, 12.5)
