@@ -141,7 +141,7 @@ def tts_pb2_name(reason: int) -> str:
 def _add_say_flags(p: argparse.ArgumentParser, default_output: str) -> None:
     p.add_argument("-o", "--output", default=default_output, help="WAV file to write")
     p.add_argument("--language", help="language of the text, e.g. English or en")
-    p.add_argument("--instructions", help="style instruction; OmniVoice: voice design items, e.g. \"female, low pitch\"")
+    p.add_argument("--instructions", help="style instruction (OmniVoice: voice design, e.g. \"female, low pitch\")")
     p.add_argument("--voice", metavar="AUDIO", help="reference audio file to clone (WAV/FLAC/OGG)")
     p.add_argument("--transcript", help="what the --voice audio says (OmniVoice clones need it)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same audio")

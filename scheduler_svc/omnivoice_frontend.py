@@ -141,7 +141,8 @@ class OmniVoiceFrontend:
                 raise InvalidRequest(f"the text needs {rows} packed rows ({p.target_frames} frames); the model's "
                                      f"budget is {budget}: shorten the text, the reference or duration_seconds")
 
-    async def synthesize(self, request: tts_pb2.SynthesizeRequest, model: str) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+    async def synthesize(self, request: tts_pb2.SynthesizeRequest,
+                         model: str) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         resolved = validate_omnivoice(request, self.limits, model)
         request_id = request.request_id or uuid.uuid4().hex
         ref = await self.reference(request.references[0], "references[0]", model) if request.references else None
