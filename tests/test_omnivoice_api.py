@@ -372,6 +372,41 @@ def test_chorus_say_puts_the_omnivoice_flags_in_the_request(tmp_path):
     validate(moss, LIMITS, None, 12.5)
 
 
+def test_decode_clip_moves_to_another_replica_when_one_is_down():
+    from chorus.v1 import vocoder_pb2_grpc
+    from scheduler_svc.clip_vocoders import ClipVocoders
+
+    class Clip(vocoder_pb2_grpc.VocoderServicer):
+        def __init__(self, up: bool):
+            self.up, self.calls = up, 0
+
+        async def DecodeClip(self, request, context):
+            self.calls += 1
+            if not self.up:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+            return vocoder_pb2.DecodeClipResponse(num_samples=request.codes.rows * 960)
+
+    async def run():
+        servicers, servers, ports = [Clip(False), Clip(True)], [], []
+        for s in servicers:
+            server = grpc.aio.server()
+            vocoder_pb2_grpc.add_VocoderServicer_to_server(s, server)
+            ports.append(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            servers.append(server)
+        pool = ClipVocoders([f"127.0.0.1:{p}" for p in ports])
+        try:
+            resp = await pool.decode_clip(vocoder_pb2.DecodeClipRequest(codes=rows_matrix(np.zeros((3, 8), np.int32))))
+            assert resp.num_samples == 3 * 960
+            assert [s.calls for s in servicers] == [1, 1] and not pool.replicas[0].healthy
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(run())
+
+
 # ---- through the real CPU services: MOSS tiny beside an OmniVoice tiny worker and a Higgs tiny vocoder ----
 import importlib.util  # noqa: E402
 import io  # noqa: E402
