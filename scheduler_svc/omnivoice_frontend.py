@@ -18,12 +18,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import grpc
 import numpy as np
 
 from chorus.omnivoice import knobs as ov
+from chorus.omnivoice.prompt import Piece, PromptError, plan_pieces
 from chorus.v1 import common_pb2, tts_pb2, vocoder_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc.audio_relay import SynthesisFailed
@@ -34,9 +35,6 @@ from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull
 from scheduler_svc.validation import InvalidRequest, Limits, matrix_field, printable, shown
 from scheduler_svc.vocoder_client import NoReplica
-
-if TYPE_CHECKING:
-    from chorus.omnivoice.prompt import Piece
 
 log = logging.getLogger("chorus.scheduler")
 CHUNK_SECONDS = 1.0  # a decoded piece goes to the client in audio chunks of at most this long
@@ -61,8 +59,6 @@ def piece_seed(seed: int, index: int) -> int:
 
 def plan(tokenizer, req: tts_pb2.SynthesizeRequest, resolved: OmniVoiceRequest,
          ref: Reference | None) -> list[Piece]:
-    from chorus.omnivoice.prompt import PromptError, plan_pieces  # where OmniVoice is served only
-
     try:
         return plan_pieces(tokenizer, req.text, language=req.language or None,
                            instructions=req.instructions or None, has_reference=ref is not None,

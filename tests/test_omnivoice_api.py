@@ -372,6 +372,34 @@ def test_chorus_say_puts_the_omnivoice_flags_in_the_request(tmp_path):
     validate(moss, LIMITS, None, 12.5)
 
 
+def test_the_real_planner_builds_the_canvases_and_its_errors_name_the_field():
+    from chorus.omnivoice.prompt import plan_pieces
+    from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
+
+    tok = load_omnivoice_tokenizer(None)
+    core, clips = FakeCore(), FakeClips()
+    fe = OmniVoiceFrontend(core, clips, tok, LIMITS)
+    req = ovreq(text="Good morning.", language="English", instructions="female, low pitch",
+                references=[codes_ref(rows=40)])
+
+    async def run():
+        out = []
+        task = asyncio.get_running_loop().create_task(collect(fe.synthesize(req, MODEL), out))
+        await wait_for(core, 1)
+        core.finish(0, 7)
+        await asyncio.wait_for(task, 5)
+        return out
+
+    out = asyncio.run(run())
+    [expect] = plan_pieces(tok, "Good morning.", language="English", instructions="female, low pitch",
+                           has_reference=True, reference_text="Hi.", reference_frames=40)
+    canvas = core.submitted[0][1]
+    assert list(canvas.text_ids) == expect.text_ids and canvas.target_frames == expect.target_frames
+    assert out[-1].summary.frames == expect.target_frames
+    with pytest.raises(InvalidRequest, match="^instructions: "):
+        asyncio.run(collect(fe.synthesize(ovreq(instructions="purple, shouting"), MODEL), []))
+
+
 def test_decode_clip_moves_to_another_replica_when_one_is_down():
     from chorus.v1 import vocoder_pb2_grpc
     from scheduler_svc.clip_vocoders import ClipVocoders
