@@ -18,10 +18,11 @@ class WorkerConfig:
 
     bind: str = setting("tcp://127.0.0.1:5560", "ZeroMQ endpoint the scheduler connects to (tcp://HOST:PORT; "
                         "port 0 picks a free one)", metavar="ENDPOINT")
-    model: str | None = setting(None, "MOSS-TTS Local v1.5 checkpoint directory (config.json + safetensors); "
-                                "unset: the --preset model", metavar="DIR")
-    preset: str = setting("tiny", "random-weight model without --model: tiny (CPU tests, demo) or full-size",
-                          choices=("tiny", "full"))
+    model: str | None = setting(None, "checkpoint directory (config.json + safetensors): MOSS-TTS Local v1.5, or "
+                                "OmniVoice when its model_type is omnivoice; unset: the --preset model", metavar="DIR")
+    preset: str = setting("tiny", "random-weight model without --model: MOSS tiny (CPU tests, demo) or full-size, "
+                          "or OmniVoice omnivoice-tiny / omnivoice-full",
+                          choices=("tiny", "full", "omnivoice-tiny", "omnivoice-full"))
     load_format: str = setting("auto", "dummy: --model's shapes with random weights (benchmarks)",
                                choices=("auto", "dummy"))
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
@@ -45,6 +46,8 @@ class WorkerConfig:
         None, "also run the vocoder's decoder in this process, for `vocoder_svc.server --attach-decoder DIR`; "
         "its settings are the [vocoder] table", metavar="DIR")
     stall_exit_s: float | None = stall_exit_setting("a launched step")
+    max_packed_rows: int = setting(24576, "OmniVoice: rows one packed step may run (prefix + target, + target "
+                                   "again with guidance, summed over its canvases)", minimum=1)
 
     def validate(self) -> None:
         if not (self.bind.startswith(("tcp://", "ipc://", "inproc://"))):

@@ -28,6 +28,7 @@ from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig
 from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import build_model
+from gpu_worker.omnivoice import service as omnivoice
 
 log = logging.getLogger("chorus.worker")
 
@@ -47,6 +48,11 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM. sidecar(device): starts the vocoder decoder this process hosts
     (args.host_vocoder_decoder; chorus.colocate passes it), once the worker is warm."""
+    if omnivoice.serves_omnivoice(args):
+        if args.host_vocoder_decoder:
+            raise SystemExit("worker.host_vocoder_decoder: an OmniVoice worker hosts no vocoder decoder (its codec "
+                             "runs in a vocoder_svc replica)")
+        return omnivoice.run(args)
     if args.host_vocoder_decoder and sidecar is None:
         raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
                          "chorus.colocate), which hosts the vocoder's decoder; this module runs the model alone")

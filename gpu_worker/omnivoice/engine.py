@@ -1,0 +1,172 @@
+"""The packed canvas step: canvases live on the worker between steps; one step runs a list of
+requests, each at its own step index with its own knobs, through ONE forward over all their
+documents (packing.py), then unmasks each canvas on its own (unmask.py).
+
+A request's tokens depend only on its own inputs, knobs and seed: documents never attend across
+each other, positions restart per document, and its noise comes from its own (seed, step)
+generator. A canvas is dropped once its last step has run (its codes go out in that outcome);
+release() drops one earlier and is a no-op for a canvas no longer held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from chorus.omnivoice.knobs import RANGES, UnmaskKnobs, in_range, packed_rows, range_text
+from gpu_worker.omnivoice.model import OmniVoiceModel
+from gpu_worker.omnivoice.packing import Document, layout
+from gpu_worker.omnivoice.unmask import reveal_counts, step_generator, unmask_step
+
+
+class CanvasError(ValueError):
+    """A canvas request the worker cannot run; the message names the field at fault."""
+
+
+@dataclass
+class CanvasSpec:
+    request_id: int
+    text_ids: np.ndarray                 # int64 [N]: style + text segment ids
+    reference_codes: np.ndarray | None   # int64 [R, 8]
+    target_frames: int
+    knobs: UnmaskKnobs
+    seed: int
+
+
+@dataclass
+class CanvasOutcome:
+    request_id: int
+    step: int
+    finished: bool
+    codes: np.ndarray | None             # int64 [T, 8] when finished
+
+
+@dataclass
+class Canvas:
+    spec: CanvasSpec
+    ids: Tensor               # int64 [C, P + T]: the cond document; the canvas is its last T columns
+    audio_mask: Tensor        # bool [P + T]
+    counts: tuple[int, ...]   # cells revealed at each step
+    steps_done: int = 0
+
+    @property
+    def target(self) -> int:
+        return self.spec.target_frames
+
+    @property
+    def document(self) -> Document:
+        return Document(self.ids.shape[1] - self.target, self.target, self.spec.knobs.guidance_scale != 0)
+
+
+class CanvasEngine:
+    def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576):
+        self.model = model
+        self.cfg = model.cfg
+        self.device = next(model.parameters()).device
+        self.max_batch = max_batch
+        self.max_packed_rows = max_packed_rows
+        self.canvases: dict[int, Canvas] = {}
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.canvases)
+
+    def start(self, spec: CanvasSpec) -> None:
+        """Hold a new canvas, all MASK, behind its prefix (text ids, then reference codes)."""
+        if spec.request_id in self.canvases:
+            raise CanvasError(f"canvas_start.request_id {spec.request_id}: that canvas is already held")
+        text = np.asarray(spec.text_ids, dtype=np.int64)
+        if text.ndim != 1 or text.size == 0:
+            raise CanvasError("canvas_start.text_ids: needs at least one id (the style and text segments)")
+        if text.min() < 0 or text.max() >= self.cfg.vocab_size:
+            raise CanvasError(f"canvas_start.text_ids: ids must lie in [0, {self.cfg.vocab_size})")
+        ref = spec.reference_codes
+        ref = np.zeros((0, self.cfg.num_codebooks), np.int64) if ref is None else np.asarray(ref, dtype=np.int64)
+        if ref.ndim != 2 or ref.shape[1] != self.cfg.num_codebooks:
+            raise CanvasError(f"canvas_start.reference_codes: shape {list(ref.shape)}, needs "
+                              f"[frames, {self.cfg.num_codebooks}]")
+        if ref.size and (ref.min() < 0 or ref.max() >= self.cfg.audio_mask_id):
+            raise CanvasError(f"canvas_start.reference_codes: codes must lie in [0, {self.cfg.audio_mask_id})")
+        if spec.target_frames < 1:
+            raise CanvasError(f"canvas_start.target_frames {spec.target_frames}: needs at least 1 frame")
+        for f in fields(UnmaskKnobs):
+            value = getattr(spec.knobs, f.name)
+            if f.name in RANGES and not in_range(f.name, value):
+                raise CanvasError(f"canvas_start.knobs.{f.name} = {value}: must lie in {range_text(f.name)}")
+        rows = packed_rows(text.size + ref.shape[0], spec.target_frames, spec.knobs.guidance_scale)
+        if rows > self.max_packed_rows:
+            raise CanvasError(f"canvas_start: the canvas needs {rows} packed rows, over the worker's "
+                              f"max_packed_rows {self.max_packed_rows}")
+        c = self.cfg.num_codebooks
+        ids = np.concatenate([np.broadcast_to(text, (c, text.size)), ref.T,
+                              np.full((c, spec.target_frames), self.cfg.audio_mask_id, np.int64)], axis=1)
+        mask = np.arange(ids.shape[1]) >= text.size
+        counts = reveal_counts(spec.target_frames, spec.knobs.num_step, spec.knobs.t_shift, c)
+        self.canvases[spec.request_id] = Canvas(spec, torch.from_numpy(ids).to(self.device),
+                                                torch.from_numpy(mask).to(self.device), counts)
+
+    def release(self, request_id: int) -> None:
+        self.canvases.pop(request_id, None)
+
+    def step(self, items: list[tuple[int, int]]) -> list[CanvasOutcome]:
+        """Run step `step` of each listed (request_id, step) in one packed forward; outcomes in
+        item order. Checked before anything changes: a bad list changes no canvas."""
+        running = self._check(items)
+        # A step that reveals nothing (a tiny canvas) needs no logits: its documents stay out.
+        scored = [(c, k) for c, k in running if c.counts[k] > 0]
+        if scored:
+            self._unmask(scored)
+        outcomes = []
+        for c, k in running:
+            c.steps_done = k + 1
+            finished = c.steps_done == c.spec.knobs.num_step
+            codes = c.ids[:, -c.target:].T.cpu().numpy().copy() if finished else None
+            if finished:
+                del self.canvases[c.spec.request_id]
+            outcomes.append(CanvasOutcome(c.spec.request_id, k, finished, codes))
+        self.steps += 1
+        return outcomes
+
+    def _check(self, items: list[tuple[int, int]]) -> list[tuple[Canvas, int]]:
+        if len(items) > self.max_batch:
+            raise CanvasError(f"canvas_step: {len(items)} canvases, over the worker's max_batch {self.max_batch}")
+        if len({rid for rid, _ in items}) != len(items):
+            raise CanvasError("canvas_step: a request is listed twice in one step")
+        running = []
+        for rid, k in items:
+            c = self.canvases.get(rid)
+            if c is None:
+                raise CanvasError(f"canvas_step.request_id {rid}: no canvas is held for it (never started, "
+                                  "released, or finished)")
+            if k != c.steps_done:
+                raise CanvasError(f"canvas_step.step {k} for request {rid}: its next step is {c.steps_done}")
+            running.append((c, k))
+        rows = sum(c.ids.shape[1] + (c.target if c.document.guided else 0) for c, _ in running)
+        if rows > self.max_packed_rows:
+            raise CanvasError(f"canvas_step: {rows} packed rows, over the worker's max_packed_rows "
+                              f"{self.max_packed_rows}")
+        return running
+
+    @torch.inference_mode()
+    def _unmask(self, scored: list[tuple[Canvas, int]]) -> None:
+        lay = layout([c.document for c, _ in scored])
+        ids, mask = [], []
+        for c, _ in scored:
+            ids.append(c.ids)
+            mask.append(c.audio_mask)
+            if c.document.guided:  # the uncond document: the canvas alone
+                ids.append(c.ids[:, -c.target:])
+                mask.append(c.audio_mask[-c.target:])
+        logits = self.model(torch.cat(ids, dim=1), torch.cat(mask), lay.positions.to(self.device), lay.doc_lens,
+                            lay.gather.to(self.device))
+        for (c, k), col, ucol in zip(scored, lay.cond_column, lay.uncond_column):
+            knobs = c.spec.knobs
+            cond = logits[:, col:col + c.target]
+            uncond = None if ucol is None else logits[:, ucol:ucol + c.target]
+            noisy = knobs.position_temperature > 0 or knobs.class_temperature > 0
+            generator = step_generator(c.spec.seed, k) if noisy else None
+            c.ids[:, -c.target:] = unmask_step(c.ids[:, -c.target:], cond, uncond, knobs, c.counts[k],
+                                               self.cfg.audio_mask_id, generator)

@@ -1,0 +1,170 @@
+"""OmniVoice: the model math (spec section 2) over a packed step.
+
+Reads top to bottom: each row's embedding (a text id, or the sum of its 8 codebooks' code rows)
+-> a bidirectional Qwen3 body in which a row attends only to rows of its own document and
+positions restart per document -> the audio head at the gathered target rows, in fp32.
+Module names equal the checkpoint's tensor names, so it loads by name.
+
+Numerics follow the reference's Qwen3 (transformers) operation for operation, so a document's
+logits do not depend on the documents packed beside it and equal the reference's: RMSNorm
+statistics in fp32 (also for fp64 activations), RoPE angles and cos/sin in fp32 then cast, q/k
+norm before half-split RoPE, softmax attention per document. CPU GEMMs compute the last
+(rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
+the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
+where it sits in the pack.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from chorus.omnivoice.config import OmniVoiceConfig
+
+ROW_MULTIPLE = 4
+
+
+def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
+    """x with rows appended along dim (filled with `fill`) up to a multiple of `multiple`."""
+    pad = -x.shape[dim] % multiple
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [rows, head_dim] of half-split RoPE: angles in fp32, then cast to the activation dtype."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [rows, heads, d] rotated by pairs (i, i + d/2)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + turned * sin[:, None]
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, doc_lens: list[int]) -> Tensor:
+    """Bidirectional attention inside each document. q [rows, H, d], k/v [rows, KV, d] with H a
+    multiple of KV (each kv head serves H/KV query heads) -> [rows, H, d]."""
+    groups = q.shape[1] // k.shape[1]
+    out = []
+    for qd, kd, vd in zip(q.split(doc_lens), k.split(doc_lens), v.split(doc_lens)):
+        kd, vd = kd.repeat_interleave(groups, dim=1), vd.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(qd.transpose(0, 1)[None], kd.transpose(0, 1)[None],
+                                           vd.transpose(0, 1)[None], scale=q.shape[-1] ** -0.5)
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: OmniVoiceConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: list[int]) -> Tensor:
+        rows = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(rows, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(rows, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
+        o = document_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, doc_lens)
+        return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: OmniVoiceConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: OmniVoiceConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: list[int]) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, doc_lens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """The Qwen3 body, no LM head (checkpoint prefix `llm.`)."""
+
+    def __init__(self, cfg: OmniVoiceConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, doc_lens: list[int]) -> Tensor:
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, doc_lens)
+        return self.norm(x)
+
+
+class OmniVoiceModel(nn.Module):
+    def __init__(self, cfg: OmniVoiceConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.llm = Body(cfg)
+        codes = cfg.num_codebooks * cfg.audio_vocab_size
+        self.audio_embeddings = nn.Embedding(codes, cfg.hidden_size)  # row = codebook * audio_vocab_size + code
+        self.audio_heads = nn.Linear(cfg.hidden_size, codes, bias=False)  # output block c = codebook c
+
+    def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
+        """ids int64 [C, rows] (a text row repeats its id in every codebook), audio_mask bool [rows]
+        -> [rows, hidden]: a text row's token embedding, or the sum over codebooks of code rows."""
+        x = self.llm.embed_tokens(torch.where(audio_mask, 0, ids[0]))
+        offsets = torch.arange(self.cfg.num_codebooks, device=ids.device)[:, None] * self.cfg.audio_vocab_size
+        x[audio_mask] = self.audio_embeddings(ids[:, audio_mask] + offsets).sum(dim=0)
+        return x
+
+    def forward(self, ids: Tensor, audio_mask: Tensor, positions: Tensor, doc_lens: list[int],
+                gather: Tensor) -> Tensor:
+        """One packed step: ids [C, rows], audio_mask [rows], positions [rows] restarting per
+        document, doc_lens summing to rows, gather [n] the rows to score -> fp32 logits [C, n, V].
+        Filler rows (a MASK document of their own) round the pack up to ROW_MULTIPLE rows."""
+        rows, n = ids.shape[1], gather.shape[0]
+        fill = -rows % ROW_MULTIPLE
+        if fill:
+            ids = _pad_rows(ids, ROW_MULTIPLE, 1, self.cfg.audio_mask_id)
+            audio_mask = _pad_rows(audio_mask, ROW_MULTIPLE, 0, True)
+            positions = torch.cat([positions, torch.arange(fill, device=positions.device)])
+            doc_lens = [*doc_lens, fill]
+        h = self.llm(self.embed(ids, audio_mask), positions, doc_lens)
+        logits = self.audio_heads(h[_pad_rows(gather, ROW_MULTIPLE, 0, 0)])[:n]
+        return logits.view(n, self.cfg.num_codebooks, self.cfg.audio_vocab_size).transpose(0, 1).float()

@@ -1,0 +1,152 @@
+"""The gpu_worker process serving OmniVoice: binds a ZeroMQ ROUTER, answers hello/stats/shutdown and
+runs each StepPlan when it arrives (release, then canvas_start, then one packed canvas_step), one
+Journal per plan with a CanvasResult per canvas_step in plan order.
+
+Like the MOSS worker it decides nothing: a plan it cannot run gets a Journal with `error`, the
+canvases that plan named are dropped (the scheduler aborts their requests), and it keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from chorus.omnivoice.config import ARCHITECTURE
+from chorus.omnivoice.knobs import UnmaskKnobs
+from chorus.v1 import worker_pb2
+from chorus.wire import matrix_array, rows_matrix
+from gpu_worker.config import WorkerConfig
+from gpu_worker.omnivoice.engine import CanvasEngine, CanvasError, CanvasSpec
+
+log = logging.getLogger("chorus.worker")
+
+PRESETS = {"omnivoice-tiny": "tiny", "omnivoice-full": "full"}  # worker preset -> OmniVoiceConfig preset
+
+
+def serves_omnivoice(args: WorkerConfig) -> bool:
+    """--model's config.json says model_type omnivoice, or (no --model) an omnivoice-* preset."""
+    if args.model:
+        try:
+            return json.loads((Path(args.model) / "config.json").read_text()).get("model_type") == ARCHITECTURE
+        except (OSError, ValueError, AttributeError):
+            return False  # the MOSS loader reports what is wrong with the directory
+    return args.preset in PRESETS
+
+
+def build_engine(args: WorkerConfig) -> CanvasEngine:
+    from gpu_worker.omnivoice.loader import build_omnivoice
+
+    model = build_omnivoice(model_dir=args.model, preset=PRESETS.get(args.preset, "tiny"),
+                            load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
+    return CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows)
+
+
+def hello(args: WorkerConfig, engine: CanvasEngine) -> worker_pb2.Hello:
+    cfg = engine.cfg
+    return worker_pb2.Hello(
+        model_name=cfg.name, architecture=ARCHITECTURE, model_config_json=cfg.to_json(), max_batch=engine.max_batch,
+        max_context=min(engine.max_packed_rows, cfg.max_position_embeddings), device=str(engine.device),
+        dtype=str(next(engine.model.parameters()).dtype).removeprefix("torch."), pid=os.getpid(),
+        incarnation=secrets.randbits(63) | 1, max_packed_rows=engine.max_packed_rows)
+
+
+def canvas_spec(m: worker_pb2.CanvasStart) -> CanvasSpec:
+    ref = matrix_array(m.reference_codes).astype(np.int64) if m.reference_codes.rows else None
+    return CanvasSpec(request_id=m.request_id, text_ids=np.asarray(m.text_ids, dtype=np.int64), reference_codes=ref,
+                      target_frames=m.target_frames, knobs=UnmaskKnobs.from_proto(m.knobs), seed=m.seed)
+
+
+def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
+    """Run one plan; never raises for a bad plan (the Journal says what failed)."""
+    t0 = time.perf_counter()
+    journal = worker_pb2.Journal(step_id=plan.step_id)
+    try:
+        if plan.prefill or plan.decode:
+            raise CanvasError("this worker serves OmniVoice: a StepPlan carries canvas_start / canvas_step, "
+                              "not prefill / decode")
+        for rid in plan.release:
+            engine.release(rid)
+        for start in plan.canvas_start:
+            engine.start(canvas_spec(start))
+        outcomes = engine.step([(s.request_id, s.step) for s in plan.canvas_step]) if plan.canvas_step else []
+    except Exception as e:  # noqa: BLE001 - a failing plan must not take the worker down
+        if not isinstance(e, CanvasError):
+            log.exception("canvas step %d failed", plan.step_id)
+        for rid in [s.request_id for s in plan.canvas_start] + [s.request_id for s in plan.canvas_step]:
+            engine.release(rid)
+        journal.error = f"{type(e).__name__}: {e}"
+        return journal
+    for o in outcomes:
+        result = journal.canvases.add(request_id=o.request_id, step=o.step, finished=o.finished)
+        if o.codes is not None:
+            result.codes.CopyFrom(rows_matrix(o.codes))
+    journal.step_ms = (time.perf_counter() - t0) * 1000
+    return journal
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind; an endpoint ending in :0 takes a free port. Returns the endpoint bound."""
+    if endpoint.endswith(":0"):
+        host = endpoint.rsplit(":", 1)[0]
+        return f"{host}:{sock.bind_to_random_port(host)}"
+    sock.bind(endpoint)
+    return endpoint
+
+
+def run(args: WorkerConfig) -> None:
+    """Serve until SIGINT/SIGTERM or a Shutdown command."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    engine = build_engine(args)
+    greeting = hello(args, engine)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = _bind(sock, args.bind)
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"worker ready on {endpoint} model={greeting.model_name} device={greeting.device} dtype={greeting.dtype}",
+          flush=True)
+    try:
+        while not stopping:
+            if not sock.poll(200):
+                continue
+            ident, payload = sock.recv_multipart()
+            reply = worker_pb2.WorkerEvent()
+            try:
+                cmd = worker_pb2.WorkerCommand.FromString(payload)
+            except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
+                reply.error = f"unparseable WorkerCommand: {e}"
+                sock.send_multipart([ident, reply.SerializeToString()])
+                continue
+            kind = cmd.WhichOneof("kind")
+            if kind == "step":
+                reply.journal.CopyFrom(execute(engine, cmd.step))
+                reply.journal.incarnation = greeting.incarnation
+            elif kind == "hello":
+                reply.hello.CopyFrom(greeting)
+            elif kind == "stats":
+                reply.stats.active_requests = len(engine)
+                reply.stats.steps = engine.steps
+            elif kind == "shutdown":
+                break
+            else:
+                reply.error = f"unknown command {kind!r}"
+            sock.send_multipart([ident, reply.SerializeToString()])
+    finally:
+        sock.close()
+        ctx.term()
+        log.info("worker stopped")
