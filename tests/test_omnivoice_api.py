@@ -26,7 +26,7 @@ MODEL = "omnivoice-tiny"
 def ovreq(**kw) -> tts_pb2.SynthesizeRequest:
     knobs = kw.pop("omnivoice", {})
     sampling = kw.pop("sampling", {})
-    req = tts_pb2.SynthesizeRequest(text=kw.pop("text", "Hello there."), model=MODEL, **kw)
+    req = tts_pb2.SynthesizeRequest(text=kw.pop("text", "Hello there."), model=kw.pop("model", MODEL), **kw)
     for k, v in knobs.items():
         setattr(req.omnivoice, k, v)
     for k, v in sampling.items():
@@ -449,8 +449,11 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import soundfile as sf  # noqa: E402
 
 from chorus.client import channel, synthesize  # noqa: E402
-from chorus.launcher import Service, read_metrics  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from chorus.launcher import Service  # noqa: E402
 from chorus.v1 import tts_pb2_grpc  # noqa: E402
+from helpers import make_cluster, worker_stats  # noqa: E402
 
 # the OmniVoice modules of the other slices (chorus/omnivoice/prompt.py, the worker's engine, the codec,
 # the core's canvas scheduler): the service tests need them all
@@ -486,7 +489,6 @@ def ov_service_request(text="Hello from the OmniVoice tests.", knobs=None, **kw)
 @pytest.fixture(scope="module")
 def both():
     """MOSS (tiny) and OmniVoice (tiny) behind one scheduler."""
-    from helpers import make_cluster
     py = [sys.executable, "-m"]
     extra = [Service("omnivoice-worker", py + ["gpu_worker.server", "--preset", "omnivoice-tiny", "--dtype",
                                                 "float32", "--bind", "tcp://127.0.0.1:0"]),
@@ -583,32 +585,48 @@ def test_omnivoice_knobs_on_a_moss_request_are_refused_by_the_service(stub):
     assert e.value.code() == INVALID and e.value.details().startswith("omnivoice")
 
 
-def canvases_held(cluster) -> dict[str, float]:
-    """The core's OmniVoice gauges (canvases queued or running, packed rows in use)."""
-    return {k: v for k, v in read_metrics(cluster.metrics_port).items()
-            if ("canvas" in k or "packed" in k) and not k.endswith(("_total", "_count", "_sum", "_created"))}
+CANVAS_GAUGES = ("chorus_canvas_queue_depth", "chorus_canvas_running", "chorus_canvas_rows_used")
+
+
+def labelled(cluster, name: str, label: str = "") -> float:
+    """A labelled metric of the core summed over the series whose labels contain `label`."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and label in line)
+
+
+def canvases_held(cluster) -> tuple:
+    """(the core's canvas gauges, canvases on the OmniVoice worker)."""
+    stats = worker_stats(SimpleNamespace(service=lambda name: cluster.omnivoice[0]))
+    return tuple(labelled(cluster, g) for g in CANVAS_GAUGES) + (stats.active_requests,)
 
 
 @services
 def test_a_hundred_cancelled_requests_leave_no_canvas_held(both, stub):
     rng = random.Random(0)
     calls = []
-    for i in range(100):
-        text = "Cancel me. " * rng.randint(1, 40)
-        call = stub.Synthesize(ov_service_request(text=text, sampling={"seed": i}), timeout=300)
+    aborted = labelled(both, "chorus_canvases_total", 'outcome="cancelled"')
+    for i in range(100):  # default steps, up to ~90 s of speech: many are cut off mid-canvas or mid-piece
+        text = "Cancel me now. " * rng.randint(1, 120)
+        call = stub.Synthesize(ovreq(text=text, sampling={"seed": i}), timeout=300)
         calls.append(call)
-        threading.Timer(rng.uniform(0, 1.0), call.cancel).start()
+        threading.Timer(rng.uniform(0, 2.0), call.cancel).start()
+    cancelled = 0
     for call in calls:
         try:
             for _ in call:
                 pass
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.CANCELLED, e.details()
+            cancelled += 1
+    assert cancelled >= 50
+    assert labelled(both, "chorus_canvases_total", 'outcome="cancelled"') > aborted  # the core dropped canvases
     deadline = time.monotonic() + 60
-    while any(canvases_held(both).values()) and time.monotonic() < deadline:
+    while any(canvases_held(both)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    held = canvases_held(both)
-    assert held and not any(held.values()), held
+    assert canvases_held(both) == (0, 0, 0, 0)
     assert synthesize(stub, ov_service_request(), timeout=300).pcm().shape[0] > 0
 
 
