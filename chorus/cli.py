@@ -35,9 +35,14 @@ def _service_parsers(sub) -> None:
         sub.add_parser(name, help=help_, add_help=False)
 
 
-def _add_layout_flags(p: argparse.ArgumentParser, **keys) -> None:
+def _add_layout_flags(p: argparse.ArgumentParser, without: tuple[str, ...] = ()) -> None:
+    """The layout's everyday flags, less the [cluster] keys in `without`."""
+    import inspect
+
     from chorus.layout import add_layout_flags
-    add_layout_flags(p, scheduler_keys=("port", "metrics_port", "frontends"), **keys)
+    everyday = inspect.signature(add_layout_flags).parameters["cluster_keys"].default
+    add_layout_flags(p, cluster_keys=tuple(k for k in everyday if k not in without),
+                     scheduler_keys=("port", "metrics_port", "frontends"))
     p.add_argument("--print-config", action="store_true", help="print the layout's effective TOML and exit")
 
 
@@ -181,6 +186,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         setattr(args, "cluster.model", args.model)
         args.model = "moss"
     if args.model == "omnivoice":
+        setattr(args, "cluster.omnivoice", True)
         # OmniVoice's length comes from the text; its tiny preset runs few steps to be quick
         args.num_step = args.num_step or 8
         what = "OmniVoice"
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start everything on CPU, synthesize a sentence to demo.wav, stop")
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="what to say")
-    _add_layout_flags(p, cluster_keys=("codec", "device", "vocoder_device", "vocoders", "host", "quiet"))
+    _add_layout_flags(p, without=("model",))  # demo's --model picks the model to demo
     p.add_argument("--model", default="moss", help="model to demo: moss, omnivoice, or a MOSS-TTS checkpoint "
                    "directory")
     _add_say_flags(p, "demo.wav")

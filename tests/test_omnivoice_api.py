@@ -655,3 +655,13 @@ def test_chorus_say_model_omnivoice_writes_a_wav(both, tmp_path):
     assert proc.returncode == 0, proc.stderr
     audio, rate = sf.read(wav)
     assert rate == 24000 and audio.ndim == 1 and audio.shape[0] > 0
+
+
+@services
+def test_chorus_demo_model_omnivoice_writes_a_wav(tmp_path):
+    wav = tmp_path / "demo.wav"
+    proc = subprocess.run([sys.executable, "-m", "chorus.cli", "demo", "--model", "omnivoice", "--num-step", "4",
+                           "-o", str(wav)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    audio, rate = sf.read(wav)
+    assert rate == 24000 and audio.ndim == 1 and audio.shape[0] > 0
