@@ -196,6 +196,13 @@ def test_info_health_reflection(server):
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_decode_clip_is_for_omnivoice_replicas(server):
+    codes = random_codes(2)[:, :8]
+    with pytest.raises(grpc.RpcError) as e:
+        server["stub"].DecodeClip(vocoder_pb2.DecodeClipRequest(codes=matrix(codes)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "streams with Decode" in e.value.details()
+
+
 def active_streams(server) -> int:
     return server["stub"].Info(vocoder_pb2.VocoderInfoRequest(), timeout=10).active_streams
 

@@ -31,10 +31,12 @@ class VocoderConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50053, "gRPC port (0 picks a free port and prints it)", minimum=0)
     metrics_port: int = setting(9103, "Prometheus /metrics HTTP port on host (0 = off)", minimum=0)
-    codec: str | None = setting(None, "MOSS-Audio-Tokenizer directory (config.json + safetensors); unset: the "
-                                "--preset codec", metavar="DIR")
-    preset: str = setting("tiny", "random-weight codec without --codec: tiny (tests) or full-size v2 shapes",
-                          choices=("tiny", "full"))
+    codec: str | None = setting(None, "codec directory (config.json + safetensors): MOSS-Audio-Tokenizer or "
+                                "Higgs-Audio-v2 (also an OmniVoice checkpoint); unset: the --preset codec",
+                                metavar="DIR")
+    preset: str = setting("tiny", "random-weight codec without --codec: tiny or full (MOSS v2 shapes), "
+                          "higgs-tiny or higgs-full (OmniVoice's codec)",
+                          choices=("tiny", "full", "higgs-tiny", "higgs-full"))
     device: str = setting("cpu", "torch device the codec runs on: cpu, cuda, cuda:1")
     dtype: str = setting("float32", "codec compute dtype (the quantizer always runs in float32)",
                          choices=("float32", "float64", "bfloat16"))

@@ -40,6 +40,12 @@ class Metrics:
                                          registry=r)
         self.encode_cache_misses = Counter("chorus_vocoder_encode_cache_misses", "Encode requests computed",
                                            registry=r)
+        # Whole clips (a replica serving OmniVoice's codec).
+        self.clips = Counter("chorus_vocoder_clips", "DecodeClip clips decoded and post-processed", registry=r)
+        self.clip_decode_ms = Histogram(
+            "chorus_vocoder_clip_decode_ms", "Wall time of one DecodeClip batch (every clip taken together: "
+            "decode and post-processing)", buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
+            registry=r)
         # Slots engine only.
         self.free_slots = Gauge("chorus_vocoder_free_slots", "Free SlotDecoder slots",
                                         registry=r)

@@ -69,7 +69,12 @@ Streams are limited to SlotDecoder.max_stream_frames frames (positions exact in
 fp32: 2184 frames, ~175 s, for MOSS-Audio-Tokenizer v2); a longer stream
 fails alone with OUT_OF_RANGE (which the scheduler does not fail over).
 
+A replica serves one codec. With a Higgs-Audio-v2 codec (--preset higgs-tiny / higgs-full, or a
+--codec directory holding one) it serves OmniVoice: whole clips through DecodeClip, Encode and Info,
+and no streaming Decode (vocoder_svc/clip_servicer.py); everything above is the MOSS codec's.
+
     python -m vocoder_svc.server --port 50053 --preset tiny
+    python -m vocoder_svc.server --port 50054 --preset higgs-tiny
     python -m vocoder_svc.server --codec DIR --device cuda --dtype bfloat16 --slots 64 --graph-frames 5,25
 """
 
@@ -88,6 +93,7 @@ from prometheus_client import start_http_server
 
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 from chorus.config import ConfigError, add_config_flags, parse
+from vocoder_svc.clip_servicer import ClipServicer, make_clip_codec, serves_clips
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
 from vocoder_svc.decoder_build import first_chunk, make_codec, resolve_engine
 from vocoder_svc.decoder_client import DecodeProcess
@@ -109,14 +115,14 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    metrics = Metrics()
-    decoder = failure = None
+async def _moss_servicer(args: VocoderConfig, metrics: Metrics, stop: asyncio.Event,
+                         failures: list[str]) -> VocoderServicer:
+    """The MOSS codec's servicer over its decode engine (a decode process that ends sets `stop`
+    and says why in `failures`)."""
+    decoder = None
     if args.attach_decoder or resolve_engine(args.engine, args.device) == "slots":
         def decoder_exited(reason: str) -> None:
-            nonlocal failure
-            failure = reason
+            failures.append(reason)
             print(f"vocoder: {reason}; stopping", flush=True)
             stop.set()
 
@@ -156,6 +162,17 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
         # Warm-up: the first real step should not pay one-time allocation costs.
         codec.decode_step(codec.new_stream(), torch.zeros(1, 1, servicer.first_chunk_frames, dtype=torch.long),
                           batch_invariant=invariant)
+    return servicer
+
+
+async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    metrics = Metrics()
+    failures: list[str] = []
+    if serves_clips(args):  # OmniVoice's codec: whole clips
+        servicer = ClipServicer(make_clip_codec(args), metrics, encode_cache_size=args.encode_cache_size)
+    else:
+        servicer = await _moss_servicer(args, metrics, stop, failures)
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -190,8 +207,8 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
         if http is not None:
             http.shutdown()
         print("vocoder stopped", flush=True)
-    if failure is not None:
-        raise SystemExit(f"vocoder: {failure}")
+    if failures:
+        raise SystemExit(f"vocoder: {failures[0]}")
 
 
 def run(args: VocoderConfig) -> None:

@@ -244,6 +244,11 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
                 self.active_streams -= 1
                 self.metrics.active_streams.dec()
 
+    async def DecodeClip(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"this replica serves {self.name} and streams with Decode; DecodeClip (whole clips) is "
+                            "served by OmniVoice codec (Higgs-Audio-v2) replicas")
+
     # ---- Encode -----------------------------------------------------------------------------------
     @staticmethod
     def _cache_key(req: vocoder_pb2.EncodeRequest, codebooks: int) -> bytes:
