@@ -40,12 +40,12 @@ from scheduler_svc.core_client import CoreClient
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull
 from chorus.wire import rows_matrix
-from chorus.wire import matrix_array as _matrix  # ValueError; matrix_array (validation): InvalidRequest
+from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
 from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
-from scheduler_svc.validation import InvalidRequest, Limits, check_create_voice, printable, shown, validate
-from scheduler_svc.validation import matrix_field as matrix_array
+from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, matrix_field, printable, shown,
+                                      validate)
 from scheduler_svc.vocoder_client import VocoderPool
 
 log = logging.getLogger("chorus.scheduler")
@@ -82,7 +82,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequest(f"{field}: {e.details()}") from e
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder could not encode {field}: {e.details()}")
-        codes = matrix_array(resp.codes, field)
+        codes = matrix_field(resp.codes, field)
         if codes.shape[0] == 0:
             raise InvalidRequest(f"{field} is too short to give one frame; it needs at least "
                                  f"{1000 / self.frame_rate:g} ms of audio")
@@ -94,7 +94,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     async def _reference_codes(self, ref: tts_pb2.VoiceReference, field: str) -> np.ndarray:
         kind = ref.WhichOneof("source")
         if kind == "codes":
-            codes = matrix_array(ref.codes, f"{field}.codes")
+            codes = matrix_field(ref.codes, f"{field}.codes")
             if codes.shape[1] != self.cfg.n_vq or codes.shape[0] == 0:
                 raise InvalidRequest(f"{field}.codes must be [T>0, {self.cfg.n_vq}], got {list(codes.shape)}")
             if codes.min() < 0 or codes.max() >= self.cfg.audio_vocab_size:
