@@ -1,13 +1,28 @@
-"""A small synchronous client of the public API (used by `chorus say`,
-the demo and the tests)."""
+"""Clients of the public gRPC API.
+
+`synthesize(stub, request)` is the plain call (`chorus say`, the demo and the tests use it).
+`Client` and `AsyncClient` are the SDK: one or more server addresses, a call that fails with
+UNAVAILABLE or RESOURCE_EXHAUSTED before any answer is retried on the next address after a
+jittered, growing wait, `stream()` yields the responses as they come, and `AudioFile` writes the
+audio to a WAV or FLAC file as it streams:
+
+    with Client(["10.0.0.1:50051", "10.0.0.2:50051"]) as client, AudioFile("out.flac") as out:
+        for resp in client.stream(SynthesizeRequest(text="Hello.")):
+            out.add(resp)
+"""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import random
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import soundfile as sf
 
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 
@@ -47,18 +62,240 @@ def synthesize(stub: tts_pb2_grpc.TextToSpeechStub, request: tts_pb2.SynthesizeR
     out = Synthesis()
     t0 = time.monotonic()
     for resp in stub.Synthesize(request, timeout=timeout):
+        _add(out, resp, t0)
+        if on_chunk and resp.WhichOneof("kind") == "audio":
+            on_chunk(out)
+    return out
+
+
+# ---- the SDK ------------------------------------------------------------------------------------
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class Retry:
+    """How often and how patiently a call is retried (exponential backoff with full jitter)."""
+    attempts: int = 4          # calls in all, the first included
+    first_wait: float = 0.1    # seconds before the second call (at most; jittered down)
+    max_wait: float = 2.0      # cap of one wait in seconds
+
+    def wait(self, attempt: int) -> float:
+        """Seconds to wait after failed call number `attempt` (0-based)."""
+        return random.uniform(0, min(self.max_wait, self.first_wait * 2 ** attempt))
+
+    def should_retry(self, e: grpc.RpcError, attempt: int) -> bool:
+        # RESOURCE_EXHAUSTED also says "message larger than max": that one never fits later
+        return (attempt + 1 < self.attempts and e.code() in RETRYABLE
+                and "larger than max" not in (e.details() or ""))
+
+
+def _addresses(addresses: str | list[str]) -> list[str]:
+    out = [addresses] if isinstance(addresses, str) else list(addresses)
+    if not out:
+        raise ValueError("addresses: give at least one HOST:PORT")
+    return out
+
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+class Client:
+    """A synchronous client over one or more servers (tried in turn, starting at a random one)."""
+
+    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None):
+        self.retry, self.timeout = retry or Retry(), timeout
+        self._channels = [grpc.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
+        self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
+        self._turn = itertools.count(random.randrange(len(self._stubs)))
+
+    def _stub(self) -> tts_pb2_grpc.TextToSpeechStub:
+        return self._stubs[next(self._turn) % len(self._stubs)]
+
+    def stream(self, request: tts_pb2.SynthesizeRequest) -> Iterator[tts_pb2.SynthesizeResponse]:
+        """The responses of one Synthesize call as they come. Retried only before the first one
+        arrives (after that the caller holds audio a second call would repeat)."""
+        for attempt in itertools.count():
+            call = self._stub().Synthesize(request, timeout=self.timeout)
+            try:
+                first = next(call)
+            except StopIteration:
+                return
+            except grpc.RpcError as e:
+                if not self.retry.should_retry(e, attempt):
+                    raise
+                time.sleep(self.retry.wait(attempt))
+                continue
+            try:
+                yield first
+                yield from call
+            finally:
+                call.cancel()  # the caller stopped early: free the server's resources now
+            return
+
+    def synthesize(self, request: tts_pb2.SynthesizeRequest) -> Synthesis:
+        """The whole answer of one call, collected."""
+        return collect(self.stream(request))
+
+    def _unary(self, name: str, request):
+        for attempt in itertools.count():
+            try:
+                return getattr(self._stub(), name)(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if not self.retry.should_retry(e, attempt):
+                    raise
+                time.sleep(self.retry.wait(attempt))
+
+    def list_models(self) -> list[tts_pb2.ModelInfo]:
+        return list(self._unary("ListModels", tts_pb2.ListModelsRequest()).models)
+
+    def create_voice(self, audio: bytes, transcript: str = "", voice_id: str = "", model: str = "") -> tts_pb2.Voice:
+        """Store a reference (an audio file's bytes) once; use its voice_id in later requests."""
+        from chorus.v1 import common_pb2
+        return self._unary("CreateVoice", tts_pb2.CreateVoiceRequest(
+            voice_id=voice_id, audio=common_pb2.AudioData(data=audio), transcript=transcript, model=model))
+
+    def list_voices(self) -> list[tts_pb2.Voice]:
+        return list(self._unary("ListVoices", tts_pb2.ListVoicesRequest()).voices)
+
+    def delete_voice(self, voice_id: str) -> None:
+        self._unary("DeleteVoice", tts_pb2.DeleteVoiceRequest(voice_id=voice_id))
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Client's asyncio twin (grpc.aio); create it inside the running event loop."""
+
+    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None):
+        self.retry, self.timeout = retry or Retry(), timeout
+        self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
+        self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
+        self._turn = itertools.count(random.randrange(len(self._stubs)))
+
+    def _stub(self) -> tts_pb2_grpc.TextToSpeechStub:
+        return self._stubs[next(self._turn) % len(self._stubs)]
+
+    async def stream(self, request: tts_pb2.SynthesizeRequest) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        for attempt in itertools.count():
+            call = self._stub().Synthesize(request, timeout=self.timeout)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as e:
+                if not self.retry.should_retry(e, attempt):
+                    raise
+                await asyncio.sleep(self.retry.wait(attempt))
+                continue
+            try:
+                while first is not grpc.aio.EOF:
+                    yield first
+                    first = await call.read()
+            finally:
+                call.cancel()
+            return
+
+    async def synthesize(self, request: tts_pb2.SynthesizeRequest) -> Synthesis:
+        out = Synthesis()
+        t0 = time.monotonic()
+        async for resp in self.stream(request):
+            _add(out, resp, t0)
+        return out
+
+    async def _unary(self, name: str, request):
+        for attempt in itertools.count():
+            try:
+                return await getattr(self._stub(), name)(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                if not self.retry.should_retry(e, attempt):
+                    raise
+                await asyncio.sleep(self.retry.wait(attempt))
+
+    async def list_models(self) -> list[tts_pb2.ModelInfo]:
+        return list((await self._unary("ListModels", tts_pb2.ListModelsRequest())).models)
+
+    async def list_voices(self) -> list[tts_pb2.Voice]:
+        return list((await self._unary("ListVoices", tts_pb2.ListVoicesRequest())).voices)
+
+    async def close(self) -> None:
+        for c in self._channels:
+            await c.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _add(out: Synthesis, resp: tts_pb2.SynthesizeResponse, t0: float) -> None:
+    kind = resp.WhichOneof("kind")
+    if kind == "header":
+        out.header = resp.header
+    elif kind == "audio":
+        if out.first_chunk_s is None:
+            out.first_chunk_s = time.monotonic() - t0
+        out.chunks.append(resp.audio)
+    elif kind == "codes":
+        m = resp.codes.codes
+        out.codes.append(np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols))
+    elif kind == "summary":
+        out.summary = resp.summary
+
+
+def collect(responses) -> Synthesis:
+    """A Synthesis from a stream of responses (Client.stream's)."""
+    out = Synthesis()
+    t0 = time.monotonic()
+    for resp in responses:
+        _add(out, resp, t0)
+    return out
+
+
+class AudioFile:
+    """Writes a call's audio to a WAV or FLAC file (by the path's suffix, or `format`) as it
+    streams: give it every response; the header opens the file, audio chunks go in as they come.
+    PCM16 and WAV streams are written as 16-bit, FLOAT32 streams as float (WAV) or 24-bit (FLAC)."""
+
+    def __init__(self, path, format: str | None = None):
+        self.path = path
+        self.format = (format or str(path).rsplit(".", 1)[-1]).upper()
+        if self.format not in ("WAV", "FLAC"):
+            raise ValueError(f"format: {self.format!r} is not WAV or FLAC (name the file .wav or .flac)")
+        self._file: sf.SoundFile | None = None
+        self._header: tts_pb2.StreamHeader | None = None
+        self._skip = 0  # the WAV stream's own header bytes, still to drop
+
+    def add(self, resp: tts_pb2.SynthesizeResponse) -> None:
         kind = resp.WhichOneof("kind")
         if kind == "header":
-            out.header = resp.header
+            h = self._header = resp.header
+            floats = h.format == tts_pb2.FLOAT32
+            subtype = ("FLOAT" if self.format == "WAV" else "PCM_24") if floats else "PCM_16"
+            self._file = sf.SoundFile(self.path, "w", h.sample_rate, h.channels, subtype, format=self.format)
+            self._skip = WAV_HEADER_BYTES if h.format == tts_pb2.WAV else 0
         elif kind == "audio":
-            if out.first_chunk_s is None:
-                out.first_chunk_s = time.monotonic() - t0
-            out.chunks.append(resp.audio)
-            if on_chunk:
-                on_chunk(out)
-        elif kind == "codes":
-            m = resp.codes.codes
-            out.codes.append(np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols))
-        elif kind == "summary":
-            out.summary = resp.summary
-    return out
+            if self._file is None:
+                raise ValueError("an audio chunk before the stream's header")
+            data = resp.audio.data
+            if self._skip:
+                data, self._skip = data[self._skip:], max(0, self._skip - len(data))
+            dtype = "<f4" if self._header.format == tts_pb2.FLOAT32 else "<i2"
+            self._file.write(np.frombuffer(data, dtype=dtype).reshape(-1, self._header.channels))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> "AudioFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

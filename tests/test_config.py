@@ -11,11 +11,12 @@ import pytest
 
 from chorus.config import ConfigError, from_proto, message_class, parse, profile_names, settings, to_proto
 from chorus.layout import build, read_tables
+from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
 from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
-CONFIGS = [WorkerConfig, VocoderConfig, SchedulerConfig]
+CONFIGS = [WorkerConfig, VocoderConfig, SchedulerConfig, GatewayConfig]
 
 
 @pytest.mark.parametrize("cls", CONFIGS)

@@ -1,4 +1,4 @@
-"""The three services are peers: none imports another, what they share lives in chorus/, a
+"""The services are peers: none imports another, what they share lives in chorus/, a
 frontend process does not load torch, and no module imports itself back through others."""
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICES = ("scheduler_svc", "gpu_worker", "vocoder_svc")
+SERVICES = ("scheduler_svc", "gpu_worker", "vocoder_svc", "gateway_svc")
 PACKAGES = ("chorus", *SERVICES)
 # These compose the services (start them, bench them) or are generated: they may import any of them.
 COMPOSERS = ("chorus.v1", "chorus.cli", "chorus.colocate", "chorus.launcher", "chorus.layout", "chorus.bench")
@@ -148,6 +148,10 @@ def _run_isolated(code: str) -> str:
 
 def test_a_frontend_process_does_not_import_torch():
     assert _run_isolated("import sys, scheduler_svc.frontend; print('torch' in sys.modules)") == "False"
+
+
+def test_the_gateway_does_not_import_torch():
+    assert _run_isolated("import sys, gateway_svc.server; print('torch' in sys.modules)") == "False"
 
 
 def test_a_checkpoint_tokenizer_loads_without_torch(tmp_path):

@@ -188,6 +188,30 @@ class SchedulerConfig(_message.Message):
     default_model: str
     def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ...) -> None: ...
 
+class GatewayConfig(_message.Message):
+    __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MP3_BITRATE_KBPS_FIELD_NUMBER: _ClassVar[int]
+    VOICE_NAME_CACHE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    scheduler: str
+    channels: int
+    max_body_bytes: int
+    retry_after: int
+    mp3_bitrate_kbps: int
+    voice_name_cache: float
+    drain_seconds: float
+    log_level: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., scheduler: _Optional[str] = ..., channels: _Optional[int] = ..., max_body_bytes: _Optional[int] = ..., retry_after: _Optional[int] = ..., mp3_bitrate_kbps: _Optional[int] = ..., voice_name_cache: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., log_level: _Optional[str] = ...) -> None: ...
+
 class WorkerProcessConfig(_message.Message):
     __slots__ = ("worker", "vocoder")
     WORKER_FIELD_NUMBER: _ClassVar[int]

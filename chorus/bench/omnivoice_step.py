@@ -1,0 +1,94 @@
+"""OmniVoice's packed step on its own: B canvases of one workload, every step of their unmasking
+through the worker's CanvasEngine, timed per step. Token generation only (no codec, no services).
+
+    python -m chorus.bench.omnivoice_step --device cuda --batches 1,16,32 --out results.json
+
+Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of
+generation, and the step's matrix FLOPs with the time they take at --peak-tflops (the floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from chorus.bench.common import device_name, write_json
+from chorus.provenance import git_revision
+
+O1_TEXT = ("The quick brown fox jumps over the lazy dog while the morning sun rises slowly "
+           "above the quiet hills and the birds begin to sing their songs.")  # ~25 words
+
+
+def step_flops(cfg, prefix_rows: int, target_frames: int, guided: bool) -> float:
+    """Matrix FLOPs of one canvas in one packed step: body GEMMs over its rows, attention within
+    each document, and the audio head over its target rows."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_row = 2 * (h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size)
+    docs = [prefix_rows + target_frames] + ([target_frames] if guided else [])
+    rows = sum(docs)
+    attention = sum(4 * n * n * cfg.num_heads * d for n in docs)  # QK^T and PV
+    head = 2 * h * cfg.num_codebooks * cfg.audio_vocab_size * (target_frames * (2 if guided else 1))
+    return cfg.num_layers * (per_row * rows + attention) + head
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m chorus.bench.omnivoice_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="full", choices=("tiny", "full"), help="random-weight model size")
+    p.add_argument("--device", default="cuda", help="torch device")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: float16 on CUDA, float32 on CPU)")
+    p.add_argument("--batches", default="1,16,32", help="comma-separated canvas counts per packed step")
+    p.add_argument("--num-step", type=int, default=32, help="unmasking steps per canvas")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="classifier-free guidance (0 = off)")
+    p.add_argument("--text", default=O1_TEXT, help="the text every canvas says")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense matrix rate for the floor")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from chorus.omnivoice.knobs import FRAME_RATE, UnmaskKnobs
+    from chorus.omnivoice.prompt import plan_pieces
+    from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
+    from gpu_worker.omnivoice.engine import CanvasEngine, CanvasSpec
+    from gpu_worker.omnivoice.loader import build_omnivoice
+
+    model = build_omnivoice(preset=args.preset, load_format="dummy", dtype=args.dtype, device=args.device)
+    cfg = model.cfg
+    piece = plan_pieces(load_omnivoice_tokenizer(None), args.text, language="en")[0]
+    knobs = UnmaskKnobs(num_step=args.num_step, guidance_scale=args.guidance_scale)
+    engine = CanvasEngine(model, max_batch=4096, max_packed_rows=1 << 30)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    prefix, target = len(piece.text_ids), piece.target_frames
+
+    def run(batch: int) -> float:
+        for i in range(batch):
+            engine.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
+        sync()
+        t0 = time.perf_counter()
+        for k in range(args.num_step):
+            engine.step([(i, k) for i in range(batch)])
+        sync()
+        return (time.perf_counter() - t0) * 1000 / args.num_step
+
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        run(batch)  # warm-up
+        ms = min(run(batch) for _ in range(args.repeats))
+        flops = batch * step_flops(cfg, prefix, target, args.guidance_scale != 0)
+        floor_ms = flops / (args.peak_tflops * 1e12) * 1000
+        audio_s = batch * target / FRAME_RATE
+        rows.append({"batch": batch, "step_ms": round(ms, 3), "floor_ms": round(floor_ms, 3),
+                     "x_floor": round(ms / floor_ms, 2), "audio_s_per_s": round(audio_s / (ms * args.num_step / 1000), 1),
+                     "canvas_ms": round(ms * args.num_step, 1)})
+        print(rows[-1], flush=True)
+    write_json(args.out, {"bench": "omnivoice_step", "device": device_name(args.device), "preset": args.preset,
+                          "dtype": str(next(model.parameters()).dtype), "num_step": args.num_step,
+                          "guidance_scale": args.guidance_scale, "prefix_rows": prefix, "target_frames": target,
+                          "peak_tflops": args.peak_tflops, "git": git_revision(), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
