@@ -173,9 +173,10 @@ def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> di
 
 @dataclass
 class Cluster:
-    """worker + vocoder(s) + scheduler on this machine. Each service starts from its config
-    (`worker`, `vocoder`, `scheduler`), with the flags in `*_args` on top; the launcher sets the
-    addresses and ports, and hands each process its config as protobuf (--config-proto FILE)."""
+    """worker + vocoder(s) + scheduler on this machine, and with `omnivoice_worker` set an OmniVoice
+    worker and its codec vocoder(s) too. Each service starts from its config (`worker`, `vocoder`,
+    `scheduler`, `omnivoice_*`), with the flags in `*_args` on top; the launcher sets the addresses
+    and ports, and hands each process its config as protobuf (--config-proto FILE)."""
 
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     vocoder: VocoderConfig = field(default_factory=VocoderConfig)
@@ -197,6 +198,10 @@ class Cluster:
     shared_decoder: bool = False
     # The services get SIGTERM when the thread that started them ends (chorus up: its main thread).
     die_with_parent: bool = False
+    # OmniVoice beside MOSS: its worker and codec vocoder replicas (one per port); None: not served.
+    omnivoice_worker: WorkerConfig | None = None
+    omnivoice_vocoder: VocoderConfig | None = None
+    omnivoice_vocoder_ports: list[int] = field(default_factory=lambda: [0])
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
 
@@ -248,6 +253,8 @@ class Cluster:
             vocoders.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
                                                 write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
         self.services += vocoders
+        omnivoice = self._omnivoice_services(tmp)
+        self.services += omnivoice
         try:
             for s in self.services:
                 s.start(self.echo, env, self.die_with_parent)
@@ -256,6 +263,9 @@ class Cluster:
                 s.wait_ready(max(1.0, deadline - time.monotonic()))
             scheduler = dataclasses.replace(scheduler, host=self.host, port=self.scheduler_port,
                                             worker=self.services[0].address, vocoder=[v.address for v in vocoders])
+            if omnivoice:
+                scheduler = dataclasses.replace(scheduler, omnivoice_worker=[omnivoice[0].address],
+                                                omnivoice_vocoder=[v.address for v in omnivoice[1:]])
             self.services.append(Service("scheduler", py + [
                 "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))]))
             self.services[-1].start(self.echo, env, self.die_with_parent)
@@ -264,6 +274,22 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _omnivoice_services(self, tmp: str) -> list[Service]:
+        """The OmniVoice worker, then its vocoder replicas; [] when OmniVoice is not served."""
+        if self.omnivoice_worker is None:
+            return []
+        py = [sys.executable, "-m"]
+        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None)
+        out = [Service("omnivoice-worker", py + ["chorus.colocate", "--config-proto", write_worker_proto(
+            worker, None, os.path.join(tmp, "omnivoice-worker.pb"))])]
+        vocoder = self.omnivoice_vocoder or VocoderConfig()
+        for i, port in enumerate(self.omnivoice_vocoder_ports):
+            name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
+            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=0, attach_decoder=None)
+            out.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
+                                           write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
+        return out
 
     def stop(self) -> None:
         for s in reversed(self.services):

@@ -5,6 +5,11 @@ A layout file is TOML with tables [cluster], [worker], [vocoder] and [scheduler]
 the placement (ClusterConfig) and the everyday shorthands (model, codec, device, dtype) that set
 the services' own keys; the launcher sets every address and port except the scheduler's.
 
+With OmniVoice served too (cluster.omnivoice, or omnivoice_model), a second worker and its own
+codec vocoder(s) run beside MOSS's: their configs start from the MOSS worker's and vocoder's
+device and dtype with the OmniVoice model and codec, and the tables [omnivoice_worker] and
+[omnivoice_vocoder] (the [worker] and [vocoder] keys) set the rest.
+
     chorus up --profile two-gpu --model DIR --codec DIR
     chorus up --config my-layout.toml --print-config
 """
@@ -12,6 +17,7 @@ the services' own keys; the launcher sets every address and port except the sche
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,6 +31,10 @@ from vocoder_svc.config import VocoderConfig
 
 DEFAULT_PROFILE = "cpu"
 SERVICES = {"worker": WorkerConfig, "vocoder": VocoderConfig, "scheduler": SchedulerConfig}
+OMNIVOICE_SERVICES = {"omnivoice_worker": WorkerConfig, "omnivoice_vocoder": VocoderConfig}
+TABLES = ("cluster", *SERVICES, *OMNIVOICE_SERVICES)
+OMNIVOICE_WORKER_PRESET = "omnivoice-tiny"
+OMNIVOICE_CODEC_PRESET = "higgs-tiny"
 
 
 @dataclass
@@ -46,7 +56,20 @@ class ClusterConfig:
     colocate_vocoder: str = setting("auto", "run the vocoder's decoder in the worker's process (auto = when "
                                     "worker and one vocoder share a CUDA device)", choices=("auto", "on", "off"))
     shared_vocoder_decoder: bool = setting(False, "the vocoder replicas share one decoder process")
+    omnivoice: bool = setting(False, "also serve OmniVoice: its own worker and codec vocoder (tiny presets unless "
+                              "omnivoice_model / omnivoice_codec), set further by the tables [omnivoice_worker] "
+                              "and [omnivoice_vocoder] (the [worker] and [vocoder] keys)")
+    omnivoice_model: str | None = setting(None, "OmniVoice checkpoint directory: the OmniVoice worker's model and "
+                                          "scheduler.omnivoice_tokenizer; implies omnivoice", metavar="DIR")
+    omnivoice_codec: str | None = setting(None, "Higgs-Audio-v2 codec directory (or an OmniVoice checkpoint with "
+                                          "audio_tokenizer/): the OmniVoice vocoder's codec (unset: omnivoice_model, "
+                                          "else the tiny preset)", metavar="DIR")
+    omnivoice_vocoders: int = setting(1, "OmniVoice codec vocoder replicas", metavar="N", minimum=1)
     quiet: bool = setting(False, "do not relay the services' logs")
+
+    @property
+    def serves_omnivoice(self) -> bool:
+        return self.omnivoice or self.omnivoice_model is not None
 
     def validate(self) -> None:
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
@@ -61,20 +84,27 @@ class Layout:
     vocoder: VocoderConfig
     scheduler: SchedulerConfig
     colocate: bool = False
+    omnivoice_worker: WorkerConfig | None = None     # set when OmniVoice is served
+    omnivoice_vocoder: VocoderConfig | None = None
 
     def toml(self) -> str:
-        return to_toml({"cluster": self.cluster, "worker": self.worker, "vocoder": self.vocoder,
-                        "scheduler": self.scheduler})
+        tables = {"cluster": self.cluster, "worker": self.worker, "vocoder": self.vocoder, "scheduler": self.scheduler}
+        if self.omnivoice_worker is not None:
+            tables.update(omnivoice_worker=self.omnivoice_worker, omnivoice_vocoder=self.omnivoice_vocoder)
+        return to_toml(tables)
 
     def cluster_launcher(self, **kw) -> Cluster:
         """The launcher for this layout (kw: more Cluster fields, e.g. vocoder_metrics_ports)."""
         return Cluster(worker=self.worker, vocoder=self.vocoder, scheduler=self.scheduler, host=self.cluster.host,
                        scheduler_port=self.scheduler.port, vocoder_ports=[0] * self.cluster.vocoders,
                        echo=not self.cluster.quiet, colocate_vocoder=self.colocate,
-                       shared_decoder=self.cluster.shared_vocoder_decoder, **kw)
+                       shared_decoder=self.cluster.shared_vocoder_decoder, omnivoice_worker=self.omnivoice_worker,
+                       omnivoice_vocoder=self.omnivoice_vocoder,
+                       omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders, **kw)
 
 
-def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet"),
+def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
+                                     "omnivoice", "omnivoice_model", "omnivoice_codec"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""
@@ -105,10 +135,10 @@ def read_tables(file: str | None = None, profile: str | None = None) -> dict[str
     if named and profile and named != profile:
         raise ConfigError(f"{file} starts from profile {named!r} and --profile says {profile!r}: give one")
     tables = merge(read_profile(profile or named or DEFAULT_PROFILE), tables)
-    unknown = set(tables) - {"cluster", *SERVICES}
+    unknown = set(tables) - set(TABLES)
     if unknown:
         raise ConfigError(f"{file or profile}: unknown table(s) {', '.join(sorted(unknown))}: the tables are "
-                          f"[cluster], [worker], [vocoder], [scheduler]")
+                          f"{', '.join(f'[{t}]' for t in TABLES)}")
     return tables
 
 
@@ -126,6 +156,8 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
     if cluster.model is not None:
         worker["model"] = cluster.model
         scheduler.setdefault("tokenizer", cluster.model)
+    if cluster.omnivoice_model is not None:
+        scheduler.setdefault("omnivoice_tokenizer", cluster.omnivoice_model)
     if cluster.codec is not None:
         vocoder["codec"] = cluster.codec
     if cluster.device is not None:
@@ -148,7 +180,31 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
         check(config)
     if colocate and cluster.vocoders != 1:
         raise ConfigError("cluster: colocate_vocoder = \"on\" runs one vocoder replica (its decoder is the worker's)")
-    return Layout(cluster, configs["worker"], configs["vocoder"], configs["scheduler"], colocate)
+    layout = Layout(cluster, configs["worker"], configs["vocoder"], configs["scheduler"], colocate)
+    if cluster.serves_omnivoice:
+        layout.omnivoice_worker, layout.omnivoice_vocoder = _omnivoice_services(cluster, layout, tables, where)
+    return layout
+
+
+def _omnivoice_services(cluster: ClusterConfig, layout: Layout, tables: dict[str, Any],
+                        where: str) -> tuple[WorkerConfig, VocoderConfig]:
+    """The OmniVoice worker's and vocoder's configs: the MOSS services' device and dtype, the OmniVoice
+    model and codec (or the tiny presets), then the [omnivoice_worker] / [omnivoice_vocoder] tables."""
+    base = {"omnivoice_worker": {"device": layout.worker.device, "dtype": layout.worker.dtype,
+                                 "preset": OMNIVOICE_WORKER_PRESET, "model": cluster.omnivoice_model},
+            "omnivoice_vocoder": {"device": layout.vocoder.device, "dtype": layout.vocoder.dtype,
+                                  "preset": OMNIVOICE_CODEC_PRESET,
+                                  "codec": cluster.omnivoice_codec or cluster.omnivoice_model}}
+    configs = []
+    for name, cls in OMNIVOICE_SERVICES.items():
+        try:
+            values = table_values(cls, tables.get(name, {}), where)
+            config = cls(**{**base[name], **values})
+            check(config)
+        except ConfigError as e:  # the messages name the [worker] / [vocoder] table whose keys these are
+            raise ConfigError(re.sub(rf"(?<![\w.])(\[?){cls.TABLE}(?=[.\]])", rf"\g<1>{name}", str(e))) from None
+        configs.append(config)
+    return configs[0], configs[1]
 
 
 def load(args: argparse.Namespace) -> Layout:
@@ -159,6 +215,8 @@ def load(args: argparse.Namespace) -> Layout:
 
 
 def all_configs() -> list[type]:
+    """The config classes, one reference table each ([omnivoice_worker] and [omnivoice_vocoder] take the
+    [worker] and [vocoder] keys)."""
     return [ClusterConfig, WorkerConfig, VocoderConfig, SchedulerConfig]
 
 

@@ -3,7 +3,8 @@
 Frontends submit, abort and store voices here; the scheduler's events come
 back through this sink: buffered per frontend while a journal is applied and
 sent as one Progress message per frontend at flush(), so a step of 256 frames
-costs each frontend one message, not 256.
+costs each frontend one message, not 256. OmniVoice canvases go to the canvas
+scheduler of the model they name and come back whole, one CanvasDone each.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import zmq.asyncio
 from chorus.v1 import frontend_pb2
 from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc import metrics
+from scheduler_svc.canvas_policy import Canvas, CanvasTooLarge, InvalidCanvas
+from scheduler_svc.canvas_scheduler import CanvasScheduler, CanvasSink
+from scheduler_svc.model_routing import OMNIVOICE, UnknownModel, resolve_model
 from scheduler_svc.request import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request
 from scheduler_svc.scheduler import Scheduler
 
@@ -34,7 +38,7 @@ class _Outbox:
         self.finished: list[frontend_pb2.Finished] = []
 
 
-class FrontendLink(EventSink):
+class FrontendLink(EventSink, CanvasSink):
     def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None):
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -50,10 +54,25 @@ class FrontendLink(EventSink):
         self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
         self._requests: dict[tuple[bytes, int], Request] = {}     # (frontend, ticket) -> request
         self._out: dict[bytes, _Outbox] = {}
+        self.canvas_schedulers: dict[str, list[CanvasScheduler]] = {}  # model name -> one per worker
+        self.served: dict[str, str] = {}                            # model name -> architecture
+        self.default_model = ""
+        self._canvas_origin: dict[Canvas, tuple[bytes, int]] = {}
+        self._canvases: dict[tuple[bytes, int], tuple[CanvasScheduler, Canvas]] = {}
+        self._late: list[tuple[bytes, frontend_pb2.CoreMessage]] = []  # sent after the current answer
         self._task: asyncio.Task | None = None
 
-    def start(self, scheduler: Scheduler) -> None:
+    def start(self, scheduler: Scheduler, canvas_schedulers: list[CanvasScheduler] = (),
+              default_model: str = "") -> None:
+        """Serve the frontends. default_model: the served model that requests naming none get (its
+        name or architecture; empty: the MOSS model); UnknownModel when it names none."""
         self.scheduler = scheduler
+        self.canvas_schedulers = {}
+        for s in canvas_schedulers:
+            self.canvas_schedulers.setdefault(s.model_name, []).append(s)
+        self.served = {scheduler.hello.model_name: scheduler.hello.architecture,
+                       **{name: OMNIVOICE for name in self.canvas_schedulers}}
+        self.default_model = resolve_model(default_model, self.served)
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def close(self) -> None:
@@ -98,6 +117,23 @@ class FrontendLink(EventSink):
             self._send(frontend, msg)
         self._out.clear()
 
+    def canvas_done(self, canvas: Canvas) -> None:
+        origin = self._canvas_origin.pop(canvas, None)
+        if origin is None:
+            return  # aborted by its frontend
+        self._canvases.pop(origin, None)
+        frontend, ticket = origin
+        done = frontend_pb2.CanvasDone(ticket=ticket)
+        if canvas.codes is not None:
+            done.codes.CopyFrom(rows_matrix(canvas.codes))
+        else:
+            done.error = canvas.error or "the canvas ended without codes"
+        if canvas.t_started is not None:
+            done.queue_ms = (canvas.t_started - canvas.t_accepted) * 1e3
+            if canvas.t_finished is not None:
+                done.generate_ms = (canvas.t_finished - canvas.t_started) * 1e3
+        self._send(frontend, frontend_pb2.CoreMessage(canvas_done=done))
+
     def _forget(self, req: Request) -> None:
         origin = self._origin.pop(req.id, None)
         if origin is not None:
@@ -119,16 +155,26 @@ class FrontendLink(EventSink):
             if answer is not None:
                 answer.call = msg.call
                 self._send(frontend, answer)
+            for late in self._late:
+                self._send(*late)
+            self._late.clear()
 
     def _handle(self, frontend: bytes, msg: frontend_pb2.FrontendMessage) -> frontend_pb2.CoreMessage | None:
         kind = msg.WhichOneof("kind")
         if kind == "submit":
             return self._submit(frontend, msg.submit)
+        if kind == "canvas_submit":
+            return self._canvas_submit(frontend, msg.canvas_submit)
         if kind == "abort":
             req = self._requests.get((frontend, msg.abort.ticket))
             if req is not None:
                 self._forget(req)
                 self.scheduler.abort(req)
+            held = self._canvases.pop((frontend, msg.abort.ticket), None)
+            if held is not None:
+                scheduler, canvas = held
+                self._canvas_origin.pop(canvas, None)
+                scheduler.cancel(canvas)
             return None
         if kind == "report":
             self._report(frontend, msg.report)
@@ -136,7 +182,9 @@ class FrontendLink(EventSink):
         if kind == "hello":
             s = self.scheduler
             return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(
-                worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size))
+                worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size,
+                canvas_workers=[c.hello for group in self.canvas_schedulers.values() for c in group],
+                default_model=self.default_model))
         if kind == "put_voice":
             v = msg.put_voice
             if v.voice_id not in self.voices and len(self.voices) >= self.max_voices:
@@ -149,7 +197,8 @@ class FrontendLink(EventSink):
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v] if v is not None else []))
         if kind == "list_voices":
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[
-                frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames)
+                frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames, model=v.model,
+                                         rms=v.rms)
                 for v in self.voices.values()]))
         raise ValueError(f"unknown frontend message {kind!r}")
 
@@ -164,6 +213,27 @@ class FrontendLink(EventSink):
         return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=req.id,
                                                                          loaded=self.scheduler.loaded))
 
+    def _canvas_submit(self, frontend: bytes, sub: frontend_pb2.CanvasSubmit) -> frontend_pb2.CoreMessage:
+        """Queue a canvas on its model's least loaded scheduler that takes it: Submitted now (queue_full
+        set when none does), the CanvasDone when it ends. A model that takes no canvases, or a malformed
+        canvas, is answered by a CanvasDone error."""
+        try:
+            name = resolve_model(sub.model, self.served, self.default_model)
+            group = self.canvas_schedulers.get(name)
+            if group is None:
+                raise UnknownModel(f"model {name!r} is not an OmniVoice model; OmniVoice models served: "
+                                   f"{', '.join(self.canvas_schedulers) or '(none)'}")
+            scheduler, canvas = _submit_to_one(sorted(group, key=lambda s: s.load), sub.canvas)
+        except (QueueFull, CanvasTooLarge) as e:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+        except (UnknownModel, InvalidCanvas) as e:
+            self._late.append((frontend, frontend_pb2.CoreMessage(canvas_done=frontend_pb2.CanvasDone(
+                ticket=sub.ticket, error=str(e)))))
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket))
+        self._canvas_origin[canvas] = (frontend, sub.ticket)
+        self._canvases[(frontend, sub.ticket)] = (scheduler, canvas)
+        return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=canvas.id))
+
     def _report(self, frontend: bytes, r: frontend_pb2.CallReport) -> None:
         if r.event == "ready":
             self.ready.add(frontend)
@@ -176,3 +246,14 @@ class FrontendLink(EventSink):
             metrics.ACTIVE_STREAMS.dec()
             if r.outcome:
                 metrics.REQUESTS.labels(r.outcome).inc()
+
+
+def _submit_to_one(schedulers: list[CanvasScheduler], start) -> tuple[CanvasScheduler, Canvas]:
+    """The first of `schedulers` that accepts the canvas, and the canvas; else the first refusal."""
+    refusal = None
+    for s in schedulers:
+        try:
+            return s, s.submit(start)
+        except (QueueFull, CanvasTooLarge) as e:
+            refusal = refusal or e
+    raise refusal

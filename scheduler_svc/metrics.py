@@ -40,3 +40,18 @@ TURNAROUND_MS = Histogram("chorus_scheduler_turnaround_ms", "Journal received to
                           registry=REGISTRY, buckets=(0.5, 1, 2, 3, 5, 8, 12, 20, 50, 100))
 LOOKAHEAD_STEPS = Counter("chorus_lookahead_steps", "Steps sent before the previous journal returned",
                           registry=REGISTRY)
+# OmniVoice: one series per OmniVoice worker, labelled by its model name.
+CANVAS_QUEUE_DEPTH = Gauge("chorus_canvas_queue_depth", "OmniVoice canvases waiting for admission", ["model"],
+                           registry=REGISTRY)
+CANVAS_RUNNING = Gauge("chorus_canvas_running", "OmniVoice canvases being unmasked", ["model"], registry=REGISTRY)
+CANVAS_ROWS_USED = Gauge("chorus_canvas_rows_used", "Packed rows the running OmniVoice canvases take per step",
+                         ["model"], registry=REGISTRY)
+CANVAS_PACKED_ROWS = Histogram("chorus_canvas_packed_rows", "Packed rows of each OmniVoice step", ["model"],
+                               registry=REGISTRY, buckets=(64, 256, 1024, 2048, 4096, 8192, 12288, 16384, 24576,
+                                                           32768))
+CANVAS_STEPS = Counter("chorus_canvas_steps", "OmniVoice unmasking steps run (each over all running canvases)",
+                       ["model"], registry=REGISTRY)
+CANVAS_STEP_MS = Histogram("chorus_canvas_step_ms", "Worker time of OmniVoice steps (ms)", ["model"],
+                           registry=REGISTRY, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
+CANVASES = Counter("chorus_canvases", "OmniVoice canvases ended, by outcome (ok, error, cancelled)",
+                   ["model", "outcome"], registry=REGISTRY)

@@ -1,11 +1,11 @@
 """scheduler_svc: the public TextToSpeech service, as one core process and its frontends.
 
 The core (this process) owns the Scheduler (queue, admission, KV, radix cache,
-lookahead, the ZeroMQ link to the gpu_worker), the voice store and the one
-Prometheus endpoint. It starts --frontends frontend processes
-(scheduler_svc/frontend.py) that all serve the gRPC port: validation, prompt
-building, the vocoder streams and the client's audio, the per-frame work that
-one Python process cannot carry at full GPU throughput. They reach the core
+lookahead, the ZeroMQ link to the gpu_worker), a CanvasScheduler per OmniVoice
+worker, the voice store and the one Prometheus endpoint. It starts --frontends
+frontend processes (scheduler_svc/frontend.py) that all serve the gRPC port:
+validation, prompt building, the vocoder streams and the client's audio, the
+per-frame work that one Python process cannot carry at full GPU throughput. They reach the core
 over a ZeroMQ ipc socket (protos/chorus/v1/frontend.proto). The core prints
 its `ready on` line once every frontend serves; if a frontend dies, the core
 stops the rest and exits non-zero, so an orchestrator restarts the whole pod.
@@ -32,7 +32,9 @@ from chorus.config import ConfigError, add_config_flags, parse, write_proto
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
 from scheduler_svc import frontend, metrics
+from scheduler_svc.canvas_scheduler import CanvasScheduler
 from scheduler_svc.frontend_link import FrontendLink
+from scheduler_svc.model_routing import MOSS, OMNIVOICE, UnknownModel
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.worker_client import WorkerClient
@@ -108,17 +110,45 @@ def _stop_frontends(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
-async def serve(args: SchedulerConfig) -> None:
-    worker = WorkerClient(args.worker)
-    log.info("waiting for the worker at %s", args.worker)
+async def _hello(endpoint: str, architecture: str) -> tuple[WorkerClient, worker_pb2.Hello]:
+    """A client of the worker at endpoint and its hello; SystemExit when it serves another architecture."""
+    worker = WorkerClient(endpoint)
+    log.info("waiting for the %s worker at %s", architecture, endpoint)
     hello: worker_pb2.Hello = await worker.hello(timeout=600)
+    if hello.architecture != architecture:
+        key = "omnivoice_worker" if hello.architecture == OMNIVOICE else "worker"
+        raise SystemExit(f"the worker at {endpoint} serves {hello.model_name!r} ({hello.architecture}), not "
+                         f"{architecture}: give it as scheduler.{key}")
+    return worker, hello
+
+
+async def _canvas_schedulers(args: SchedulerConfig, sink) -> list[CanvasScheduler]:
+    """A CanvasScheduler per OmniVoice worker (workers serving one model share its requests)."""
+    out = []
+    for endpoint in args.omnivoice_worker:
+        client, hello = await _hello(endpoint, OMNIVOICE)
+        try:
+            out.append(CanvasScheduler(client, hello, args, sink=sink))
+        except ValueError as e:  # a Hello the policy cannot work with
+            raise SystemExit(f"the OmniVoice worker at {endpoint}: {e}") from None
+    return out
+
+
+async def serve(args: SchedulerConfig) -> None:
+    worker, hello = await _hello(args.worker, MOSS)
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.model_config_json))
     cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
     with tempfile.TemporaryDirectory(prefix="chorus-scheduler-") as tmp:
         link = FrontendLink(f"ipc://{tmp}/core", args.max_voices)
         scheduler = Scheduler(worker, hello, dataclasses.replace(args, cache_key=cache_key), sink=link)
+        canvas_schedulers = await _canvas_schedulers(args, link)
+        try:
+            link.start(scheduler, canvas_schedulers, args.default_model)
+        except UnknownModel as e:
+            raise SystemExit(f"scheduler.default_model = {args.default_model!r}: {e}") from None
         scheduler.start()
-        link.start(scheduler)
+        for s in canvas_schedulers:
+            s.start()
         metrics.KV_TOTAL.set(hello.kv_slots)
         reservation, port = _reserve_port(args.host, args.port)
         config_file = write_proto(dataclasses.replace(args, port=port), f"{tmp}/frontend.pb")
@@ -128,8 +158,9 @@ async def serve(args: SchedulerConfig) -> None:
             await _wait_frontends(link, procs, timeout=900)
             if args.metrics_port:
                 start_http_server(args.metrics_port, addr=args.host, registry=metrics.REGISTRY)
-            print(f"scheduler ready on {args.host}:{port} model={cfg.name} worker={args.worker} "
-                  f"frontends={args.frontends} vocoders={','.join(args.vocoder)}",
+            models = ",".join(dict.fromkeys([cfg.name, *(s.model_name for s in canvas_schedulers)]))
+            print(f"scheduler ready on {args.host}:{port} models={models} default={link.default_model} "
+                  f"worker={args.worker} frontends={args.frontends} vocoders={','.join(args.vocoder)}",
                   flush=True)
             failed = await _until_stop_or_frontend_exit(procs)
             if failed is not None:
@@ -141,6 +172,9 @@ async def serve(args: SchedulerConfig) -> None:
             await asyncio.get_running_loop().run_in_executor(None, _stop_frontends, procs, args.drain_seconds + 5)
             reservation.close()
             await scheduler.stop()
+            for s in canvas_schedulers:
+                await s.stop()
+                await s.worker.close()
             link.close()
             await worker.close()
         if failed is not None:

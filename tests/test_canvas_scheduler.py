@@ -1,0 +1,437 @@
+"""The OmniVoice scheduling driver and the core's canvas path: CanvasScheduler against a worker
+over ZeroMQ, and FrontendLink answering a frontend's CanvasSubmit / Abort / hello / voices.
+
+Most tests use a fake worker (a ROUTER answering as gpu_worker does: canvases held between steps,
+a result per step in plan order, codes after the last step) so the rules are checked exactly; the
+last one runs the real gpu_worker with its omnivoice-tiny preset."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from chorus.omnivoice.knobs import NUM_CODEBOOKS, UnmaskKnobs
+from chorus.v1 import frontend_pb2, worker_pb2
+from chorus.wire import matrix_array, rows_matrix
+from scheduler_svc.canvas_policy import canvas_rows
+from scheduler_svc.canvas_scheduler import RESTARTED, CanvasScheduler, CanvasSink
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.frontend_link import FrontendLink
+from scheduler_svc.worker_client import WorkerClient
+
+
+def start_msg(text=6, frames=10, num_step=3, guidance=2.0, seed=1) -> worker_pb2.CanvasStart:
+    return worker_pb2.CanvasStart(text_ids=[5] * text, target_frames=frames, seed=seed,
+                                  knobs=UnmaskKnobs(num_step=num_step, guidance_scale=guidance).to_proto())
+
+
+class FakeWorker:
+    """An OmniVoice worker's wire behaviour, with its canvases kept between steps."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, max_batch=4, max_packed_rows=200):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.hello = worker_pb2.Hello(model_name="omnivoice-tiny", architecture="omnivoice", max_batch=max_batch,
+                                      max_packed_rows=max_packed_rows, incarnation=1)
+        self.canvases: dict[int, worker_pb2.CanvasStart] = {}
+        self.next_step: dict[int, int] = {}
+        self.plans: list[worker_pb2.StepPlan] = []
+        self.fail_next: str | None = None
+        self.gate = asyncio.Event()  # steps wait for it while cleared...
+        self.gate.set()
+        self.pause_if = lambda plan: False  # ...and a plan this says yes to clears it
+        self.paused = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def restart(self) -> None:
+        self.hello.incarnation += 1
+        self.canvases.clear()
+        self.next_step.clear()
+
+    async def _serve(self) -> None:
+        while True:
+            ident, payload = await self.sock.recv_multipart()
+            cmd = worker_pb2.WorkerCommand.FromString(payload)
+            if cmd.WhichOneof("kind") == "hello":
+                event = worker_pb2.WorkerEvent(hello=self.hello)
+            else:
+                if self.pause_if(cmd.step):
+                    self.gate.clear()
+                if not self.gate.is_set():
+                    self.paused.set()
+                await self.gate.wait()
+                event = worker_pb2.WorkerEvent(journal=self._step(cmd.step))
+            await self.sock.send_multipart([ident, event.SerializeToString()])
+
+    def _step(self, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
+        self.plans.append(plan)
+        j = worker_pb2.Journal(step_id=plan.step_id, incarnation=self.hello.incarnation, step_ms=1.0)
+        if self.fail_next:
+            j.error, self.fail_next = self.fail_next, None
+            return j
+        for rid in plan.release:
+            self.canvases.pop(rid, None)
+        for start in plan.canvas_start:
+            assert start.request_id not in self.canvases
+            self.canvases[start.request_id] = start
+            self.next_step[start.request_id] = 0
+        if any(item.request_id not in self.canvases for item in plan.canvas_step):
+            j.error = "unknown canvas"
+            return j
+        assert len(plan.canvas_step) <= self.hello.max_batch
+        assert sum(canvas_rows(self.canvases[i.request_id]) for i in plan.canvas_step) <= self.hello.max_packed_rows
+        for item in plan.canvas_step:
+            start = self.canvases[item.request_id]
+            assert item.step == self.next_step[item.request_id]
+            self.next_step[item.request_id] += 1
+            r = j.canvases.add(request_id=item.request_id, step=item.step,
+                               finished=item.step == start.knobs.num_step - 1)
+            if r.finished:
+                r.codes.CopyFrom(rows_matrix(np.full((start.target_frames, NUM_CODEBOOKS), start.seed, np.int32)))
+        return j
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.sock.close()
+
+
+class Collect(CanvasSink):
+    def __init__(self):
+        self.done = asyncio.Queue()
+
+    def canvas_done(self, canvas):
+        self.done.put_nowait(canvas)
+
+
+def run(test, **worker_kw):
+    """test(fake worker, its CanvasScheduler, the sink) on a fresh event loop."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        fake = FakeWorker(ctx, **worker_kw)
+        client = WorkerClient(fake.endpoint, ctx)
+        sink = Collect()
+        config = SchedulerConfig(max_queue=8, worker_probe=0.5, restart_wait=1.0, step_timeout=5.0)
+        sched = CanvasScheduler(client, await client.hello(), config, sink)
+        sched.start()
+        try:
+            await asyncio.wait_for(test(fake, sched, sink), 30)
+        finally:
+            await sched.stop()
+            await client.close()
+            fake.close()
+            ctx.destroy(0)
+    asyncio.run(main())
+
+
+async def drain(sink: Collect, n: int) -> list:
+    return [await sink.done.get() for _ in range(n)]
+
+
+def test_canvases_of_different_lengths_share_steps_and_end_with_their_codes():
+    async def test(fake, sched, sink):
+        a = sched.submit(start_msg(num_step=2, seed=11))
+        b = sched.submit(start_msg(num_step=5, seed=12))
+        c = sched.submit(start_msg(num_step=3, frames=150, guidance=0, seed=13))  # 156 rows: waits for a and b
+        done = await drain(sink, 3)
+        assert [x.start.seed for x in done] == [11, 12, 13]
+        for x in done:
+            assert x.error is None and x.codes.shape == (x.start.target_frames, NUM_CODEBOOKS)
+            assert (x.codes == x.start.seed).all() and x.t_finished >= x.t_started >= x.t_accepted
+        assert c.t_started > b.t_started  # queued until the budget had room
+        await asyncio.sleep(0.1)
+        assert not fake.canvases and sched.policy.used_rows == 0  # every canvas released on the worker
+        firsts = {s.request_id: i for i, p in enumerate(fake.plans) for s in p.canvas_start}
+        assert firsts[a.id] == firsts[b.id] == 0 and firsts[c.id] > 0
+    run(test)
+
+
+def test_a_failed_step_fails_its_canvases_only():
+    async def test(fake, sched, sink):
+        fake.fail_next = "out of memory"
+        a = sched.submit(start_msg())
+        [done] = await drain(sink, 1)
+        assert done is a and a.error == "OmniVoice worker step failed: out of memory"
+        b = sched.submit(start_msg(seed=5))
+        [done] = await drain(sink, 1)
+        assert done is b and b.error is None
+    run(test)
+
+
+def test_a_restarted_worker_fails_the_running_canvases_and_serves_the_next():
+    async def test(fake, sched, sink):
+        fake.gate.clear()
+        a = sched.submit(start_msg(num_step=4))
+        await asyncio.sleep(0.2)  # a's first step is held by the worker
+        fake.restart()
+        fake.gate.set()
+        [done] = await drain(sink, 1)  # the journal of a's first step ran on the new process: a is kept...
+        assert done is a and a.error is None
+        fake.paused.clear()
+        b = sched.submit(start_msg(num_step=4, seed=3))
+        fake.pause_if = lambda plan: any(i.request_id == b.id and i.step == 1 for i in plan.canvas_step)
+        await fake.paused.wait()  # b's second step waits
+        fake.restart()  # ...but b's later steps find nothing on the next one
+        fake.gate.set()
+        [done] = await drain(sink, 1)
+        assert done is b and b.error == RESTARTED and "unavailable" in b.error
+        c = sched.submit(start_msg(seed=4))
+        [done] = await drain(sink, 1)
+        assert done is c and c.error is None
+    run(test)
+
+
+def test_cancel_releases_on_the_worker_and_tells_nobody():
+    async def test(fake, sched, sink):
+        a = sched.submit(start_msg(num_step=64))
+        while not fake.canvases:
+            await asyncio.sleep(0.01)
+        sched.cancel(a)
+        sched.cancel(a)
+        b = sched.submit(start_msg(num_step=1, seed=9))
+        [done] = await drain(sink, 1)
+        assert done is b
+        while fake.canvases:
+            await asyncio.sleep(0.01)
+        assert a.id in [rid for p in fake.plans for rid in p.release] and sched.policy.used_rows == 0
+    run(test)
+
+
+def test_random_cancellations_leave_no_canvas_on_the_worker():
+    async def test(fake, sched, sink):
+        rng = np.random.default_rng(0)
+        live = []
+        for i in range(100):
+            live.append(sched.submit(start_msg(frames=int(rng.integers(1, 40)), num_step=int(rng.integers(1, 8)),
+                                               guidance=float(rng.choice([0.0, 2.0])), seed=i)))
+            if rng.random() < 0.7:
+                sched.cancel(live.pop(int(rng.integers(len(live)))))
+            await asyncio.sleep(float(rng.choice([0, 0.002])))
+        for c in live:
+            if rng.random() < 0.5:
+                sched.cancel(c)
+        p = sched.policy
+        while p.running or p.waiting or p.pending_release or fake.canvases:  # run() times out if never
+            await asyncio.sleep(0.01)
+        assert p.used_rows == 0
+        ended = [sink.done.get_nowait() for _ in range(sink.done.qsize())]
+        assert all(c.error is None and not c.cancelled for c in ended) and len(ended) > 5
+    run(test, max_packed_rows=300)
+
+
+# ---- the core's link --------------------------------------------------------------------------
+
+class Frontend:
+    """A frontend's DEALER end of the core link."""
+
+    def __init__(self, ctx, endpoint):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def send(self, call=0, **kind) -> None:
+        await self.sock.send(frontend_pb2.FrontendMessage(call=call, **kind).SerializeToString())
+
+    async def recv(self) -> frontend_pb2.CoreMessage:
+        return frontend_pb2.CoreMessage.FromString(await asyncio.wait_for(self.sock.recv(), 10))
+
+
+def moss_stub():
+    hello = worker_pb2.Hello(model_name="moss-tiny", architecture="moss_tts_local")
+    return types.SimpleNamespace(hello=hello, kv=types.SimpleNamespace(num_pages=4, page_size=16))
+
+
+def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
+    async def test(fake, sched, sink):
+        ctx = zmq.asyncio.Context.instance()
+        link = FrontendLink(f"ipc://{tmp_path}/core", max_voices=4)
+        sched.sink = link
+        link.start(moss_stub(), [sched], "omnivoice")
+        fe = Frontend(ctx, link.endpoint)
+        try:
+            await fe.send(call=1, hello=frontend_pb2.CoreHelloRequest())
+            hello = (await fe.recv()).hello
+            assert [w.model_name for w in hello.canvas_workers] == ["omnivoice-tiny"]
+            assert hello.default_model == "omnivoice-tiny" and hello.worker.model_name == "moss-tiny"
+
+            for ticket, model in ((1, "omnivoice"), (2, "omnivoice-tiny"), (3, "")):  # alias, name, default
+                await fe.send(call=10 + ticket, canvas_submit=frontend_pb2.CanvasSubmit(
+                    ticket=ticket, model=model, canvas=start_msg(seed=ticket)))
+                sub = (await fe.recv()).submitted
+                assert (sub.ticket, sub.queue_full) == (ticket, "") and sub.request_id
+                done = (await fe.recv()).canvas_done
+                assert done.ticket == ticket and not done.error and done.generate_ms > 0
+                assert (matrix_array(done.codes) == ticket).all()
+
+            await fe.send(call=20, canvas_submit=frontend_pb2.CanvasSubmit(ticket=4, model="moss",
+                                                                          canvas=start_msg()))
+            msgs = [await fe.recv(), await fe.recv()]
+            assert msgs[0].submitted.ticket == 4 and msgs[0].call == 20
+            assert msgs[1].canvas_done.ticket == 4 and "not an OmniVoice model" in msgs[1].canvas_done.error
+
+            await fe.send(call=21, canvas_submit=frontend_pb2.CanvasSubmit(ticket=5, canvas=start_msg(frames=300)))
+            assert "budget of 200" in (await fe.recv()).submitted.queue_full
+
+            fake.gate.clear()
+            await fe.send(call=22, canvas_submit=frontend_pb2.CanvasSubmit(ticket=6, canvas=start_msg(num_step=9)))
+            assert (await fe.recv()).submitted.request_id
+            await fe.send(abort=frontend_pb2.Abort(ticket=6))
+            fake.gate.set()
+            await fe.send(call=23, canvas_submit=frontend_pb2.CanvasSubmit(ticket=7, canvas=start_msg(seed=7)))
+            assert (await fe.recv()).submitted.ticket == 7
+            assert (await fe.recv()).canvas_done.ticket == 7  # nothing came for the aborted ticket 6
+            assert not link._canvases and not link._canvas_origin
+
+            voice = frontend_pb2.StoredVoice(voice_id="v", codes=rows_matrix(np.zeros((3, 8), np.int32)),
+                                             transcript="hi", frames=3, model="omnivoice-tiny", rms=0.25)
+            await fe.send(call=30, put_voice=voice)
+            await fe.recv()
+            await fe.send(call=31, list_voices=frontend_pb2.VoiceQuery())
+            [listed] = (await fe.recv()).voices.voices
+            assert (listed.model, listed.rms, listed.frames, listed.codes.rows) == ("omnivoice-tiny", 0.25, 3, 0)
+            await fe.send(call=32, get_voice=frontend_pb2.VoiceQuery(voice_id="v"))
+            assert (await fe.recv()).voices.voices[0] == voice
+        finally:
+            fe.sock.close()
+            link.close()
+    run(test)
+
+
+def test_workers_serving_one_model_share_its_canvases(tmp_path):
+    """Each canvas goes to the least loaded worker of its model that can take it."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        fakes = [FakeWorker(ctx, max_packed_rows=200), FakeWorker(ctx, max_packed_rows=1000)]
+        link = FrontendLink(f"ipc://{tmp_path}/core", max_voices=4, ctx=ctx)
+        clients = [WorkerClient(f.endpoint, ctx) for f in fakes]
+        scheds = [CanvasScheduler(c, await c.hello(), SchedulerConfig(), link) for c in clients]
+        for s in scheds:
+            s.start()
+        link.start(moss_stub(), scheds)
+        fe = Frontend(ctx, link.endpoint)
+        try:
+            for f in fakes:
+                f.gate.clear()  # nothing finishes: each canvas adds to its worker's load
+            for ticket in range(1, 5):  # alternating: a tie goes to the first worker
+                await fe.send(call=ticket, canvas_submit=frontend_pb2.CanvasSubmit(ticket=ticket, model="omnivoice",
+                                                                                  canvas=start_msg(num_step=2)))
+                assert (await fe.recv()).submitted.request_id
+            await fe.send(call=9, canvas_submit=frontend_pb2.CanvasSubmit(ticket=9, canvas=start_msg(frames=300),
+                                                                         model="omnivoice-tiny"))
+            assert (await fe.recv()).submitted.request_id  # 606 rows: only the second worker's budget holds it
+            for f in fakes:
+                f.gate.set()
+            tickets = sorted([(await fe.recv()).canvas_done.ticket for _ in range(5)])
+            assert tickets == [1, 2, 3, 4, 9]
+            starts = [[s.target_frames for p in f.plans for s in p.canvas_start] for f in fakes]
+            assert len(starts[0]) == 2 and len(starts[1]) == 3 and 300 in starts[1]
+        finally:
+            fe.sock.close()
+            link.close()
+            for s, c, f in zip(scheds, clients, fakes):
+                await s.stop()
+                await c.close()
+                f.close()
+            ctx.destroy(0)
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_core_process_greets_its_omnivoice_workers():
+    """scheduler_svc.server with a fake OmniVoice worker beside the tiny MOSS one: its `ready on` line
+    names both models and the default; the canvas metrics are served."""
+    import threading
+    import urllib.request
+
+    from helpers import make_cluster
+
+    ready = threading.Event()
+    box = {}
+
+    def serve_fake():
+        async def main():
+            ctx = zmq.asyncio.Context()
+            box["fake"] = FakeWorker(ctx)
+            box["stop"] = asyncio.Event()
+            ready.set()
+            await box["stop"].wait()
+            box["fake"].close()
+            ctx.destroy(0)
+        box["loop"] = asyncio.new_event_loop()
+        box["loop"].run_until_complete(main())
+
+    thread = threading.Thread(target=serve_fake, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        with make_cluster(scheduler_args=["--omnivoice-worker", box["fake"].endpoint, "--omnivoice-vocoder",
+                                          "127.0.0.1:1", "--default-model", "omnivoice"]) as c:
+            line = next(x for x in c.service("scheduler").lines if "ready on" in x)
+            models = line.split("models=")[1].split()[0].split(",")
+            assert models[1:] == ["omnivoice-tiny"] and " default=omnivoice-tiny " in line
+            with urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10) as r:
+                assert 'chorus_canvas_queue_depth{model="omnivoice-tiny"} 0.0' in r.read().decode()
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+
+
+# ---- the real worker --------------------------------------------------------------------------
+
+def _omnivoice_preset() -> bool:
+    from gpu_worker.config import WorkerConfig
+    return "omnivoice-tiny" in next(f for f in dataclasses.fields(WorkerConfig) if f.name == "preset"
+                                    ).metadata["choices"]
+
+
+@pytest.mark.skipif(not _omnivoice_preset(), reason="gpu_worker has no omnivoice-tiny preset yet")
+def test_canvases_through_a_real_omnivoice_worker():
+    """The tiny OmniVoice worker process: canvases of different lengths, steps and guidance packed
+    together each end with a full canvas, and one alone gets exactly the codes it gets packed."""
+    from chorus.launcher import Service, free_port
+    from chorus.omnivoice.prompt import plan_pieces
+    from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
+
+    port = free_port()
+    worker = Service("omnivoice-worker", [sys.executable, "-m", "gpu_worker.server", "--preset", "omnivoice-tiny",
+                                          "--bind", f"tcp://127.0.0.1:{port}", "--dtype", "float64"])
+    worker.start(echo=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        endpoint = worker.wait_ready(300)
+
+        async def main():
+            client = WorkerClient(endpoint)
+            sink = Collect()
+            sched = CanvasScheduler(client, await client.hello(timeout=60), SchedulerConfig(), sink)
+            assert sched.hello.architecture == "omnivoice" and sched.hello.max_packed_rows > 0
+            sched.start()
+            try:
+                tokenizer = load_omnivoice_tokenizer(None)
+                pieces = [plan_pieces(tokenizer, text)[0] for text in ("Hello there.", "你好，世界。", "A short one.")]
+                starts = [worker_pb2.CanvasStart(
+                    text_ids=p.text_ids, target_frames=p.target_frames, seed=40 + i, knobs=UnmaskKnobs(
+                        num_step=2 + i, guidance_scale=[2.0, 0.0, 1.5][i], position_temperature=0).to_proto())
+                    for i, p in enumerate(pieces)]
+                packed = [sched.submit(worker_pb2.CanvasStart.FromString(s.SerializeToString())) for s in starts]
+                await asyncio.wait_for(drain(sink, 3), 240)
+                alone = sched.submit(worker_pb2.CanvasStart.FromString(starts[1].SerializeToString()))
+                await asyncio.wait_for(drain(sink, 1), 240)
+                for c in packed + [alone]:
+                    assert c.error is None, c.error
+                    assert c.codes.shape == (c.start.target_frames, NUM_CODEBOOKS)
+                    assert ((0 <= c.codes) & (c.codes < 1024)).all()  # no mask token left
+                assert (alone.codes == packed[1].codes).all()
+            finally:
+                await sched.stop()
+                await client.close()
+
+        asyncio.run(main())
+    finally:
+        worker.stop()
