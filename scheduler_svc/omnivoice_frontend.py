@@ -28,6 +28,7 @@ from chorus.omnivoice.prompt import Piece, PromptError, plan_pieces
 from chorus.v1 import common_pb2, tts_pb2, vocoder_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc.audio_relay import SynthesisFailed
+from scheduler_svc.canvas_scheduler import UNAVAILABLE as WORKER_UNAVAILABLE
 from scheduler_svc.clip_vocoders import FADE_SECONDS, PAD_SECONDS, ClipVocoders, pcm_samples
 from scheduler_svc.core_client import CanvasTicket, CoreClient
 from scheduler_svc.omnivoice_validation import OmniVoiceRequest, validate_omnivoice
@@ -231,7 +232,9 @@ class _PieceRun:
     async def _codes(self, i: int) -> np.ndarray:
         done = await self.tickets[i].done
         if done.error:
-            raise SynthesisFailed(grpc.StatusCode.INTERNAL, f"piece {i} failed: {done.error}")
+            retry = done.error.startswith(WORKER_UNAVAILABLE)
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE if retry else grpc.StatusCode.INTERNAL,
+                                  f"piece {i} failed: {done.error}")
         return matrix_array(done.codes)
 
     async def _piece(self, i: int) -> tuple[np.ndarray, vocoder_pb2.DecodeClipResponse]:

@@ -1,21 +1,39 @@
 """OmniVoice through the public API: every bad knob and every field of the other model is an
 INVALID_ARGUMENT naming the field; model routing; the Synthesize path's piece order, seeds and
-cancellation against stand-ins for the core and the codec; and, where the OmniVoice services are
-built, the same through the real CPU services."""
+cancellation against stand-ins for the core and the codec; then the same through the real CPU
+services, MOSS and OmniVoice side by side."""
 
 import asyncio
+import io
 import math
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 
+from chorus.client import channel, synthesize
 from chorus.omnivoice import knobs as ov
-from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, vocoder_pb2
+from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
+from gpu_worker.config import WorkerConfig
+from helpers import make_cluster, worker_stats
+from scheduler_svc import omnivoice_frontend
+from scheduler_svc.core_client import CanvasTicket
+from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend, piece_seed
 from scheduler_svc.omnivoice_validation import validate_omnivoice
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
 from scheduler_svc.validation import InvalidRequest, Limits, validate
+from vocoder_svc.config import VocoderConfig
 
 LIMITS = Limits(max_text_chars=5000, max_frames=4096, max_language_chars=64, max_instructions_chars=1000,
                 max_request_id_chars=128, max_id_chars=128, max_references=8, max_reference_seconds=60.0,
@@ -150,13 +168,6 @@ def test_model_names_resolve_by_name_architecture_and_default():
 
 
 # ---- the Synthesize path against stand-ins for the core, the codec and the prompt planner ------------
-from dataclasses import dataclass  # noqa: E402
-
-from scheduler_svc import omnivoice_frontend  # noqa: E402
-from scheduler_svc.core_client import CanvasTicket  # noqa: E402
-from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend, piece_seed  # noqa: E402
-from chorus.v1 import worker_pb2  # noqa: E402
-
 
 @dataclass(frozen=True)
 class FakePiece:  # chorus.omnivoice.prompt.Piece's fields
@@ -436,41 +447,7 @@ def test_decode_clip_moves_to_another_replica_when_one_is_down():
 
 
 # ---- through the real CPU services: MOSS tiny beside an OmniVoice tiny worker and a Higgs tiny vocoder ----
-import importlib.util  # noqa: E402
-import io  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
-import soundfile as sf  # noqa: E402
-
-from chorus.client import channel, synthesize  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-from chorus.launcher import Service  # noqa: E402
-from chorus.v1 import tts_pb2_grpc  # noqa: E402
-from helpers import make_cluster, worker_stats  # noqa: E402
-
-# the OmniVoice modules of the other slices (chorus/omnivoice/prompt.py, the worker's engine, the codec,
-# the core's canvas scheduler): the service tests need them all
-SLICES = ("chorus.omnivoice.prompt", "gpu_worker.omnivoice.engine", "vocoder_svc.higgs_codec",
-          "scheduler_svc.canvas_scheduler")
-
-
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:  # its package is missing too
-        return True
-
-
-MISSING = [m for m in SLICES if _missing(m)]
-services = pytest.mark.skipif(bool(MISSING), reason=f"the OmniVoice services are not built here yet "
-                                                    f"(missing {', '.join(MISSING)})")
 QUICK = {"num_step": 4}  # a few unmasking steps keep the tiny model quick on the CPU
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -489,23 +466,10 @@ def ov_service_request(text="Hello from the OmniVoice tests.", knobs=None, **kw)
 @pytest.fixture(scope="module")
 def both():
     """MOSS (tiny) and OmniVoice (tiny) behind one scheduler."""
-    py = [sys.executable, "-m"]
-    extra = [Service("omnivoice-worker", py + ["gpu_worker.server", "--preset", "omnivoice-tiny", "--dtype",
-                                                "float32", "--bind", "tcp://127.0.0.1:0"]),
-             Service("omnivoice-vocoder", py + ["vocoder_svc.server", "--preset", "higgs-tiny", "--port", "0"])]
-    try:
-        for s in extra:
-            s.start(echo=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        for s in extra:
-            s.wait_ready(300)
-        with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
-                          scheduler_args=["--omnivoice-worker", extra[0].address,
-                                          "--omnivoice-vocoder", extra[1].address]) as c:
-            c.omnivoice = extra
-            yield c
-    finally:
-        for s in extra:
-            s.stop()
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],
+                      omnivoice_worker=WorkerConfig(preset="omnivoice-tiny", dtype="float32"),
+                      omnivoice_vocoder=VocoderConfig(preset="higgs-tiny")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -513,7 +477,6 @@ def stub(both):
     return tts_pb2_grpc.TextToSpeechStub(channel(both.address))
 
 
-@services
 def test_list_models_lists_both(stub):
     models = {m.architecture: m for m in stub.ListModels(tts_pb2.ListModelsRequest()).models}
     assert set(models) == {"moss_tts_local", "omnivoice"} and models["moss_tts_local"].is_default
@@ -522,7 +485,6 @@ def test_list_models_lists_both(stub):
         (MODEL, 24000, 1, 25, 8)
 
 
-@services
 def test_an_omnivoice_request_streams_24_khz_mono_audio(stub):
     out = synthesize(stub, ov_service_request(return_codes=True, sampling={"seed": 1}), timeout=300)
     assert (out.header.model, out.header.sample_rate, out.header.channels) == (MODEL, 24000, 1)
@@ -537,7 +499,6 @@ def test_an_omnivoice_request_streams_24_khz_mono_audio(stub):
     assert resampled.header.sample_rate == 16000 and resampled.pcm().shape[0] > 0
 
 
-@services
 def test_a_long_text_streams_several_pieces_in_order(stub):
     text = " ".join(["The committee met again on Tuesday, and after a long discussion of the budget, "
                      "the members agreed to postpone the vote until the next session."] * 5)
@@ -548,7 +509,6 @@ def test_a_long_text_streams_several_pieces_in_order(stub):
     assert len(out.codes) >= 2, "a text of more than 30 s of speech is generated in pieces"
 
 
-@services
 def test_clones_by_audio_and_by_stored_voice(stub):
     by_audio = ov_service_request(references=[tts_pb2.VoiceReference(
         audio=common_pb2.AudioData(data=speech_wav(1.5)), transcript="A short reference sentence.")])
@@ -567,7 +527,6 @@ def test_clones_by_audio_and_by_stored_voice(stub):
     stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="ov-voice"))
 
 
-@services
 @pytest.mark.parametrize("name", list(BAD))
 def test_a_bad_omnivoice_request_is_refused_by_the_service(stub, name):
     req, field = BAD[name]
@@ -576,7 +535,6 @@ def test_a_bad_omnivoice_request_is_refused_by_the_service(stub, name):
     assert e.value.code() == INVALID and field in e.value.details(), e.value.details()
 
 
-@services
 def test_omnivoice_knobs_on_a_moss_request_are_refused_by_the_service(stub):
     req = tts_pb2.SynthesizeRequest(text="Hi.", max_frames=4)
     req.omnivoice.speed = 1.5
@@ -590,8 +548,6 @@ CANVAS_GAUGES = ("chorus_canvas_queue_depth", "chorus_canvas_running", "chorus_c
 
 def labelled(cluster, name: str, label: str = "") -> float:
     """A labelled metric of the core summed over the series whose labels contain `label`."""
-    import urllib.request
-
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and label in line)
@@ -599,11 +555,10 @@ def labelled(cluster, name: str, label: str = "") -> float:
 
 def canvases_held(cluster) -> tuple:
     """(the core's canvas gauges, canvases on the OmniVoice worker)."""
-    stats = worker_stats(SimpleNamespace(service=lambda name: cluster.omnivoice[0]))
+    stats = worker_stats(SimpleNamespace(service=lambda name: cluster.service("omnivoice-worker")))
     return tuple(labelled(cluster, g) for g in CANVAS_GAUGES) + (stats.active_requests,)
 
 
-@services
 def test_a_hundred_cancelled_requests_leave_no_canvas_held(both, stub):
     rng = random.Random(0)
     calls = []
@@ -630,7 +585,6 @@ def test_a_hundred_cancelled_requests_leave_no_canvas_held(both, stub):
     assert synthesize(stub, ov_service_request(), timeout=300).pcm().shape[0] > 0
 
 
-@services
 def test_a_mixed_moss_and_omnivoice_load_is_served_concurrently(stub):
     def one(i):
         if i % 2:
@@ -646,7 +600,6 @@ def test_a_mixed_moss_and_omnivoice_load_is_served_concurrently(stub):
         assert (out.header.sample_rate, out.header.channels) == expect and out.pcm().shape[0] > 0
 
 
-@services
 def test_chorus_say_model_omnivoice_writes_a_wav(both, tmp_path):
     wav = tmp_path / "ov.wav"
     proc = subprocess.run([sys.executable, "-m", "chorus.cli", "say", "Hello there.", "--server", both.address,
@@ -657,7 +610,6 @@ def test_chorus_say_model_omnivoice_writes_a_wav(both, tmp_path):
     assert rate == 24000 and audio.ndim == 1 and audio.shape[0] > 0
 
 
-@services
 def test_chorus_demo_model_omnivoice_writes_a_wav(tmp_path):
     wav = tmp_path / "demo.wav"
     proc = subprocess.run([sys.executable, "-m", "chorus.cli", "demo", "--model", "omnivoice", "--num-step", "4",
