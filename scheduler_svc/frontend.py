@@ -44,8 +44,8 @@ from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: Inv
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
 from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
-from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, matrix_field, printable, shown,
-                                      validate)
+from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
+                                      printable, shown, validate)
 from scheduler_svc.vocoder_client import VocoderPool
 
 log = logging.getLogger("chorus.scheduler")
@@ -168,6 +168,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             self.core.report("end", outcome=outcome)
 
     async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
+        check_model_name(request.model, self.limits)
         model = self.models.resolve(request.model)
         if model.architecture == OMNIVOICE:
             async for response in self.omnivoice.synthesize(request, model.name):

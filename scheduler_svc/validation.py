@@ -122,8 +122,14 @@ def check_sizes(req: tts_pb2.SynthesizeRequest, limits: Limits, frame_rate: floa
         _check_reference("continuation", req.continuation, limits, frame_rate)
 
 
+def check_model_name(name: str, limits: Limits) -> None:
+    """Before routing by it: the answer to an unknown name repeats it."""
+    _check_length("model", name, limits.max_id_chars)
+
+
 def check_create_voice(req: tts_pb2.CreateVoiceRequest, limits: Limits) -> None:
     _check_length("voice_id", req.voice_id, limits.max_id_chars)
+    check_model_name(req.model, limits)
     _check_length("transcript", req.transcript, limits.max_text_chars)
     if not req.HasField("audio") or not req.audio.data:
         raise InvalidRequest("audio is empty: give the voice's audio (a WAV/FLAC/OGG file or raw PCM)")

@@ -159,9 +159,9 @@ def test_model_names_resolve_by_name_architecture_and_default():
     assert models.resolve("") is moss and models.resolve("moss") is moss and models.resolve("moss_tts_local") is moss
     assert models.resolve("omnivoice") is omni and models.resolve(MODEL) is omni
     assert ServedModels([moss, omni], default="omnivoice").resolve("") is omni
-    with pytest.raises(InvalidRequest, match="^model 'nope' is not served here; available: moss-tts-local-tiny, "):
+    with pytest.raises(InvalidRequest, match="^model 'nope' is not served here: give one of 'moss-tts-local-tiny'"):
         models.resolve("nope")
-    with pytest.raises(InvalidRequest, match="names 2 served models"):
+    with pytest.raises(InvalidRequest, match="is ambiguous"):
         ServedModels([moss, omni, ServedModel("other-ov", OMNIVOICE)]).resolve("omnivoice")
     with pytest.raises(ValueError, match="default_model"):
         ServedModels([moss], default="omnivoice")
@@ -483,6 +483,12 @@ def test_list_models_lists_both(stub):
     ov_info = models["omnivoice"]
     assert (ov_info.name, ov_info.sample_rate, ov_info.channels, ov_info.frame_rate, ov_info.codebooks) == \
         (MODEL, 24000, 1, 25, 8)
+    with pytest.raises(grpc.RpcError) as e:
+        synthesize(stub, ovreq(model="nope"), timeout=60)
+    assert e.value.code() == INVALID and MODEL in e.value.details() and "moss_tts_local" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateVoice(tts_pb2.CreateVoiceRequest(model="nope", audio=common_pb2.AudioData(data=speech_wav(1.0))))
+    assert e.value.code() == INVALID and e.value.details().startswith("model 'nope'")
 
 
 def test_an_omnivoice_request_streams_24_khz_mono_audio(stub):
