@@ -4,7 +4,7 @@
                               (--model omnivoice: the same with OmniVoice's tiny preset)
   chorus up                   start all three services locally until Ctrl-C (--profile NAME, --config FILE)
   chorus say "text" -o a.wav  synthesize through a running scheduler (--model omnivoice for OmniVoice)
-  chorus worker|scheduler|vocoder   run one service (what a Kubernetes pod runs)
+  chorus worker|scheduler|vocoder|gateway   run one service (what a Kubernetes pod runs)
   chorus bench                load generator over the gRPC API (throughput, time to first audio)
   chorus bench worker         in-process worker microbenchmark (step time against batch and context)
 
@@ -26,7 +26,9 @@ SERVICES = {"worker": ("chorus.colocate", "run a gpu_worker: the model behind a 
                                              "vocoder decoder with --host-vocoder-decoder)"),
             "scheduler": ("scheduler_svc.server",
                           "run the scheduler: the public gRPC API, batching, request lifecycle"),
-            "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes")}
+            "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes"),
+            "gateway": ("gateway_svc.server", "run the HTTP gateway: the OpenAI-style speech API and the playground, "
+                                              "in front of a scheduler")}
 
 
 def _service_parsers(sub) -> None:
