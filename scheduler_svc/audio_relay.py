@@ -339,9 +339,10 @@ class AudioRelay:
         """The client stopped reading: end the stream now (its handler waits on gRPC, not on out_q)."""
         log.warning("request %s: %s", stream.req.id, e)
         stream.close()
-        stream.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)))
         if stream.abort is not None:
             stream.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        else:
+            stream.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)))
 
     async def stream(self, req: Request, output: AudioOutput, first_chunk_frames: int, chunk_frames: int,
                      return_codes: bool, abort=None) -> AsyncIterator[tts_pb2.SynthesizeResponse]:

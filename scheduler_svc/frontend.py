@@ -209,9 +209,15 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             handler = asyncio.current_task()
 
             def abort(code: grpc.StatusCode, message: str) -> None:
-                context.set_code(code)
-                context.set_details(message)
-                handler.cancel()
+                """The handler waits on a write the client does not take: send the status from another
+                task (a client reading again gets the audio gRPC holds, then it), and end the handler."""
+                async def send() -> None:
+                    try:
+                        await context.abort(code, message)
+                    except BaseException:  # noqa: BLE001 - abort raises once the status is sent
+                        pass
+                    handler.cancel()
+                asyncio.ensure_future(send())
 
             async for item in self.relay.stream(req, output, first_chunk, chunk, request.return_codes, abort):
                 if first_audio is None and item.HasField("audio"):
