@@ -339,6 +339,7 @@ class AudioRelay:
         """The client stopped reading: end the stream now (its handler waits on gRPC, not on out_q)."""
         log.warning("request %s: %s", stream.req.id, e)
         stream.close()
+        stream.backlog.close()  # the handler may wait on gRPC for long yet
         if stream.abort is not None:
             stream.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         else:

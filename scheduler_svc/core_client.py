@@ -211,6 +211,14 @@ class CoreClient:
         return list((await self._call(frontend_pb2.FrontendMessage(
             list_voices=frontend_pb2.VoiceQuery()))).voices.voices)
 
+    @property
+    def broken(self) -> str:
+        """Why the link to the core stopped reading (empty while it reads): nothing can be served then."""
+        r = self._reader
+        if r is None or not r.done() or r.cancelled():
+            return ""
+        return repr(r.exception())
+
     def close(self) -> None:
         if self._reader:
             self._reader.cancel()

@@ -45,22 +45,27 @@ class StreamBacklog:
         self.backlog = backlog
         self.pause = pause
         self.bytes = 0
+        self.closed = False
         self.last_delivery = time.monotonic()
 
     def add(self, n: int) -> None:
+        if self.closed:
+            return
         self.bytes += n
         self.backlog.total += n
 
     def delivered(self, n: int) -> None:
+        n = min(n, self.bytes)
         self.bytes -= n
         self.backlog.total -= n
         self.last_delivery = time.monotonic()
         self.backlog._pulse()
 
     def close(self) -> None:
-        """The stream ended: what it still holds is dropped."""
+        """The stream ended: what it still holds no longer counts. Idempotent."""
         if self.bytes:
             self.delivered(self.bytes)
+        self.closed = True
 
     def full(self) -> bool:
         b = self.backlog

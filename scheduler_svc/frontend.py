@@ -288,13 +288,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
 
 # ---- process -----------------------------------------------------------------------
-async def _watch_parent(stop: asyncio.Event) -> None:
-    """The core started this process: when it is gone (even by SIGKILL), so is this one, with a
-    non-zero exit (serve raises SystemExit) so that whatever supervises it restarts the service."""
+async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
+    """The core started this process: when it is gone (even by SIGKILL), or the link to it fails, so is
+    this one, with a non-zero exit (serve raises SystemExit) so that its supervisor restarts the service."""
     parent = os.getppid()
-    while os.getppid() == parent:
+    while os.getppid() == parent and not core.broken:
         await asyncio.sleep(1.0)
-    log.error("the scheduler core (pid %d) is gone; stopping", parent)
+    log.error("the scheduler core (pid %d) is gone or its link failed (%s); stopping", parent,
+              core.broken or "its process exited")
     stop.set()
 
 
@@ -373,7 +374,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = loop.create_task(_watch_parent(stop))
+    watcher = loop.create_task(_watch_core(stop, core))
     await stop.wait()
     core_gone = watcher.done()
     watcher.cancel()

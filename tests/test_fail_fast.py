@@ -96,3 +96,30 @@ def test_a_vocoder_pool_with_no_live_replica_answers_unavailable_at_once():
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNAVAILABLE and "vocoder" in e.details(), e
         assert time.monotonic() - t0 < 10
+
+
+def test_a_frontend_whose_core_is_gone_exits_non_zero():
+    """So that its supervisor restarts the service: the test adopts the orphaned frontend (a child
+    subreaper) to read its exit status."""
+    import ctypes
+    import signal
+
+    PR_SET_CHILD_SUBREAPER = 36
+    assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        with make_cluster(["--dtype", "float64"]) as c:
+            core = c.service("scheduler").proc
+            with open(f"/proc/{core.pid}/task/{core.pid}/children") as f:
+                frontend = int(f.read().split()[0])
+            core.send_signal(signal.SIGKILL)
+            core.wait()
+            deadline = time.monotonic() + 20
+            while True:
+                pid, status = os.waitpid(frontend, os.WNOHANG)
+                if pid:
+                    break
+                assert time.monotonic() < deadline, "the frontend outlived its core"
+                time.sleep(0.2)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0, status
+    finally:
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)

@@ -55,3 +55,34 @@ def test_a_client_that_stops_reading_is_bounded_paused_and_cancelled():
         print(f"slow reader: RSS {before:.0f} -> {during:.0f} -> {after:.0f} MB, {got >> 20} MB delivered, "
               f"{status.code().name} after {time.monotonic() - t0:.1f} s: {status.details()}")
         assert wait_until_idle(c) == (0, 0, 0, 0)
+
+
+def test_backlog_pauses_over_its_share_resumes_on_delivery_and_gives_up_after_the_stall():
+    import asyncio
+
+    import pytest
+
+    from scheduler_svc.flow_control import Backlog, ReaderStalled
+
+    async def main():
+        backlog = Backlog(per_stream=100, per_frontend=150, stall=0.5)
+        calls = []
+        a, b = backlog.stream(calls.append), backlog.stream()
+        a.add(100)
+        await asyncio.wait_for(a.room(), 0.1)  # at its share, not over: no pause
+        a.add(1)
+        waiting = asyncio.ensure_future(a.room())
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and calls == [True]
+        a.delivered(50)
+        await asyncio.wait_for(waiting, 1)
+        assert calls == [True, False]
+        b.add(100)  # the frontend is over 150: both hold some, both wait; one holding none would not
+        assert a.full() and b.full() and not backlog.stream().full()
+        with pytest.raises(ReaderStalled, match="reader_stall"):
+            await asyncio.wait_for(b.room(), 2)
+        b.close()
+        a.close()
+        assert backlog.total == 0 and not a.full()
+
+    asyncio.run(main())
