@@ -3,7 +3,7 @@
 Two signals, because a worker busy with a long step answers nothing until the step is done:
 - the link's own connection: ZeroMQ reports the TCP (or ipc) connection to the worker closing the
   moment its process dies, busy or not;
-- hello probes every `interval` seconds while no step is out: an idle worker that does not answer
+- hello probes every `interval` seconds while no step is out, and at once when a connection opens: an idle worker that does not answer
   within `timeout` is stuck or gone (a stuck busy one is ended by its own stall watchdog, which
   closes the connection).
 The watcher flips `up` and calls `changed(up)` on each flip; `down` is an Event the drivers wait on
@@ -40,6 +40,7 @@ class Heartbeat:
         self.alive = asyncio.Event()  # set while up
         self.alive.set()
         self.last_hello = None  # the newest Hello a probe got back
+        self._poke = asyncio.Event()  # a connection opened: probe now, not at the next interval
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -69,7 +70,11 @@ class Heartbeat:
 
     async def _probe(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            try:
+                await asyncio.wait_for(self._poke.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+            self._poke.clear()
             if self.busy() and self.up:
                 continue
             try:
@@ -89,5 +94,7 @@ class Heartbeat:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self.mark(False, "its connection closed")
+                elif event == zmq.EVENT_CONNECTED and not self.up:
+                    self._poke.set()
         finally:
             monitor.close()

@@ -89,7 +89,7 @@ class WorkerClient:
 
     def monitor(self) -> zmq.asyncio.Socket:
         """A socket receiving this link's connection events (scheduler_svc/heartbeat.py reads it)."""
-        return self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
 
     async def close(self) -> None:
         if self._reader:
