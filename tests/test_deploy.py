@@ -89,9 +89,10 @@ def _config(docs, deployment, c, tmp: Path):
     parser = argparse.ArgumentParser(prog=" ".join(c["command"]), exit_on_error=False)
     add_config_flags(parser, cls)
     try:
-        ns = parser.parse_args(c.get("args", []))
-    except (argparse.ArgumentError, SystemExit) as e:
+        ns, unknown = parser.parse_known_args(c.get("args", []))
+    except argparse.ArgumentError as e:
         raise AssertionError(f"{c['name']}: {c.get('args')}: {e}") from None
+    assert not unknown, f"{deployment['metadata']['name']}/{c['name']}: {cls.__name__} has no flags {unknown}"
     if ns.config:
         ns.config = str(_mounted_file(docs, deployment, c, ns.config, tmp))
     try:
@@ -337,3 +338,40 @@ def test_only_the_gateway_is_public(overlay):
     for s in _of(docs, "Service"):
         if s["spec"].get("type", "ClusterIP") != "ClusterIP":
             assert s["metadata"]["name"] == "gateway", f"Service {s['metadata']['name']} is {s['spec']['type']}"
+
+
+# ---- the images ----------------------------------------------------------------------------------
+
+IMAGES = K8S.parent / "images"
+
+
+@pytest.mark.parametrize("role", ["engine", "vocoder", "gateway", "allinone"])
+def test_containerfile_is_pinned_and_non_root(role):
+    text = (IMAGES / f"{role}.Containerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    base = next(ln for ln in lines if ln.startswith("ARG BASE="))
+    assert lines.index(base) < next(i for i, ln in enumerate(lines) if ln.startswith("FROM")), "ARG BASE before FROM"
+    image, _, tag = base.removeprefix("ARG BASE=").rpartition(":")
+    assert image and tag and tag != "latest", f"{role}: base {base}"
+    assert "FROM ${BASE}" in lines
+    assert lines[[ln.split()[0] for ln in lines].index("USER")] == "USER 10001:10001", f"{role} runs as uid 10001"
+    assert "-c /tmp/build/constraints.txt" in text, f"{role}: installs under constraints.txt"
+    if role != "gateway":
+        assert "ARG TORCH_VERSION=" in text and '"torch==${TORCH_VERSION}"' in text, f"{role}: torch pinned"
+    else:
+        assert not any("torch" in ln for ln in lines), "the gateway needs no torch"
+    assert "/models" not in " ".join(ln for ln in lines if ln.startswith(("COPY", "ADD"))), "no checkpoint baked in"
+
+
+def test_constraints_pin_every_dependency():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((K8S.parent.parent / "pyproject.toml").read_text())["project"]
+    pinned = {canonicalize_name(ln.split("==")[0]) for ln in (IMAGES / "constraints.txt").read_text().splitlines()
+              if ln and not ln.startswith("#")}
+    wanted = project["dependencies"] + project["optional-dependencies"]["http"]
+    missing = {canonicalize_name(Requirement(r).name) for r in wanted} - pinned - {"torch"}
+    assert not missing, f"deploy/images/constraints.txt pins no version of {sorted(missing)}"
