@@ -56,8 +56,9 @@ step "run chorus up in it and synthesize one request"
 ctr=$("${BUILDAH[@]}" from "$TAG")
 trap '"${BUILDAH[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT
 "${BUILDAH[@]}" run --isolation chroot "$ctr" -- sh -c '
-  chorus up --host 127.0.0.1 --port 50071 >/tmp/up.log 2>&1 &
+  chorus up --host 127.0.0.1 --port 50071 --no-omnivoice >/tmp/up.log 2>&1 &
   up=$!
+  trap "kill -TERM $up 2>/dev/null" EXIT
   for i in $(seq 1 180); do
     if chorus say "Hello from the image." --server 127.0.0.1:50071 --seed 1 --min-frames 10 --max-frames 20 \
          --timeout 30 -o /tmp/hello.wav >/tmp/say.log 2>&1; then break; fi

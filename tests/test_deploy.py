@@ -22,7 +22,7 @@ from vocoder_svc.config import VocoderConfig
 yaml = pytest.importorskip("yaml", reason="PyYAML is missing: pip install -e '.[dev]'")
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
-OVERLAYS = ["dev", "prod", "prod-omnivoice"]
+OVERLAYS = ["base", "dev", "prod", "prod-omnivoice"]  # base: what an overlay of your own starts from
 TTS_SERVICE = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"].full_name
 VOCODER_SERVICE = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
 GPU = "nvidia.com/gpu"
@@ -45,7 +45,8 @@ def _render(target: Path) -> list[dict]:
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request):
-    return request.param, _render(K8S / "overlays" / request.param)
+    name = request.param
+    return name, _render(K8S / name if name == "base" else K8S / "overlays" / name)
 
 
 # ---- the rendered objects ------------------------------------------------------------------------
@@ -319,9 +320,13 @@ def test_every_metrics_port_is_scraped(overlay, containers):
         for port_name, port in c.ports.items():
             if not port_name.endswith("metrics"):
                 continue
-            assert any(_selects(m["spec"]["selector"]["matchLabels"], labels) and
-                       port_name in {e["port"] for e in m["spec"]["podMetricsEndpoints"]} for m in monitors), \
-                f"{c.pod['metadata']['name']}/{c.spec['name']}: no PodMonitor scrapes {port_name}"
+            annotations = c.pod["spec"]["template"]["metadata"].get("annotations", {})
+            annotated = annotations.get("prometheus.io/scrape") == "true" and \
+                annotations.get("prometheus.io/port") == str(port)
+            assert annotated or any(_selects(m["spec"]["selector"]["matchLabels"], labels) and
+                                    port_name in {e["port"] for e in m["spec"]["podMetricsEndpoints"]}
+                                    for m in monitors), \
+                f"{c.pod['metadata']['name']}/{c.spec['name']}: neither a PodMonitor nor the annotations scrape {port}"
             assert port in allowed, f"the metrics NetworkPolicy keeps Prometheus from port {port}"
     for c in _by(containers, SchedulerConfig) + _by(containers, VocoderConfig):
         assert c.config.metrics_port in c.ports.values()
