@@ -1,9 +1,10 @@
 """chorus — streaming text-to-speech serving.
 
   chorus demo                 start all three services on CPU (tiny model), speak, write demo.wav, stop
+                              (--model omnivoice: the same with OmniVoice's tiny preset)
   chorus up                   start all three services locally until Ctrl-C (--profile NAME, --config FILE)
-  chorus say "text" -o a.wav  synthesize through a running scheduler
-  chorus worker|scheduler|vocoder   run one service (what a Kubernetes pod runs)
+  chorus say "text" -o a.wav  synthesize through a running scheduler (--model omnivoice for OmniVoice)
+  chorus worker|scheduler|vocoder|gateway   run one service (what a Kubernetes pod runs)
   chorus bench                load generator over the gRPC API (throughput, time to first audio)
   chorus bench worker         in-process worker microbenchmark (step time against batch and context)
 
@@ -25,7 +26,9 @@ SERVICES = {"worker": ("chorus.colocate", "run a gpu_worker: the model behind a 
                                              "vocoder decoder with --host-vocoder-decoder)"),
             "scheduler": ("scheduler_svc.server",
                           "run the scheduler: the public gRPC API, batching, request lifecycle"),
-            "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes")}
+            "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes"),
+            "gateway": ("gateway_svc.server", "run the HTTP gateway: the OpenAI-style speech API and the playground, "
+                                              "in front of a scheduler")}
 
 
 def _service_parsers(sub) -> None:
@@ -34,9 +37,14 @@ def _service_parsers(sub) -> None:
         sub.add_parser(name, help=help_, add_help=False)
 
 
-def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+def _add_layout_flags(p: argparse.ArgumentParser, without: tuple[str, ...] = ()) -> None:
+    """The layout's everyday flags, less the [cluster] keys in `without`."""
+    import inspect
+
     from chorus.layout import add_layout_flags
-    add_layout_flags(p, scheduler_keys=("port", "metrics_port", "frontends"))
+    everyday = inspect.signature(add_layout_flags).parameters["cluster_keys"].default
+    add_layout_flags(p, cluster_keys=tuple(k for k in everyday if k not in without),
+                     scheduler_keys=("port", "metrics_port", "frontends"))
     p.add_argument("--print-config", action="store_true", help="print the layout's effective TOML and exit")
 
 
@@ -78,19 +86,29 @@ def cmd_up(args: argparse.Namespace) -> None:
             print("\nstopping ...", flush=True)
 
 
+# `chorus say` flags -> OmniVoiceParams fields (set only when given)
+OMNIVOICE_FLAGS = ("num_step", "guidance_scale", "t_shift", "layer_penalty_factor", "position_temperature",
+                   "class_temperature", "speed", "denoise", "postprocess")
+
+
 def _say_request(args: argparse.Namespace):
     from chorus.v1 import common_pb2, tts_pb2
 
-    req = tts_pb2.SynthesizeRequest(text=args.text, language=args.language or "", format=tts_pb2.PCM16,
+    req = tts_pb2.SynthesizeRequest(text=args.text, model=args.model or "", language=args.language or "",
+                                    instructions=args.instructions or "", format=tts_pb2.PCM16,
                                     max_frames=args.max_frames, min_frames=args.min_frames,
-                                    duration_frames=args.duration_frames, sample_rate=args.sample_rate)
+                                    duration_frames=args.duration_frames, duration_seconds=args.duration_seconds,
+                                    sample_rate=args.sample_rate)
     if args.seed is not None:
         req.sampling.seed = args.seed
     if args.temperature is not None:
         req.sampling.temperature = args.temperature
+    for name in OMNIVOICE_FLAGS:
+        if getattr(args, name) is not None:
+            setattr(req.omnivoice, name, getattr(args, name))
     if args.voice:
         with open(args.voice, "rb") as f:
-            req.references.add(audio=common_pb2.AudioData(data=f.read()))
+            req.references.add(audio=common_pb2.AudioData(data=f.read()), transcript=args.transcript or "")
     return req
 
 
@@ -129,25 +147,58 @@ def tts_pb2_name(reason: int) -> str:
 
 def _add_say_flags(p: argparse.ArgumentParser, default_output: str) -> None:
     p.add_argument("-o", "--output", default=default_output, help="WAV file to write")
-    p.add_argument("--language", help="language name written into the prompt, e.g. English")
+    p.add_argument("--language", help="language of the text, e.g. English or en")
+    p.add_argument("--instructions", help="style instruction (OmniVoice: voice design, e.g. \"female, low pitch\")")
     p.add_argument("--voice", metavar="AUDIO", help="reference audio file to clone (WAV/FLAC/OGG)")
+    p.add_argument("--transcript", help="what the --voice audio says (OmniVoice clones need it)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same audio")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
-    p.add_argument("--max-frames", type=int, default=0, help="stop after this many 80 ms frames (0 = server default)")
-    p.add_argument("--min-frames", type=int, default=0, help="never stop before this many frames")
-    p.add_argument("--duration-frames", type=int, default=0, help="duration hint for the model, in frames")
-    p.add_argument("--sample-rate", type=int, default=0, help="output sample rate (0 = native 48 kHz)")
+    p.add_argument("--temperature", type=float, default=None, help="MOSS sampling temperature (0 = greedy)")
+    p.add_argument("--max-frames", type=int, default=0, help="MOSS: stop after this many 80 ms frames (0 = server "
+                   "default)")
+    p.add_argument("--min-frames", type=int, default=0, help="MOSS: never stop before this many frames")
+    p.add_argument("--duration-frames", type=int, default=0, help="MOSS: duration hint for the model, in frames")
+    p.add_argument("--duration-seconds", type=float, default=0.0, help="length of the speech in seconds (0 = from "
+                   "the text)")
+    p.add_argument("--sample-rate", type=int, default=0, help="output sample rate in Hz (0 = the model's native rate)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    g = p.add_argument_group("OmniVoice knobs (unset: the model's defaults)")
+    g.add_argument("--num-step", type=int, default=None, help="unmasking steps, 1..64 (default 32)")
+    g.add_argument("--guidance-scale", type=float, default=None, help="classifier-free guidance, 0..10; 0 = off "
+                   "(default 2)")
+    g.add_argument("--t-shift", type=float, default=None, help="schedule shift, (0, 1] (default 0.1)")
+    g.add_argument("--layer-penalty-factor", type=float, default=None, help="reveal penalty per codebook, >= 0 "
+                   "(default 5)")
+    g.add_argument("--position-temperature", type=float, default=None, help="reveal order temperature; 0 = "
+                   "deterministic (default 5)")
+    g.add_argument("--class-temperature", type=float, default=None, help="token temperature; 0 = greedy (default 0)")
+    g.add_argument("--speed", type=float, default=None, help="speaking rate factor, 0.25..4 (default 1)")
+    g.add_argument("--no-denoise", dest="denoise", action="store_const", const=False, default=None,
+                   help="leave the denoise token out of clone prompts")
+    g.add_argument("--no-postprocess", dest="postprocess", action="store_const", const=False, default=None,
+                   help="keep silences and the raw edges (no trim, fade or pad)")
+
+
+DEMO_MODELS = ("moss", "omnivoice")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from chorus.prompt import estimate_duration_frames
 
-    # The tiny preset has random weights, so its stop choice is a coin flip:
-    # pin the length to the text's estimated duration instead.
-    frames = estimate_duration_frames(args.text, "English")
-    args.min_frames = args.min_frames or frames
-    args.max_frames = args.max_frames or frames
+    if args.model not in DEMO_MODELS:  # a MOSS checkpoint directory
+        setattr(args, "cluster.model", args.model)
+        args.model = "moss"
+    if args.model == "omnivoice":
+        setattr(args, "cluster.omnivoice", True)
+        # OmniVoice's length comes from the text; its tiny preset runs few steps to be quick
+        args.num_step = args.num_step or 8
+        what = "OmniVoice"
+    else:
+        # The tiny preset has random weights, so its stop choice is a coin flip:
+        # pin the length to the text's estimated duration instead.
+        frames = estimate_duration_frames(args.text, "English")
+        args.min_frames = args.min_frames or frames
+        args.max_frames = args.max_frames or frames
+        what = f"{frames} frames ({frames * 0.08:.1f} s)"
     layout = _layout(args)
     layout.scheduler.port = 0
     if args.print_config:
@@ -157,7 +208,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print("starting worker, vocoder and scheduler (tiny model, CPU) ...", flush=True)
     with cluster:
         args.server = cluster.address
-        print(f"services up; synthesizing {frames} frames ({frames * 0.08:.1f} s) ...", flush=True)
+        print(f"services up; synthesizing {what} ...", flush=True)
         cmd_say(args)
     print("services stopped.")
 
@@ -176,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start everything on CPU, synthesize a sentence to demo.wav, stop")
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="what to say")
-    _add_layout_flags(p)
+    _add_layout_flags(p, without=("model",))  # demo's --model picks the model to demo
+    p.add_argument("--model", default="moss", help="model to demo: moss, omnivoice, or a MOSS-TTS checkpoint "
+                   "directory")
     _add_say_flags(p, "demo.wav")
     p.set_defaults(func=cmd_demo, seed=1234, **{"cluster.quiet": True})
 
@@ -189,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("say", help="synthesize text through a running scheduler into a WAV file")
     p.add_argument("text", help="what to say")
     p.add_argument("--server", default="127.0.0.1:50051", help="scheduler address HOST:PORT")
+    p.add_argument("--model", default="", help="model to speak with: a served model's name or architecture, e.g. "
+                   "omnivoice (empty: the server's default)")
     _add_say_flags(p, "out.wav")
     p.set_defaults(func=cmd_say)
 

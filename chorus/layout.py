@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from chorus.config import (ConfigError, add_flags, check, given_fields, markdown, merge, profile_names, profile_text,
                            read_profile, read_toml, setting, table_values, to_toml)
 from chorus.launcher import Cluster, colocation
+from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
 from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
@@ -190,7 +191,9 @@ def _omnivoice_services(cluster: ClusterConfig, layout: Layout, tables: dict[str
                         where: str) -> tuple[WorkerConfig, VocoderConfig]:
     """The OmniVoice worker's and vocoder's configs: the MOSS services' device and dtype, the OmniVoice
     model and codec (or the tiny presets), then the [omnivoice_worker] / [omnivoice_vocoder] tables."""
-    base = {"omnivoice_worker": {"device": layout.worker.device, "dtype": layout.worker.dtype,
+    # The reference runs OmniVoice's body in float16 on a GPU (the codec stays float32 by itself).
+    dtype = layout.worker.dtype if layout.worker.device == "cpu" or cluster.dtype else "float16"
+    base = {"omnivoice_worker": {"device": layout.worker.device, "dtype": dtype,
                                  "preset": OMNIVOICE_WORKER_PRESET, "model": cluster.omnivoice_model},
             "omnivoice_vocoder": {"device": layout.vocoder.device, "dtype": layout.vocoder.dtype,
                                   "preset": OMNIVOICE_CODEC_PRESET,
@@ -216,8 +219,8 @@ def load(args: argparse.Namespace) -> Layout:
 
 def all_configs() -> list[type]:
     """The config classes, one reference table each ([omnivoice_worker] and [omnivoice_vocoder] take the
-    [worker] and [vocoder] keys)."""
-    return [ClusterConfig, WorkerConfig, VocoderConfig, SchedulerConfig]
+    [worker] and [vocoder] keys; [gateway] is the HTTP gateway's own file, not a table of a layout)."""
+    return [ClusterConfig, WorkerConfig, VocoderConfig, SchedulerConfig, GatewayConfig]
 
 
 def main(argv: list[str] | None = None) -> None:

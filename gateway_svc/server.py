@@ -271,9 +271,9 @@ async def serve(cfg: GatewayConfig) -> None:
     await serving
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m gateway_svc.server") -> int:
     """`chorus gateway` / `python -m gateway_svc.server`."""
-    p = argparse.ArgumentParser(prog="chorus gateway", description=__doc__,
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p, GatewayConfig)
     try:

@@ -3,7 +3,9 @@
 What the Synthesize handler needs of the scheduler, over ZeroMQ: submit a
 prompt and get a Ticket whose `events` queue receives the request's
 FrameEvents and its FinishEvent / ErrorEvent (the same events the audio relay
-reads in-process), abort it, and the voice store that all frontends share.
+reads in-process), or submit an OmniVoice canvas and get a CanvasTicket whose
+`done` future receives its CanvasDone; abort either; and the voice store that
+all frontends share.
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ class Ticket:
     max_audio_lag: float = 0.0          # seconds: the relay's longest chunk wait for its audio
 
 
+@dataclass(eq=False)
+class CanvasTicket:
+    """An OmniVoice canvas as its frontend sees it."""
+    ticket: int
+    id: int = 0                      # the scheduler's request id
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    t_accepted: float = field(default_factory=time.monotonic)
+    t_done: float | None = None
+
+
 class CoreClient:
     def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
@@ -53,7 +65,7 @@ class CoreClient:
         self._calls = itertools.count(1)
         self._tickets = itertools.count(1)
         self._answers: dict[int, asyncio.Future] = {}
-        self._open: dict[int, Ticket] = {}
+        self._open: dict[int, Ticket | CanvasTicket] = {}
         self._reader: asyncio.Task | None = None
         self.hello: frontend_pb2.CoreHello | None = None
 
@@ -78,8 +90,12 @@ class CoreClient:
     async def _read_loop(self) -> None:
         while True:
             msg = frontend_pb2.CoreMessage.FromString(await self._sock.recv())
-            if msg.WhichOneof("kind") == "progress":
+            kind = msg.WhichOneof("kind")
+            if kind == "progress":
                 self._progress(msg.progress)
+                continue
+            if kind == "canvas_done":
+                self._canvas_done(msg.canvas_done)
                 continue
             fut = self._answers.get(msg.call)
             if fut is not None and not fut.done():
@@ -99,6 +115,12 @@ class CoreClient:
             if t is not None:
                 t.finished = done
                 t.events.put_nowait(ErrorEvent(done.error) if done.error else FinishEvent(done.reason))
+
+    def _canvas_done(self, done: frontend_pb2.CanvasDone) -> None:
+        t = self._open.pop(done.ticket, None)
+        if isinstance(t, CanvasTicket) and not t.done.done():
+            t.t_done = time.monotonic()
+            t.done.set_result(done)
 
     # ---- the scheduler -------------------------------------------------------------------------
     async def connect(self, timeout: float = 600.0) -> frontend_pb2.CoreHello:
@@ -131,7 +153,25 @@ class CoreClient:
         t.id, t.loaded = answer.request_id, answer.loaded
         return t
 
-    def abort(self, t: Ticket) -> None:
+    async def submit_canvas(self, model: str, canvas: worker_pb2.CanvasStart) -> CanvasTicket:
+        """Queue one canvas on the model's workers; its CanvasDone arrives in the ticket's `done`.
+        QueueFull: the core refused it (its queue, or a canvas no worker's budget holds)."""
+        t = CanvasTicket(next(self._tickets))
+        self._open[t.ticket] = t  # before sending: a refusal's CanvasDone may follow the answer at once
+        msg = frontend_pb2.FrontendMessage(canvas_submit=frontend_pb2.CanvasSubmit(
+            ticket=t.ticket, model=model, canvas=canvas))
+        try:
+            answer = (await self._call(msg)).submitted
+        except BaseException:
+            self.abort(t)
+            raise
+        if answer.queue_full:
+            self._open.pop(t.ticket, None)
+            raise QueueFull(answer.queue_full)
+        t.id = answer.request_id
+        return t
+
+    def abort(self, t: Ticket | CanvasTicket) -> None:
         """The client went away (or the stream is over): drop the request. Idempotent."""
         if self._open.pop(t.ticket, None) is not None:
             self._send(frontend_pb2.FrontendMessage(abort=frontend_pb2.Abort(ticket=t.ticket)))

@@ -1,9 +1,11 @@
 """A scheduler_svc frontend process: the public TextToSpeech gRPC API.
 
-Per Synthesize call: validate → resolve voice references (codes, a stored
-voice, or audio encoded by a vocoder replica) → build prompt rows → submit to
-the scheduler core → stream each generated row to a vocoder Decode stream and
-the PCM that comes back to the client, converted to the format it asked for.
+Per Synthesize call for the MOSS model: validate → resolve voice references
+(codes, a stored voice, or audio encoded by a vocoder replica) → build prompt
+rows → submit to the scheduler core → stream each generated row to a vocoder
+Decode stream and the PCM that comes back to the client, converted to the
+format it asked for. A call for an OmniVoice model takes its own path
+(scheduler_svc/omnivoice_frontend.py); `model` picks (scheduler_svc/served_models.py).
 
 Several frontends serve one port (SO_REUSEPORT: the kernel spreads client
 connections over them), so the per-frame relay work, which is most of the
@@ -27,18 +29,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chorus.moss_config import MossTTSLocalConfig
+from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
+from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core_client import CoreClient
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull
 from chorus.wire import rows_matrix
-from chorus.wire import matrix_array as _matrix  # ValueError; the wrapper below: InvalidRequest
+from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
+from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
 from scheduler_svc.request_decoding import add_text_to_speech
-from scheduler_svc.validation import InvalidRequest, Limits, check_create_voice, printable, shown, validate
+from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
+from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
+                                      printable, shown, validate)
 from scheduler_svc.vocoder_client import VocoderPool
 
 log = logging.getLogger("chorus.scheduler")
@@ -46,19 +53,16 @@ SERVICE_NAME = "chorus.v1.TextToSpeech"
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 
-def matrix_array(m: common_pb2.IntMatrix, field: str) -> np.ndarray:
-    try:
-        return _matrix(m)
-    except ValueError as e:
-        raise InvalidRequest(f"{field}: {e}") from None
-
-
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
-                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0):
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
+                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
-        streams whose client leaves streaming.* unset."""
+        streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
+        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models."""
         self.core = core
+        self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
+        self.omnivoice = omnivoice
         self.vocoders = vocoders
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -78,7 +82,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequest(f"{field}: {e.details()}") from e
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"vocoder could not encode {field}: {e.details()}")
-        codes = matrix_array(resp.codes, field)
+        codes = matrix_field(resp.codes, field)
         if codes.shape[0] == 0:
             raise InvalidRequest(f"{field} is too short to give one frame; it needs at least "
                                  f"{1000 / self.frame_rate:g} ms of audio")
@@ -90,7 +94,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     async def _reference_codes(self, ref: tts_pb2.VoiceReference, field: str) -> np.ndarray:
         kind = ref.WhichOneof("source")
         if kind == "codes":
-            codes = matrix_array(ref.codes, f"{field}.codes")
+            codes = matrix_field(ref.codes, f"{field}.codes")
             if codes.shape[1] != self.cfg.n_vq or codes.shape[0] == 0:
                 raise InvalidRequest(f"{field}.codes must be [T>0, {self.cfg.n_vq}], got {list(codes.shape)}")
             if codes.min() < 0 or codes.max() >= self.cfg.audio_vocab_size:
@@ -102,6 +106,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
                                       f"{field}.voice_id {shown(ref.voice_id)} not found; create it with "
                                       "CreateVoice first")
+            if voice.model not in ("", self.cfg.name):
+                raise InvalidRequest(f"{field}.voice_id {shown(ref.voice_id)} was made for model {voice.model}, "
+                                     f"not {self.cfg.name}; create one with CreateVoice(model=...)")
             return _matrix(voice.codes)
         if kind == "audio":
             return await self._encode_audio(ref.audio, f"{field}.audio")
@@ -161,7 +168,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             self.core.report("end", outcome=outcome)
 
     async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
-        resolved = validate(request, self.limits, [self.cfg.name], self.frame_rate)
+        check_model_name(request.model, self.limits)
+        model = self.models.resolve(request.model)
+        if model.architecture == OMNIVOICE:
+            async for response in self.omnivoice.synthesize(request, model.name):
+                yield response
+            return
+        resolved = validate(request, self.limits, None, self.frame_rate)
         request_id = request.request_id or uuid.uuid4().hex
         rows = await self._prompt_rows(request)
         worker = self.core.worker
@@ -204,30 +217,45 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             self.core.abort(req)
 
     # ---- models and voices ---------------------------------------------------------
+    def _model_info(self, model: ServedModel) -> tts_pb2.ModelInfo:
+        if model.architecture == OMNIVOICE:
+            info = tts_pb2.ModelInfo(sample_rate=ov.SAMPLE_RATE, channels=1, frame_rate=ov.FRAME_RATE,
+                                     codebooks=ov.NUM_CODEBOOKS)
+        else:
+            info = tts_pb2.ModelInfo(sample_rate=self.codec.sample_rate, channels=self.codec.channels,
+                                     frame_rate=self.frame_rate, codebooks=self.cfg.n_vq,
+                                     max_frames=self.limits.max_frames)
+        info.name, info.architecture, info.is_default = model.name, model.architecture, model == self.models.default
+        return info
+
     async def ListModels(self, request, context):
-        return tts_pb2.ListModelsResponse(models=[tts_pb2.ModelInfo(
-            name=self.cfg.name, architecture="moss_tts_local", sample_rate=self.codec.sample_rate,
-            channels=self.codec.channels, frame_rate=self.codec.sample_rate / self.codec.samples_per_frame,
-            codebooks=self.cfg.n_vq, max_frames=self.limits.max_frames, is_default=True)])
+        return tts_pb2.ListModelsResponse(models=[self._model_info(m) for m in self.models.models])
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
+        rms = 0.0
         try:
             check_create_voice(request, self.limits)
-            codes = await self._encode_audio(request.audio, "audio")
+            model = self.models.resolve(request.model)
+            if model.architecture == OMNIVOICE:
+                codes, rms = await self.omnivoice.encode(request.audio, "audio")
+            else:
+                codes = await self._encode_audio(request.audio, "audio")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
         voice_id = request.voice_id or uuid.uuid4().hex[:12]
         if not await self.core.put_voice(frontend_pb2.StoredVoice(
-                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0])):
+                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
+                model=model.name, rms=rms)):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
                                 f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
-        return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript)
+        return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript,
+                             model=model.name)
 
     async def ListVoices(self, request, context):
         return tts_pb2.ListVoicesResponse(voices=[
-            tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript)
+            tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name)
             for v in await self.core.list_voices()])
 
     async def DeleteVoice(self, request, context):
@@ -249,6 +277,29 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     stop.set()
 
 
+async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalConfig, limits: Limits,
+                     index: int) -> tuple[ServedModels, OmniVoiceFrontend | None]:
+    """The served models, and the OmniVoice path when the core schedules OmniVoice workers."""
+    served = [ServedModel(cfg.name, MOSS)] + [ServedModel(h.model_name, OMNIVOICE) for h in core.hello.canvas_workers]
+    try:
+        models = ServedModels(served, core.hello.default_model or args.default_model)
+    except ValueError as e:
+        raise SystemExit(f"frontend {index}: {e}") from None
+    if not core.hello.canvas_workers:
+        return models, None
+    from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
+
+    clips = ClipVocoders(args.omnivoice_vocoder)
+    if index == 0:
+        log.info("waiting for the OmniVoice vocoder at %s", clips.replicas[0].address)
+    info = await clips.info(timeout=600)
+    if (info.sample_rate, info.channels, info.samples_per_frame) != (ov.SAMPLE_RATE, 1, ov.SAMPLES_PER_FRAME):
+        raise SystemExit(f"frontend {index}: the OmniVoice vocoder serves {info.codec} at {info.sample_rate} Hz, "
+                         f"{info.channels} ch, {info.samples_per_frame} samples per frame; OmniVoice needs its "
+                         f"codec (24000 Hz, 1 ch, 960)")
+    return models, OmniVoiceFrontend(core, clips, load_omnivoice_tokenizer(args.omnivoice_tokenizer), limits)
+
+
 async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     core = CoreClient(core_endpoint)
     hello = await core.connect(timeout=600)
@@ -264,12 +315,14 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+    models, omnivoice = await _omnivoice(args, core, cfg, limits, index)
 
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
                                       ("grpc.so_reuseport", 1)])
     add_text_to_speech(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded), server)
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
+                             omnivoice), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
@@ -291,6 +344,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=args.drain_seconds)
     await vocoders.close()
+    if omnivoice is not None:
+        await omnivoice.vocoders.close()
     core.close()
 
 

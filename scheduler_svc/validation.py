@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import soundfile as sf
 
+import numpy as np
+
 from chorus.v1 import common_pb2, tts_pb2, worker_pb2
 from chorus.seeds import derive_sampling_seed
+from chorus.wire import matrix_array
 
 # Model defaults (spec moss_tts_local.md §4.2: the app's recommended values).
 AUDIO_DEFAULTS = dict(temperature=1.7, top_p=0.8, top_k=25, repetition_penalty=1.0)
@@ -51,6 +54,14 @@ class Limits:
     max_references: int
     max_reference_seconds: float
     max_voices: int  # voices in the store
+
+
+def matrix_field(m: common_pb2.IntMatrix, field: str) -> np.ndarray:
+    """A client's matrix as an array; a malformed one is an InvalidRequest naming the field."""
+    try:
+        return matrix_array(m)
+    except ValueError as e:
+        raise InvalidRequest(f"{field}: {e}") from None
 
 
 def _check_length(field: str, value: str, limit: int) -> None:
@@ -111,8 +122,14 @@ def check_sizes(req: tts_pb2.SynthesizeRequest, limits: Limits, frame_rate: floa
         _check_reference("continuation", req.continuation, limits, frame_rate)
 
 
+def check_model_name(name: str, limits: Limits) -> None:
+    """Before routing by it: the answer to an unknown name repeats it."""
+    _check_length("model", name, limits.max_id_chars)
+
+
 def check_create_voice(req: tts_pb2.CreateVoiceRequest, limits: Limits) -> None:
     _check_length("voice_id", req.voice_id, limits.max_id_chars)
+    check_model_name(req.model, limits)
     _check_length("transcript", req.transcript, limits.max_text_chars)
     if not req.HasField("audio") or not req.audio.data:
         raise InvalidRequest("audio is empty: give the voice's audio (a WAV/FLAC/OGG file or raw PCM)")
@@ -169,14 +186,25 @@ def resolve_sampling(s: tts_pb2.SamplingParams, min_frames: int) -> worker_pb2.S
         seed=derive_sampling_seed(seed), min_frames=min_frames)
 
 
-def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str],
+def check_output(req: tts_pb2.SynthesizeRequest) -> None:
+    if req.format not in tts_pb2.OutputFormat.values():
+        raise InvalidRequest(f"format {req.format} is unknown; use PCM16, FLOAT32 or WAV")
+    if req.sample_rate and not 8000 <= req.sample_rate <= 192000:
+        raise InvalidRequest(f"sample_rate must be 0 (native) or in [8000, 192000], got {req.sample_rate}")
+
+
+def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[str] | None,
              frame_rate: float) -> ResolvedRequest:
-    """frame_rate: the codec's frames per second (a reference's duration limit in frames)."""
+    """A MOSS request. known_models: the names it may ask for (None: the caller has routed it);
+    frame_rate: the codec's frames per second (a reference's duration limit in frames)."""
     check_sizes(req, limits, frame_rate)
     if not req.text.strip():
         raise InvalidRequest("text is empty: give the words to speak")
-    if req.model and req.model not in known_models:
+    if known_models is not None and req.model and req.model not in known_models:
         raise InvalidRequest(f"model {shown(req.model)} is not served here; available: {', '.join(known_models)}")
+    if req.HasField("omnivoice"):
+        raise InvalidRequest("omnivoice is only for OmniVoice models; this request is for a MOSS model "
+                             "(its knobs are in sampling.*)")
     max_frames = req.max_frames or limits.max_frames
     if not 0 < max_frames <= limits.max_frames:
         raise InvalidRequest(f"max_frames must be in [1, {limits.max_frames}] (0 = default), "
@@ -190,10 +218,7 @@ def validate(req: tts_pb2.SynthesizeRequest, limits: Limits, known_models: list[
                              f"got {req.duration_seconds}")
     if sum(map(bool, (req.duration_frames, req.duration_seconds, req.auto_duration))) > 1:
         raise InvalidRequest("give at most one of duration_frames, duration_seconds and auto_duration")
-    if req.format not in tts_pb2.OutputFormat.values():
-        raise InvalidRequest(f"format {req.format} is unknown; use PCM16, FLOAT32 or WAV")
-    if req.sample_rate and not 8000 <= req.sample_rate <= 192000:
-        raise InvalidRequest(f"sample_rate must be 0 (native) or in [8000, 192000], got {req.sample_rate}")
+    check_output(req)
     for name, v in (("streaming.first_chunk_frames", req.streaming.first_chunk_frames),
                     ("streaming.chunk_frames", req.streaming.chunk_frames)):
         if not 0 <= v <= MAX_CHUNK_FRAMES:

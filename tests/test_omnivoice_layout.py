@@ -39,7 +39,7 @@ def test_an_omnivoice_checkpoint_sets_model_tokenizer_and_codec_and_the_tables_s
     two = build(read_tables(profile="two-gpu"), {"cluster": {"omnivoice_model": "/m/ov"},
                                                  "omnivoice_worker": {"max_batch": 8}})
     w, v = two.omnivoice_worker, two.omnivoice_vocoder
-    assert (w.model, w.device, w.dtype, w.max_batch) == ("/m/ov", "cuda:0", "bfloat16", 8)
+    assert (w.model, w.device, w.dtype, w.max_batch) == ("/m/ov", "cuda:0", "float16", 8)  # the reference's GPU dtype
     assert (v.codec, v.device) == ("/m/ov", "cuda:1") and two.scheduler.omnivoice_tokenizer == "/m/ov"
     assert two.worker.model is None and two.vocoder.codec is None  # MOSS keeps its own
     own = build(read_tables(), {"cluster": {"omnivoice_model": "/m/ov", "omnivoice_codec": "/m/higgs"}})
