@@ -260,6 +260,19 @@ def test_resources_gpus_images_and_security(overlay, containers):
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0, d["metadata"]["name"]
 
 
+def _cores(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def test_each_frontend_has_a_core(containers):
+    for s in _by(containers, SchedulerConfig):
+        cpu = _cores(s.spec["resources"]["requests"]["cpu"])
+        assert cpu >= s.config.frontends, f"{s.pod['metadata']['name']}: {s.config.frontends} frontends on {cpu} CPUs"
+    for g in _by(containers, GatewayConfig):
+        frontends = max(s.config.frontends for s in _by(containers, SchedulerConfig))
+        assert g.config.channels >= frontends, f"gateway channels {g.config.channels} < frontends {frontends}"
+
+
 def test_grace_covers_the_drain(containers):
     for c in containers:
         where = f"{c.pod['metadata']['name']}/{c.spec['name']}"
