@@ -8,6 +8,7 @@
 # BASE=IMAGE uses that base instead (a Debian-like image whose python3 is 3.11 with venv).
 # TORCH_WHEEL=FILE: a local CPU torch wheel for the build, for hosts that reach no torch index
 # (default: the one in $PIP_FIND_LINKS, if any); it is copied into deploy/images/wheels/ (ignored by git).
+# BUILD_CA=FILE: the CA bundle pip trusts in the build (default: the host's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +41,11 @@ if [[ -z "${BASE:-}" ]]; then
 fi
 
 build_args=(--build-arg "BASE=$BASE")
+# the host's CA bundle, for pip behind a TLS-intercepting proxy (mounted for the build only)
+ca=${BUILD_CA:-/etc/ssl/certs/ca-certificates.crt}
+if [[ -f "$ca" ]]; then
+  build_args+=(--volume "$ca:/run/build-ca.crt:ro" --build-arg BUILD_CA=/run/build-ca.crt)
+fi
 wheel=${TORCH_WHEEL:-$(ls "${PIP_FIND_LINKS:-/nonexistent}"/torch-*+cpu-*.whl 2>/dev/null | tail -1 || true)}
 if [[ -n "$wheel" ]]; then
   step "torch from $wheel (no torch index reachable from this build)"
