@@ -14,6 +14,10 @@ replays all frames so far and keeps feeding new ones, and drops the samples of
 the new stream that the client already has: the client's audio goes on at
 exactly the next sample, and the resampler / encoder sees every native sample
 once. After `max_failovers` broken streams the request fails with UNAVAILABLE.
+
+Flow control (scheduler_svc/flow_control.py): the audio the client has not taken is counted; a
+stream over its share stops reading the vocoder and pauses its request until the client reads,
+and one whose client reads nothing for the stall ends through `abort`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import grpc
 import numpy as np
 
 from chorus.v1 import tts_pb2, vocoder_pb2
+from scheduler_svc.flow_control import Backlog, ReaderStalled, StreamBacklog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, Request
 from chorus.wire import rows_matrix
@@ -69,8 +74,10 @@ class _RelayStream:
     """The state of one request's relay, across however many Decode calls it takes."""
 
     def __init__(self, relay: "AudioRelay", req: Request, output: AudioOutput, start: vocoder_pb2.DecodeStart,
-                 chunk_frames: int, return_codes: bool):
+                 chunk_frames: int, return_codes: bool, backlog: StreamBacklog):
         self.relay = relay
+        self.backlog = backlog
+        self.abort = None  # (code, message) -> None: ends the call (AudioRelay.stream)
         self.pool = relay.vocoders
         self.req = req
         self.output = output
@@ -97,7 +104,7 @@ class _RelayStream:
                 codes = event.row[1:]
                 self.codes.append(codes)
                 if self.return_codes:
-                    self.out_q.put_nowait(tts_pb2.SynthesizeResponse(codes=tts_pb2.CodesChunk(
+                    self._put(tts_pb2.SynthesizeResponse(codes=tts_pb2.CodesChunk(
                         first_frame=event.index, codes=rows_matrix(codes[None]))))
                 self.changed.set()
             elif isinstance(event, FinishEvent):
@@ -105,8 +112,14 @@ class _RelayStream:
                 self.changed.set()
                 return
             elif isinstance(event, ErrorEvent):
-                self.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.INTERNAL, event.message))
+                code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INTERNAL
+                self.out_q.put_nowait(SynthesisFailed(code, event.message))
                 return
+
+    def _put(self, resp: tts_pb2.SynthesizeResponse) -> None:
+        """Queue a response for the client, counted until gRPC takes it (AudioRelay.stream)."""
+        self.backlog.add(resp.ByteSize())
+        self.out_q.put_nowait(resp)
 
     # ---- attempts --------------------------------------------------------------------------------
     def begin(self, replica: VocoderReplica, delay: float = 0.0) -> None:
@@ -245,6 +258,7 @@ class _RelayStream:
     async def _read(self, att: _Attempt) -> None:
         try:
             while True:
+                await self.backlog.room()
                 resp = await self._next(att)
                 if resp is grpc.aio.EOF:
                     break
@@ -255,7 +269,7 @@ class _RelayStream:
                                                             f"{len(self.codes)} frames")
             tail = self.output.flush()
             if tail is not None:
-                self.out_q.put_nowait(tail)
+                self._put(tail)
             self.out_q.put_nowait(None)
             self.pool.mark_healthy(att.replica)
         except asyncio.CancelledError:
@@ -264,6 +278,8 @@ class _RelayStream:
             self._broke(att, e.code(), e.details() or "")
         except _StreamBroke as e:
             self._broke(att, e.code, str(e))
+        except ReaderStalled as e:
+            self.relay.stalled(self, e)
         except Exception as e:  # noqa: BLE001
             self._fail_other(att, e)
 
@@ -302,24 +318,42 @@ class _RelayStream:
         else:
             out = self.output.convert(pcm[skip:])
         if out is not None:
-            self.out_q.put_nowait(out)
+            self._put(out)
 
 
 class AudioRelay:
     def __init__(self, vocoders: VocoderPool, codec: vocoder_pb2.VocoderInfo, n_vq: int, *,
-                 max_failovers: int = 3, stall_timeout: float = 30.0):
+                 max_failovers: int = 3, stall_timeout: float = 30.0, backlog: Backlog | None = None,
+                 pause=lambda req, paused: None):
+        """backlog: the frontend's bound on undelivered audio (None: 4 MiB a stream, 256 MiB in all, a
+        30 s reader stall); pause(req, paused): tell the scheduler to stop or go on planning req."""
         self.vocoders = vocoders
+        self.backlog = backlog or Backlog(4 << 20, 256 << 20, 30.0)
+        self.pause = pause
         self.codec = codec
         self.n_vq = n_vq
         self.max_failovers = max_failovers
         self.stall_timeout = stall_timeout  # 0 = no watchdog
 
+    def stalled(self, stream: _RelayStream, e: ReaderStalled) -> None:
+        """The client stopped reading: end the stream now (its handler waits on gRPC, not on out_q)."""
+        log.warning("request %s: %s", stream.req.id, e)
+        stream.close()
+        stream.backlog.close()  # the handler may wait on gRPC for long yet
+        if stream.abort is not None:
+            stream.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        else:
+            stream.out_q.put_nowait(SynthesisFailed(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)))
+
     async def stream(self, req: Request, output: AudioOutput, first_chunk_frames: int, chunk_frames: int,
-                     return_codes: bool) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+                     return_codes: bool, abort=None) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        """abort(code, message): end the call while the handler waits on gRPC (a client not reading)."""
         encoding = vocoder_pb2.PCM_INT16 if output.passes_pcm16 else vocoder_pb2.PCM_FLOAT32
         start = vocoder_pb2.DecodeStart(stream_id=str(req.id), first_chunk_frames=first_chunk_frames,
                                         chunk_frames=chunk_frames, codebooks=self.n_vq, pcm_encoding=encoding)
-        relay = _RelayStream(self, req, output, start, chunk_frames, return_codes)
+        backlog = self.backlog.stream(lambda paused: self.pause(req, paused))
+        relay = _RelayStream(self, req, output, start, chunk_frames, return_codes, backlog)
+        relay.abort = abort
         try:
             relay.begin(self.vocoders.pick())
         except NoReplica as e:
@@ -333,6 +367,8 @@ class AudioRelay:
                 if isinstance(item, Exception):
                     raise item
                 yield item
+                backlog.delivered(item.ByteSize())
         finally:
             pump.cancel()
             relay.close()
+            backlog.close()

@@ -201,6 +201,12 @@ class CanvasPolicy:
         self.pending_release = []  # the new process never held these
         return ended
 
+    def fail_waiting(self, message: str) -> list[Canvas]:
+        """End every waiting canvas with an error (no worker will run them); returns them."""
+        ended = [self._fail(c, message) for c in self.waiting]
+        self.waiting.clear()
+        return ended
+
     # ---- ending --------------------------------------------------------------
     def _fail(self, canvas: Canvas, message: str) -> Canvas:
         canvas.error = message

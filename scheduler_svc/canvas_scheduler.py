@@ -11,6 +11,8 @@ answering fails them after the step timeout. A new worker process (another incar
 a journal or in answer to the hello asked when a step is late or failed) has lost every canvas,
 which cannot be rebuilt mid-unmasking: the running canvases fail with an "unavailable" error
 (the frontend maps it to UNAVAILABLE, so clients retry), the waiting ones run on the new worker.
+A dead worker (scheduler_svc/heartbeat.py) fails every canvas, running or waiting, as unavailable at
+once (none could resume anyway), and new canvases are refused until a worker answers again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.canvas_policy import Canvas, CanvasPolicy
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.heartbeat import Heartbeat
+from scheduler_svc.request import Unavailable
+from scheduler_svc.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("chorus.scheduler")
 
@@ -38,6 +42,9 @@ class CanvasSink:
     def canvas_done(self, canvas: Canvas) -> None:
         pass
 
+    def worker_health(self, model: str, up: bool) -> None:
+        """A worker of the model stopped answering (up False) or answers again."""
+
 
 class CanvasScheduler:
     def __init__(self, worker: WorkerClient, hello: worker_pb2.Hello, config: SchedulerConfig,
@@ -50,6 +57,9 @@ class CanvasScheduler:
         self._labels = {"model": hello.model_name}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stepping = False
+        self.heartbeat = Heartbeat(worker, hello.model_name, config.worker_heartbeat, config.worker_probe,
+                                   busy=lambda: self._stepping, changed=self._health_changed)
 
     @property
     def model_name(self) -> str:
@@ -63,13 +73,19 @@ class CanvasScheduler:
     # ---- public --------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self.heartbeat.start()
 
     async def stop(self) -> None:
+        self.heartbeat.stop()
         if self._task:
             self._task.cancel()
 
     def submit(self, start: worker_pb2.CanvasStart) -> Canvas:
-        """Queue a canvas (request_id is assigned here). Raises InvalidCanvas, CanvasTooLarge or QueueFull."""
+        """Queue a canvas (request_id is assigned here). Raises InvalidCanvas, CanvasTooLarge, QueueFull, or
+        Unavailable while the worker is gone."""
+        if not self.heartbeat.up:
+            raise Unavailable(f"{UNAVAILABLE}: the {self.model_name} worker at {self.worker.endpoint} is not "
+                              "answering; retry later")
         canvas = self.policy.add(Canvas(start, t_accepted=time.monotonic()))
         self._publish()
         self._wakeup.set()
@@ -99,11 +115,19 @@ class CanvasScheduler:
 
     async def _iterate(self) -> None:
         """One turn: plan, send, apply the journal; or wait for work."""
+        if not self.heartbeat.up:
+            await self._worker_gone()
+            return
         plan = self.policy.schedule()
         self._publish()
         if plan is None:
             self._wakeup.clear()
-            await self._wakeup.wait()
+            waits = [asyncio.ensure_future(self._wakeup.wait()), asyncio.ensure_future(self.heartbeat.down.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
             return
         now = time.monotonic()
         for start in plan.canvas_start:
@@ -129,11 +153,19 @@ class CanvasScheduler:
         worker_probe seconds without it the worker is asked hello: a new process means the step died."""
         future = asyncio.ensure_future(self.worker.step(plan, timeout=self.config.step_timeout))
         probe = self.config.worker_probe
+        self._stepping = True
         try:
-            while probe > 0:
-                done, _ = await asyncio.wait({future}, timeout=probe)
-                if done:
+            while True:
+                gone = asyncio.ensure_future(self.heartbeat.down.wait())
+                try:
+                    await asyncio.wait({future, gone}, timeout=probe or None, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                if future.done():
                     break
+                if self.heartbeat.down.is_set():
+                    future.cancel()
+                    raise WorkerUnavailable(f"the worker is gone ({self.heartbeat.why})")
                 log.warning("OmniVoice step %d has no journal after %.0f s: asking the worker whether it restarted",
                             plan.step_id, probe)
                 if await self._worker_came_back(probe):
@@ -145,9 +177,11 @@ class CanvasScheduler:
             raise
         except Exception as e:  # noqa: BLE001 - the worker is gone: fail what the step held
             log.error("OmniVoice worker step failed: %s", e)
-            if not await self._worker_came_back(self.config.restart_wait):
+            if self.heartbeat.down.is_set() or not await self._worker_came_back(self.config.restart_wait):
                 self._fail_step(plan, f"{UNAVAILABLE}: {e}")
             return None
+        finally:
+            self._stepping = False
 
     def _fail_step(self, plan: worker_pb2.StepPlan, message: str) -> None:
         self._ended(self.policy.fail([s.request_id for s in plan.canvas_step], message))
@@ -160,6 +194,26 @@ class CanvasScheduler:
             self.sink.canvas_done(canvas)
         self._publish()
 
+    # ---- a dead worker -----------------------------------------------------------
+    def _health_changed(self, up: bool) -> None:
+        self.sink.worker_health(self.model_name, up)
+        self._wakeup.set()
+
+    async def _worker_gone(self) -> None:
+        """Fail every canvas as unavailable, then wait for a worker to answer (a new process: its
+        incarnation is the one journals must carry from now on)."""
+        message = (f"{UNAVAILABLE}: the {self.model_name} worker at {self.worker.endpoint} is gone "
+                   f"({self.heartbeat.why}); retry later")
+        ended = self.policy.forget_worker(message) + self.policy.fail_waiting(message)
+        if ended:
+            log.error("failing %d OmniVoice canvases: %s", len(ended), message)
+        self._ended(ended)
+        await self.heartbeat.alive.wait()
+        hello = self.heartbeat.last_hello
+        if hello is not None and self._is_new_worker(hello.incarnation):
+            self.hello.incarnation = hello.incarnation
+            metrics.WORKER_RESTARTS.inc()
+
     # ---- worker restarts -------------------------------------------------------
     def _is_new_worker(self, incarnation: int) -> bool:
         return bool(incarnation and self.hello.incarnation and incarnation != self.hello.incarnation)
@@ -171,6 +225,7 @@ class CanvasScheduler:
             hello = await self.worker.hello(timeout=timeout)
         except Exception:  # noqa: BLE001 - no answer
             return False
+        self.heartbeat.mark(True)
         if not self._is_new_worker(hello.incarnation):
             return False
         self._worker_restarted(hello.incarnation)

@@ -35,8 +35,17 @@ class SchedulerConfig:
                                   flag="--step-timeout-s", metavar="S", minimum=0)
     worker_probe: float = setting(5.0, "seconds without a step's journal before asking whether the worker "
                                   "restarted (0 = off)", flag="--worker-probe-s", metavar="S", minimum=0)
-    restart_wait: float = setting(120.0, "seconds a restarted worker may take to answer hello",
-                                  flag="--restart-wait-s", metavar="S", minimum=0)
+    restart_wait: float = setting(30.0, "seconds a restarted worker may take to answer hello before its "
+                                  "requests end UNAVAILABLE", flag="--restart-wait-s", metavar="S", minimum=0)
+    worker_heartbeat: float = setting(1.0, "seconds between hello probes of an idle worker; no answer within "
+                                      "worker_probe marks it gone (0 = off)", flag="--worker-heartbeat-s",
+                                      metavar="S", minimum=0)
+    max_stream_buffer_bytes: int = setting(4 << 20, "undelivered audio bytes one stream may hold before it is "
+                                           "paused until its client reads", minimum=65536)
+    max_frontend_buffer_bytes: int = setting(256 << 20, "undelivered audio bytes of all a frontend's streams "
+                                             "beyond which every stream holding some is paused", minimum=65536)
+    reader_stall: float = setting(30.0, "seconds a paused stream's client may read nothing before the stream "
+                                  "is cancelled (0 = never)", flag="--reader-stall-s", metavar="S", minimum=0)
     # ---- process
     host: str = setting("127.0.0.1", "address to serve the public gRPC API on")
     port: int = setting(50051, "gRPC port (0 picks a free one)", minimum=0)

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from chorus.v1 import frontend_pb2, worker_pb2
-from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, QueueFull
+from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, QueueFull, Unavailable
 from chorus.wire import matrix_array, rows_matrix
 
 
@@ -68,6 +68,8 @@ class CoreClient:
         self._open: dict[int, Ticket | CanvasTicket] = {}
         self._reader: asyncio.Task | None = None
         self.hello: frontend_pb2.CoreHello | None = None
+        self.down: set[str] = set()            # models none of whose workers answers (the core's WorkerHealth)
+        self.health_changed = asyncio.Event()   # set on every WorkerHealth
 
     # ---- transport ------------------------------------------------------------------------------
     def _send(self, msg: frontend_pb2.FrontendMessage) -> None:
@@ -97,6 +99,10 @@ class CoreClient:
             if kind == "canvas_done":
                 self._canvas_done(msg.canvas_done)
                 continue
+            if kind == "health":
+                self.down = set(msg.health.down)
+                self.health_changed.set()
+                continue
             fut = self._answers.get(msg.call)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -114,7 +120,7 @@ class CoreClient:
             t = self._open.pop(done.ticket, None)
             if t is not None:
                 t.finished = done
-                t.events.put_nowait(ErrorEvent(done.error) if done.error else FinishEvent(done.reason))
+                t.events.put_nowait(ErrorEvent(done.error, done.unavailable) if done.error else FinishEvent(done.reason))
 
     def _canvas_done(self, done: frontend_pb2.CanvasDone) -> None:
         t = self._open.pop(done.ticket, None)
@@ -147,9 +153,7 @@ class CoreClient:
         except BaseException:
             self.abort(t)
             raise
-        if answer.queue_full:
-            self._open.pop(t.ticket, None)
-            raise QueueFull(answer.queue_full)
+        self._refused(t, answer)
         t.id, t.loaded = answer.request_id, answer.loaded
         return t
 
@@ -165,11 +169,20 @@ class CoreClient:
         except BaseException:
             self.abort(t)
             raise
-        if answer.queue_full:
-            self._open.pop(t.ticket, None)
-            raise QueueFull(answer.queue_full)
+        self._refused(t, answer)
         t.id = answer.request_id
         return t
+
+    def _refused(self, t: Ticket | CanvasTicket, answer: frontend_pb2.Submitted) -> None:
+        """QueueFull or Unavailable when the core did not take the request."""
+        if answer.queue_full or answer.unavailable:
+            self._open.pop(t.ticket, None)
+            raise QueueFull(answer.queue_full) if answer.queue_full else Unavailable(answer.unavailable)
+
+    def pause(self, t: Ticket, paused: bool) -> None:
+        """Its client is not reading (paused): the core stops planning the request until resumed."""
+        if t.ticket in self._open:
+            self._send(frontend_pb2.FrontendMessage(pause=frontend_pb2.Pause(ticket=t.ticket, paused=paused)))
 
     def abort(self, t: Ticket | CanvasTicket) -> None:
         """The client went away (or the stream is over): drop the request. Idempotent."""
@@ -197,6 +210,14 @@ class CoreClient:
     async def list_voices(self) -> list[frontend_pb2.StoredVoice]:
         return list((await self._call(frontend_pb2.FrontendMessage(
             list_voices=frontend_pb2.VoiceQuery()))).voices.voices)
+
+    @property
+    def broken(self) -> str:
+        """Why the link to the core stopped reading (empty while it reads): nothing can be served then."""
+        r = self._reader
+        if r is None or not r.done() or r.cancelled():
+            return ""
+        return repr(r.exception())
 
     def close(self) -> None:
         if self._reader:

@@ -37,8 +37,9 @@ from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core_client import CoreClient
+from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.request import QueueFull
+from scheduler_svc.request import QueueFull, Unavailable
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
@@ -56,7 +57,8 @@ FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
                  limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
-                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None):
+                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
+                 backlog: Backlog | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
         streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
         model alone); omnivoice: the OmniVoice path, where models has OmniVoice models."""
@@ -69,7 +71,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.limits = limits
         self.codec = codec
         self.first_chunk_frames_loaded = first_chunk_frames_loaded
-        self.relay = AudioRelay(vocoders, codec, cfg.n_vq)
+        self.relay = AudioRelay(vocoders, codec, cfg.n_vq, backlog=backlog, pause=core.pause)
         self.frame_rate = codec.sample_rate / codec.samples_per_frame
 
     # ---- references ------------------------------------------------------------
@@ -133,9 +135,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         cont = None
         if request.HasField("continuation"):
             cont = await self._reference_codes(request.continuation, "continuation")
-        try:
-            return build_prompt_rows(
-                self.cfg, self.tokenizer, request.text, language=request.language or None,
+        try:  # tokenizing a long text: off the event loop, which relays every other stream's audio
+            return await asyncio.to_thread(
+                build_prompt_rows, self.cfg, self.tokenizer, request.text, language=request.language or None,
                 instruction=request.instructions or None, tokens=self._duration_frames(request),
                 references=refs, continuation=cont,
                 continuation_transcript=request.continuation.transcript if cont is not None else None)
@@ -170,11 +172,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
         check_model_name(request.model, self.limits)
         model = self.models.resolve(request.model)
+        if model.name in self.core.down:
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"the {model.name} worker is not answering; retry "
+                                  "later")
         if model.architecture == OMNIVOICE:
             async for response in self.omnivoice.synthesize(request, model.name):
                 yield response
             return
-        resolved = validate(request, self.limits, None, self.frame_rate)
+        resolved = await asyncio.to_thread(validate, request, self.limits, None, self.frame_rate)
         request_id = request.request_id or uuid.uuid4().hex
         rows = await self._prompt_rows(request)
         worker = self.core.worker
@@ -188,6 +193,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
         except QueueFull as e:
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        except Unavailable as e:
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         log.info("request %s (#%d): %d prompt rows, max_frames %d", printable(request_id), req.id, rows.shape[0],
                  resolved.max_frames)
         output = AudioOutput(self.codec.sample_rate, self.codec.channels, resolved.sample_rate or
@@ -199,7 +206,20 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 channels=self.codec.channels, format=resolved.output_format,
                 samples_per_frame=self.codec.samples_per_frame * output.out_rate // self.codec.sample_rate))
             first_chunk, chunk = self._chunk_frames(request.streaming, req.loaded)
-            async for item in self.relay.stream(req, output, first_chunk, chunk, request.return_codes):
+            handler = asyncio.current_task()
+
+            def abort(code: grpc.StatusCode, message: str) -> None:
+                """The handler waits on a write the client does not take: send the status from another
+                task (a client reading again gets the audio gRPC holds, then it), and end the handler."""
+                async def send() -> None:
+                    try:
+                        await context.abort(code, message)
+                    except BaseException:  # noqa: BLE001 - abort raises once the status is sent
+                        pass
+                    handler.cancel()
+                asyncio.ensure_future(send())
+
+            async for item in self.relay.stream(req, output, first_chunk, chunk, request.return_codes, abort):
                 if first_audio is None and item.HasField("audio"):
                     first_audio = time.monotonic()
                     self.core.report("first_audio", ttfa_s=first_audio - req.t_accepted)
@@ -268,13 +288,30 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
 
 # ---- process -----------------------------------------------------------------------
-async def _watch_parent(stop: asyncio.Event) -> None:
-    """The core started this process: when it is gone (even by SIGKILL), so is this one."""
+async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
+    """The core started this process: when it is gone (even by SIGKILL), or the link to it fails, so is
+    this one, with a non-zero exit (serve raises SystemExit) so that its supervisor restarts the service."""
     parent = os.getppid()
-    while os.getppid() == parent:
+    while os.getppid() == parent and not core.broken:
         await asyncio.sleep(1.0)
-    log.error("the scheduler core (pid %d) is gone; stopping", parent)
+    log.error("the scheduler core (pid %d) is gone or its link failed (%s); stopping", parent,
+              core.broken or "its process exited")
     stop.set()
+
+
+async def _serve_health(health_servicer, core: CoreClient, models: ServedModels) -> None:
+    """grpc health as the core sees the workers: a model none of whose workers answers is NOT_SERVING
+    under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model."""
+    while True:
+        for m in models.models:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down else \
+                health_pb2.HealthCheckResponse.SERVING
+            await health_servicer.set(f"{SERVICE_NAME}/{m.name}", status)
+            if m == models.default:
+                for name in ("", SERVICE_NAME):
+                    await health_servicer.set(name, status)
+        core.health_changed.clear()
+        await core.health_changed.wait()
 
 
 async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalConfig, limits: Limits,
@@ -320,26 +357,28 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
                                       ("grpc.so_reuseport", 1)])
+    backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice), server)
+                             omnivoice, backlog), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
     if server.add_insecure_port(f"{args.host}:{args.port}") != args.port:
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    loop = asyncio.get_running_loop()
+    health_task = loop.create_task(_serve_health(health_servicer, core, models))
     core.report("ready")
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = loop.create_task(_watch_parent(stop))
+    watcher = loop.create_task(_watch_core(stop, core))
     await stop.wait()
+    core_gone = watcher.done()
     watcher.cancel()
+    health_task.cancel()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=args.drain_seconds)
@@ -347,6 +386,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if omnivoice is not None:
         await omnivoice.vocoders.close()
     core.close()
+    if core_gone:
+        raise SystemExit(1)
 
 
 def run(args: SchedulerConfig, core: str, index: int) -> None:

@@ -5,6 +5,8 @@ back through this sink: buffered per frontend while a journal is applied and
 sent as one Progress message per frontend at flush(), so a step of 256 frames
 costs each frontend one message, not 256. OmniVoice canvases go to the canvas
 scheduler of the model they name and come back whole, one CanvasDone each.
+Which models have no worker answering goes to every frontend when it changes
+(WorkerHealth), and a frontend whose client stops reading pauses its request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from scheduler_svc import metrics
 from scheduler_svc.canvas_policy import Canvas, CanvasTooLarge, InvalidCanvas
 from scheduler_svc.canvas_scheduler import CanvasScheduler, CanvasSink
 from scheduler_svc.model_routing import OMNIVOICE, UnknownModel, resolve_model
-from scheduler_svc.request import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request
+from scheduler_svc.request import ErrorEvent, EventSink, FinishEvent, FrameEvent, QueueFull, Request, Unavailable
 from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger("chorus.scheduler")
@@ -75,6 +77,13 @@ class FrontendLink(EventSink, CanvasSink):
         self.default_model = resolve_model(default_model, self.served)
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
+    @property
+    def broken(self) -> str:
+        """Why the link stopped serving (empty while it serves): the core cannot go on without it."""
+        if self._task is None or not self._task.done() or self._task.cancelled():
+            return ""
+        return repr(self._task.exception())
+
     def close(self) -> None:
         if self._task:
             self._task.cancel()
@@ -101,7 +110,7 @@ class FrontendLink(EventSink, CanvasSink):
         if isinstance(event, FinishEvent):
             done.reason = event.reason
         else:
-            done.error = event.message
+            done.error, done.unavailable = event.message, event.unavailable
         box.finished.append(done)
         self._forget(req)
 
@@ -134,6 +143,18 @@ class FrontendLink(EventSink, CanvasSink):
                 done.generate_ms = (canvas.t_finished - canvas.t_started) * 1e3
         self._send(frontend, frontend_pb2.CoreMessage(canvas_done=done))
 
+    def worker_health(self, model: str, up: bool) -> None:
+        msg = self._health()
+        for frontend in self.ready:
+            self._send(frontend, msg)
+
+    def _health(self) -> frontend_pb2.CoreMessage:
+        """The models none of whose workers answers."""
+        down = [name for name, group in self.canvas_schedulers.items() if not any(s.heartbeat.up for s in group)]
+        if self.scheduler is not None and not self.scheduler.heartbeat.up:
+            down.insert(0, self.scheduler.hello.model_name)
+        return frontend_pb2.CoreMessage(health=frontend_pb2.WorkerHealth(down=down))
+
     def _forget(self, req: Request) -> None:
         origin = self._origin.pop(req.id, None)
         if origin is not None:
@@ -145,8 +166,9 @@ class FrontendLink(EventSink, CanvasSink):
 
     async def _serve(self) -> None:
         while True:
-            frontend, payload = await self._sock.recv_multipart()
+            parts = await self._sock.recv_multipart()
             try:
+                frontend, payload = parts
                 msg = frontend_pb2.FrontendMessage.FromString(payload)
                 answer = self._handle(frontend, msg)
             except Exception:  # noqa: BLE001 - a bad message must not stop the link
@@ -176,10 +198,16 @@ class FrontendLink(EventSink, CanvasSink):
                 self._canvas_origin.pop(canvas, None)
                 scheduler.cancel(canvas)
             return None
+        if kind == "pause":
+            req = self._requests.get((frontend, msg.pause.ticket))
+            if req is not None:
+                self.scheduler.pause(req, msg.pause.paused)
+            return None
         if kind == "report":
             self._report(frontend, msg.report)
             return None
         if kind == "hello":
+            self._late.append((frontend, self._health()))
             s = self.scheduler
             return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(
                 worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size,
@@ -208,6 +236,8 @@ class FrontendLink(EventSink, CanvasSink):
             self.scheduler.submit(req)
         except QueueFull as e:
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+        except Unavailable as e:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=str(e)))
         self._origin[req.id] = (frontend, sub.ticket)
         self._requests[(frontend, sub.ticket)] = req
         return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, request_id=req.id,
@@ -226,6 +256,8 @@ class FrontendLink(EventSink, CanvasSink):
             scheduler, canvas = _submit_to_one(sorted(group, key=lambda s: s.load), sub.canvas)
         except (QueueFull, CanvasTooLarge) as e:
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+        except Unavailable as e:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=str(e)))
         except (UnknownModel, InvalidCanvas) as e:
             self._late.append((frontend, frontend_pb2.CoreMessage(canvas_done=frontend_pb2.CanvasDone(
                 ticket=sub.ticket, error=str(e)))))
@@ -249,11 +281,14 @@ class FrontendLink(EventSink, CanvasSink):
 
 
 def _submit_to_one(schedulers: list[CanvasScheduler], start) -> tuple[CanvasScheduler, Canvas]:
-    """The first of `schedulers` that accepts the canvas, and the canvas; else the first refusal."""
+    """The first of `schedulers` whose worker answers that accepts the canvas, and the canvas; else the
+    first refusal (Unavailable when no worker answers)."""
     refusal = None
-    for s in schedulers:
+    for s in sorted(schedulers, key=lambda s: not s.heartbeat.up):
         try:
             return s, s.submit(start)
         except (QueueFull, CanvasTooLarge) as e:
             refusal = refusal or e
+        except Unavailable as e:
+            refusal = e if refusal is None or isinstance(refusal, Unavailable) else refusal
     raise refusal

@@ -33,7 +33,7 @@ from scheduler_svc.clip_vocoders import FADE_SECONDS, PAD_SECONDS, ClipVocoders,
 from scheduler_svc.core_client import CanvasTicket, CoreClient
 from scheduler_svc.omnivoice_validation import OmniVoiceRequest, validate_omnivoice
 from scheduler_svc.output import AudioOutput
-from scheduler_svc.request import QueueFull
+from scheduler_svc.request import QueueFull, Unavailable
 from scheduler_svc.validation import InvalidRequest, Limits, matrix_field, printable, shown
 from scheduler_svc.vocoder_client import NoReplica
 
@@ -143,7 +143,7 @@ class OmniVoiceFrontend:
         resolved = validate_omnivoice(request, self.limits, model)
         request_id = request.request_id or uuid.uuid4().hex
         ref = await self.reference(request.references[0], "references[0]", model) if request.references else None
-        pieces = plan(self.tokenizer, request, resolved, ref)
+        pieces = await asyncio.to_thread(plan, self.tokenizer, request, resolved, ref)  # tokenizing: off the loop
         self._check_budget(model, pieces, ref, resolved.knobs.guidance_scale)
         output = AudioOutput(ov.SAMPLE_RATE, 1, resolved.sample_rate or ov.SAMPLE_RATE, resolved.output_format)
         run = _PieceRun(self, model, pieces, ref, resolved, output.passes_pcm16)
@@ -228,6 +228,8 @@ class _PieceRun:
             return await self.core.submit_canvas(self.model, canvas)
         except QueueFull as e:
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        except Unavailable as e:
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
 
     async def _codes(self, i: int) -> np.ndarray:
         done = await self.tickets[i].done

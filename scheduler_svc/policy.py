@@ -106,7 +106,7 @@ class Policy:
         help, which waits until the `in_flight` steps already planned have returned."""
         decoders = [r for r in self.running.values()
                     if r.phase is Phase.DECODE or (r.phase is Phase.PREFILL and r.rows_sent == r.prefill_len)]
-        decoders = [r for r in decoders if 0 < r.frames_planned < r.max_frames]
+        decoders = [r for r in decoders if 0 < r.frames_planned < r.max_frames and not r.paused]
         if not self._reserve_decode_pages(decoders, in_flight):
             return None
         plan = worker_pb2.StepPlan(step_id=next(self._step_ids))
@@ -239,13 +239,21 @@ class Policy:
             if len(req.frames) >= req.max_frames:
                 self._finish(req, "max_frames")
 
-    def fail(self, request_ids: Iterable[int], message: str) -> None:
-        """End these running requests with an error (their step failed)."""
+    def fail(self, request_ids: Iterable[int], message: str, unavailable: bool = False) -> None:
+        """End these running requests with an error (their step failed; unavailable: the worker is gone)."""
         for rid in request_ids:
             req = self.running.get(rid)
             if req is not None:
                 self._finish(req, None)
-                self.sink.emit(req, ErrorEvent(message))
+                self.sink.emit(req, ErrorEvent(message, unavailable))
+
+    def fail_all(self, message: str) -> None:
+        """The worker is gone and no other came: end every request, running or waiting, as unavailable."""
+        self.fail(list(self.running), message, unavailable=True)
+        while self.waiting:
+            req = self.waiting.popleft()
+            req.phase = Phase.DONE
+            self.sink.emit(req, ErrorEvent(message, unavailable=True))
 
     # ---- ending --------------------------------------------------------------
     def retract(self, req: Request, why: str = "KV full") -> None:

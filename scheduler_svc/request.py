@@ -17,6 +17,10 @@ class QueueFull(RuntimeError):
     pass
 
 
+class Unavailable(RuntimeError):
+    """The model's worker is gone: the request is refused now (UNAVAILABLE) instead of waiting for it."""
+
+
 class Phase(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
@@ -38,6 +42,7 @@ class FinishEvent:
 @dataclass
 class ErrorEvent:
     message: str
+    unavailable: bool = False  # the worker is gone: the client may retry (UNAVAILABLE, not INTERNAL)
 
 
 Event = FrameEvent | FinishEvent | ErrorEvent
@@ -61,6 +66,7 @@ class Request:
     rows_written: int = 0              # rows whose KV write has been journaled
     frames_planned: int = 0            # frames the worker will have sampled once in-flight steps land
     holds_worker_state: bool = False
+    paused: bool = False               # its client is not reading: no decode steps until it is resumed
     # reporting
     cached_prompt_rows: int = 0
     retractions: int = 0
@@ -94,3 +100,6 @@ class EventSink:
 
     def flush(self) -> None:
         pass
+
+    def worker_health(self, model: str, up: bool) -> None:
+        """The model's worker stopped answering (up False) or answers again."""

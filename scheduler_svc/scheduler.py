@@ -10,6 +10,11 @@ applying step N.
 Worker restarts: a step without its journal for `worker_probe` seconds, or one that failed,
 asks the worker hello; a new worker process answering (another incarnation) lost the old one's
 KV, so the steps in flight are dropped and every running request re-prefills on it.
+
+A dead worker (scheduler_svc/heartbeat.py: its connection closed, or idle and silent) is given
+`restart_wait` seconds for a new process to answer; then every request ends UNAVAILABLE, and
+until a worker answers again new requests are refused at once and the frontends serve
+NOT_SERVING health.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from dataclasses import dataclass
 from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.heartbeat import Heartbeat
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
-from scheduler_svc.request import EventSink, Request
-from scheduler_svc.worker_client import WorkerClient
+from scheduler_svc.request import EventSink, Request, Unavailable
+from scheduler_svc.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("chorus.scheduler")
 
@@ -54,6 +60,8 @@ class Scheduler:
         self._published = Counts()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.heartbeat = Heartbeat(worker, hello.model_name, config.worker_heartbeat, config.worker_probe,
+                                   busy=lambda: bool(self.inflight), changed=self._health_changed)
 
     @property
     def kv(self) -> KVSlotAllocator:
@@ -66,12 +74,17 @@ class Scheduler:
     # ---- public --------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self.heartbeat.start()
 
     async def stop(self) -> None:
+        self.heartbeat.stop()
         if self._task:
             self._task.cancel()
 
     def submit(self, req: Request) -> Request:
+        """Queue a request; QueueFull, or Unavailable while the worker is gone."""
+        if not self.heartbeat.up:
+            raise Unavailable(f"the {self.hello.model_name} worker is not answering; retry later")
         self.policy.add(req)
         self._publish()
         self._wakeup.set()
@@ -82,6 +95,12 @@ class Scheduler:
         self.policy.abort(req)
         self._publish()
         self._wakeup.set()  # its release rides on the next plan
+
+    def pause(self, req: Request, paused: bool) -> None:
+        """Its client stopped reading (paused) or reads again: no decode steps meanwhile; its KV stays."""
+        req.paused = paused
+        if not paused:
+            self._wakeup.set()
 
     # ---- the loop --------------------------------------------------------------
     async def _loop(self) -> None:
@@ -98,6 +117,9 @@ class Scheduler:
 
     async def _iterate(self) -> None:
         """One turn: send a plan if the pipeline has room, then wait for a journal or for work."""
+        if not self.heartbeat.up and not self.inflight:
+            await self._recover()
+            return
         depth = max(1, self.config.lookahead_depth) if self.config.lookahead else 1
         sent = False
         if len(self.inflight) < depth:
@@ -112,7 +134,7 @@ class Scheduler:
             await self._receive(self.inflight.popleft())
         elif not sent:
             self._wakeup.clear()
-            await self._wakeup.wait()
+            await _first(self._wakeup.wait(), self.heartbeat.down.wait())
 
     def _lookahead_eligible(self) -> bool:
         last = self.inflight[-1].step.plan
@@ -135,13 +157,22 @@ class Scheduler:
     async def _await_journal(self, inflight: _InFlight) -> worker_pb2.Journal | None:
         """The step's journal. Every worker_probe seconds without it the worker is asked hello; if a new
         worker process answers, the old one died with this step: None, after _worker_restarted. An old
-        process that is alive answers only once its pending step is done, or not within the probe."""
+        process that is alive answers only once its pending step is done, or not within the probe.
+        WorkerUnavailable at once when the heartbeat finds the worker gone."""
         probe = self.config.worker_probe
         asked = False
-        while probe > 0:
-            done, _ = await asyncio.wait({inflight.future}, timeout=probe)
-            if done:
-                break
+        while True:
+            gone = asyncio.ensure_future(self.heartbeat.down.wait())
+            try:
+                await asyncio.wait({inflight.future, gone}, timeout=probe or None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if inflight.future.done():
+                return inflight.future.result()
+            if self.heartbeat.down.is_set():
+                inflight.future.cancel()
+                raise WorkerUnavailable(f"the worker at {self.worker.endpoint} is gone ({self.heartbeat.why})")
             if not asked:
                 log.warning("step %d has no journal after %.0f s: asking the worker whether it restarted",
                             inflight.step.plan.step_id, probe)
@@ -150,7 +181,6 @@ class Scheduler:
             if await self._worker_came_back(probe):
                 inflight.future.cancel()
                 return None
-        return await inflight.future
 
     async def _receive(self, inflight: _InFlight) -> None:
         t0 = time.monotonic()
@@ -165,6 +195,12 @@ class Scheduler:
             if not await self._worker_came_back(self.config.restart_wait):
                 log.error("no new worker process answered hello (waited up to %.0f s)", self.config.restart_wait)
                 self._fail_step(plan, f"worker unavailable: {e}")
+                if self.heartbeat.down.is_set():  # the later steps in flight died with it
+                    for later in self.inflight:
+                        later.future.cancel()
+                    self.inflight.clear()
+                    self.policy.fail_all(self._gone_message())
+                    self._publish()
             self.sink.flush()
             return
         self._journal_at = time.monotonic()
@@ -183,8 +219,34 @@ class Scheduler:
         self.sink.flush()
 
     def _fail_step(self, plan: worker_pb2.StepPlan, message: str) -> None:
-        self.policy.fail([i.request_id for i in plan.prefill] + [i.request_id for i in plan.decode], message)
+        self.policy.fail([i.request_id for i in plan.prefill] + [i.request_id for i in plan.decode], message,
+                         unavailable=message.startswith("worker unavailable"))
         self._publish()
+
+    # ---- a dead worker -----------------------------------------------------------
+    def _gone_message(self) -> str:
+        return (f"worker unavailable: the {self.hello.model_name} worker at {self.worker.endpoint} is gone "
+                f"({self.heartbeat.why}) and no new one answered within {self.config.restart_wait:g} s; retry later")
+
+    def _health_changed(self, up: bool) -> None:
+        self.sink.worker_health(self.hello.model_name, up)
+        self._wakeup.set()
+
+    async def _recover(self) -> None:
+        """The worker is gone with no step out: wait restart_wait for a worker to answer (a new process:
+        the running requests re-prefill on it); none: every request ends UNAVAILABLE, then wait for one."""
+        if self.policy.running or self.policy.waiting:
+            if await self._worker_came_back(self.config.restart_wait) or self.heartbeat.up:
+                return
+            log.error("no worker answered hello within %.0f s: failing %d running and %d waiting requests",
+                      self.config.restart_wait, len(self.policy.running), len(self.policy.waiting))
+            self.policy.fail_all(self._gone_message())
+            self._publish()
+            self.sink.flush()
+        await self.heartbeat.alive.wait()
+        hello = self.heartbeat.last_hello
+        if hello is not None and self._is_new_worker(hello.incarnation):
+            self._worker_restarted(hello.incarnation)
 
     # ---- worker restarts -------------------------------------------------------
     def _is_new_worker(self, incarnation: int) -> bool:
@@ -201,6 +263,7 @@ class Scheduler:
             hello = await self.worker.hello(timeout=timeout)
         except Exception:  # noqa: BLE001 - no answer
             return False
+        self.heartbeat.mark(True)
         if not self._is_new_worker(hello.incarnation):
             return False
         self._worker_restarted(hello.incarnation)
@@ -235,3 +298,13 @@ class Scheduler:
             if delta:
                 counter.inc(delta)
         self._published = dataclasses.replace(p.counts)
+
+
+async def _first(*waits) -> None:
+    """Wait until the first of these coroutines is done; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

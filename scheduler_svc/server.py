@@ -80,8 +80,9 @@ async def _wait_frontends(link: FrontendLink, procs: list[subprocess.Popen], tim
             pass
 
 
-async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen]) -> int | None:
-    """Waits for SIGINT/SIGTERM (None) or for a frontend to exit (its index)."""
+async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen], link: FrontendLink) -> int | None:
+    """Waits for SIGINT/SIGTERM (None), for a frontend to exit (its index) or for the frontends' ZeroMQ
+    link to die (-1)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -90,6 +91,8 @@ async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen]) -> int | N
         for i, p in enumerate(procs):
             if p.poll() is not None:
                 return i
+        if link.broken:
+            return -1
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
@@ -162,8 +165,10 @@ async def serve(args: SchedulerConfig) -> None:
             print(f"scheduler ready on {args.host}:{port} models={models} default={link.default_model} "
                   f"worker={args.worker} frontends={args.frontends} vocoders={','.join(args.vocoder)}",
                   flush=True)
-            failed = await _until_stop_or_frontend_exit(procs)
-            if failed is not None:
+            failed = await _until_stop_or_frontend_exit(procs, link)
+            if failed == -1:
+                log.error("the link to the frontends failed (%s); stopping the service", link.broken)
+            elif failed is not None:
                 log.error("scheduler frontend %d exited with code %s; stopping the service", failed,
                           procs[failed].returncode)
             else:

@@ -87,6 +87,10 @@ class WorkerClient:
     async def step(self, plan: worker_pb2.StepPlan, timeout: float | None = 300.0) -> worker_pb2.Journal:
         return await self._request(worker_pb2.WorkerCommand(step=plan), "journal", timeout)
 
+    def monitor(self) -> zmq.asyncio.Socket:
+        """A socket receiving this link's connection events (scheduler_svc/heartbeat.py reads it)."""
+        return self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+
     async def close(self) -> None:
         if self._reader:
             self._reader.cancel()

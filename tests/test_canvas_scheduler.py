@@ -246,7 +246,8 @@ class Frontend:
 
 def moss_stub():
     hello = worker_pb2.Hello(model_name="moss-tiny", architecture="moss_tts_local")
-    return types.SimpleNamespace(hello=hello, kv=types.SimpleNamespace(num_pages=4, page_size=16))
+    return types.SimpleNamespace(hello=hello, kv=types.SimpleNamespace(num_pages=4, page_size=16),
+                                 heartbeat=types.SimpleNamespace(up=True))
 
 
 def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
@@ -261,6 +262,8 @@ def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
             hello = (await fe.recv()).hello
             assert [w.model_name for w in hello.canvas_workers] == ["omnivoice-tiny"]
             assert hello.default_model == "omnivoice-tiny" and hello.worker.model_name == "moss-tiny"
+            health = await fe.recv()  # which models have no worker answering: none
+            assert health.WhichOneof("kind") == "health" and list(health.health.down) == []
 
             for ticket, model in ((1, "omnivoice"), (2, "omnivoice-tiny"), (3, "")):  # alias, name, default
                 await fe.send(call=10 + ticket, canvas_submit=frontend_pb2.CanvasSubmit(

@@ -108,10 +108,23 @@ def test_a_restarted_worker_never_serves_a_stale_prefix(baseline):
         c.services[c.services.index(old)] = new  # the cluster stops the new one at the end
         new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
         new.wait_ready(120)
+        wait_serving(c.address)  # until the scheduler has heard from it, requests are refused
         again = synthesize(stub, clone, timeout=120)  # its prefix is in the (stale) radix cache
         assert np.array_equal(again.code_frames(), baseline[2])
         assert metric(c, "chorus_worker_restarts_total") == 1
         assert wait_until_idle(c) == (0, 0, 0, 0)
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import time
+
+    health = health_pb2_grpc.HealthStub(channel(address))
+    deadline = time.monotonic() + timeout
+    while health.Check(health_pb2.HealthCheckRequest(service="chorus.v1.TextToSpeech")).status != \
+            health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "the service is not SERVING again"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("scheduler_args", [["--worker-probe-s", "1"], ["--worker-probe-s", "0", "--step-timeout-s", "2"]],

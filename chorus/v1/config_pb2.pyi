@@ -109,7 +109,7 @@ class VocoderConfig(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model")
+    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model")
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,10 @@ class SchedulerConfig(_message.Message):
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     WORKER_PROBE_FIELD_NUMBER: _ClassVar[int]
     RESTART_WAIT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAM_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRONTEND_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READER_STALL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +167,10 @@ class SchedulerConfig(_message.Message):
     step_timeout: float
     worker_probe: float
     restart_wait: float
+    worker_heartbeat: float
+    max_stream_buffer_bytes: int
+    max_frontend_buffer_bytes: int
+    reader_stall: float
     host: str
     port: int
     metrics_port: int
@@ -186,7 +194,7 @@ class SchedulerConfig(_message.Message):
     omnivoice_vocoder: _containers.RepeatedScalarFieldContainer[str]
     omnivoice_tokenizer: str
     default_model: str
-    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ...) -> None: ...
 
 class GatewayConfig(_message.Message):
     __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "sentence_chars", "continuation_seconds")

@@ -63,16 +63,18 @@ class CanvasDone(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., error: _Optional[str] = ..., queue_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
 
 class Submitted(_message.Message):
-    __slots__ = ("ticket", "request_id", "queue_full", "loaded")
+    __slots__ = ("ticket", "request_id", "queue_full", "loaded", "unavailable")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     request_id: int
     queue_full: str
     loaded: bool
-    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ...) -> None: ...
+    unavailable: str
+    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("ticket",)
@@ -81,20 +83,36 @@ class Abort(_message.Message):
     def __init__(self, ticket: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("ticket", "reason", "error", "frames", "queue_ms", "cached_prompt_rows")
+    __slots__ = ("ticket", "reason", "error", "frames", "queue_ms", "cached_prompt_rows", "unavailable")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     reason: str
     error: str
     frames: int
     queue_ms: float
     cached_prompt_rows: int
-    def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ...) -> None: ...
+    unavailable: bool
+    def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
+
+class WorkerHealth(_message.Message):
+    __slots__ = ("down",)
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    down: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, down: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Pause(_message.Message):
+    __slots__ = ("ticket", "paused")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    paused: bool
+    def __init__(self, ticket: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("tickets", "indices", "rows", "finished")
@@ -147,7 +165,7 @@ class CallReport(_message.Message):
     def __init__(self, event: _Optional[str] = ..., ttfa_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
-    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report", "canvas_submit")
+    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report", "canvas_submit", "pause")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +176,7 @@ class FrontendMessage(_message.Message):
     LIST_VOICES_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     CANVAS_SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHelloRequest
     submit: Submit
@@ -168,20 +187,23 @@ class FrontendMessage(_message.Message):
     list_voices: VoiceQuery
     report: CallReport
     canvas_submit: CanvasSubmit
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ..., canvas_submit: _Optional[_Union[CanvasSubmit, _Mapping]] = ...) -> None: ...
+    pause: Pause
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ..., canvas_submit: _Optional[_Union[CanvasSubmit, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
-    __slots__ = ("call", "hello", "submitted", "progress", "voices", "canvas_done")
+    __slots__ = ("call", "hello", "submitted", "progress", "voices", "canvas_done", "health")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     VOICES_FIELD_NUMBER: _ClassVar[int]
     CANVAS_DONE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHello
     submitted: Submitted
     progress: Progress
     voices: VoiceList
     canvas_done: CanvasDone
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ..., canvas_done: _Optional[_Union[CanvasDone, _Mapping]] = ...) -> None: ...
+    health: WorkerHealth
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ..., canvas_done: _Optional[_Union[CanvasDone, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, _Mapping]] = ...) -> None: ...
