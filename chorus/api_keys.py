@@ -140,22 +140,25 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-class BearerInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer KEY` to every call; key: a string, or a callable giving the
-    key of the current call (None: send none), e.g. the gateway's HTTP client's."""
+def bearer_interceptors(key) -> list:
+    """Interceptors for a grpc.aio channel that add `authorization: Bearer KEY` to every unary and
+    server-streaming call; key: a string, or a callable giving the current call's key (None: send
+    none), e.g. the gateway's HTTP caller's. (A channel files each interceptor under one kind only.)"""
+    current = key if callable(key) else (lambda: key)
 
-    def __init__(self, key):
-        self.key = key if callable(key) else (lambda: key)
-
-    def _details(self, details):
-        key = self.key()
-        if not key:
+    def with_key(details):
+        k = current()
+        if not k:
             return details
-        metadata = [m for m in (details.metadata or ()) if m[0] != "authorization"] + list(bearer(key))
-        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+        kept = [(m, v) for m, v in (details.metadata or ()) if m != "authorization"]
+        return details._replace(metadata=grpc.aio.Metadata(*kept, *bearer(k)))
 
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+    class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(with_key(details), request)
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+    class Streaming(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(with_key(details), request)
+
+    return [Unary(), Streaming()]

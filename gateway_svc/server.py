@@ -29,7 +29,7 @@ from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from chorus.api_keys import BearerInterceptor
+from chorus.api_keys import bearer_interceptors
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.tls import aio_channel
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
@@ -75,13 +75,13 @@ class Gateway:
         self._turn = itertools.count()
         self._models: dict[str, tts_pb2.ModelInfo] = {}
         # OpenAI voice names lately found not stored -> until when to trust that (monotonic seconds)
-        self._not_stored: dict[str, float] = {}
+        self._not_stored: dict[tuple[str | None, str], float] = {}  # by (caller's key, name): voices are per key
 
     async def open(self) -> None:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", -1),
                    ("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per channel
         self._channels = [aio_channel(self.cfg.scheduler, self.cfg.scheduler_tls_dir, options,
-                                      interceptors=[BearerInterceptor(BEARER.get)])
+                                      interceptors=bearer_interceptors(BEARER.get))
                           for _ in range(self.cfg.channels)]
         self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
 
@@ -117,7 +117,7 @@ class Gateway:
     async def open_synthesis(self, plan: SpeechPlan):
         """The call and its stream header; a failure before the header is an HTTP error answer."""
         name = plan.request.references[0].voice_id if plan.voice_may_be_builtin else ""
-        if name and self._not_stored.get(name, 0.0) > time.monotonic():
+        if name and self._not_stored.get((BEARER.get(), name), 0.0) > time.monotonic():
             self._use_model_voice(plan)
         while True:
             call = self.stub.Synthesize(plan.request)
@@ -126,7 +126,7 @@ class Gateway:
             except grpc.aio.AioRpcError as e:
                 if (e.code() == grpc.StatusCode.NOT_FOUND and plan.voice_may_be_builtin
                         and "voice_id" in (e.details() or "")):
-                    self._not_stored[name] = time.monotonic() + self.cfg.voice_name_cache
+                    self._not_stored[BEARER.get(), name] = time.monotonic() + self.cfg.voice_name_cache
                     self._use_model_voice(plan)
                     continue
                 err = from_rpc(e, self.cfg.retry_after)
@@ -144,7 +144,7 @@ class Gateway:
         plan.voice_may_be_builtin = False
 
     def voice_stored(self, voice_id: str) -> None:
-        self._not_stored.pop(voice_id, None)
+        self._not_stored.pop((BEARER.get(), voice_id), None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
