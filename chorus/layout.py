@@ -110,7 +110,7 @@ class Layout:
 
 
 def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
-                                     "omnivoice", "omnivoice_model", "omnivoice_codec"),
+                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""

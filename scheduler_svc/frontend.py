@@ -28,11 +28,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from chorus.api_keys import ApiKeyInterceptor, ApiKeys, caller
+from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
-from chorus.tls import add_port
+from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
@@ -329,7 +329,10 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     models, omnivoice = await _omnivoice(args, core, cfg, limits, index)
 
-    keys = ApiKeys(args.api_keys) if args.api_keys else None
+    try:
+        keys = ApiKeys(args.api_keys) if args.api_keys else None
+    except KeyFileError as e:
+        raise SystemExit(f"frontend {index}: scheduler.{e}") from None
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
                                       ("grpc.so_reuseport", 1)],
@@ -340,8 +343,12 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    if add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert,
-                f"frontend {index}" if index else "the public API") != args.port:
+    try:
+        bound = add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert,
+                         f"frontend {index}" if index else "the public API")
+    except TlsError as e:
+        raise SystemExit(f"frontend {index}: scheduler.tls_dir: {e}") from None
+    if bound != args.port:
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -352,8 +359,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if keys:
-        loop.add_signal_handler(signal.SIGHUP, keys.reload)
+    loop.add_signal_handler(signal.SIGHUP, keys.reload if keys else lambda: None)  # the core relays its SIGHUP
     watcher = loop.create_task(_watch_parent(stop))
     await stop.wait()
     watcher.cancel()

@@ -29,6 +29,7 @@ import time
 from prometheus_client import start_http_server
 
 from chorus.config import ConfigError, add_config_flags, parse, write_proto
+from chorus.curve import CurveError
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
 from scheduler_svc import frontend, metrics
@@ -114,7 +115,10 @@ def _stop_frontends(procs: list[subprocess.Popen], grace: float) -> None:
 async def _hello(endpoint: str, architecture: str, args: SchedulerConfig) -> tuple[WorkerClient, worker_pb2.Hello]:
     """A client of the worker at endpoint and its hello; SystemExit when it serves another architecture."""
     keys = (args.curve_secret_key, args.worker_public_key) if args.curve_secret_key else None
-    worker = WorkerClient(endpoint, curve_keys=keys)
+    try:
+        worker = WorkerClient(endpoint, curve_keys=keys)
+    except CurveError as e:
+        raise SystemExit(f"scheduler: {e}") from None
     log.info("waiting for the %s worker at %s", architecture, endpoint)
     hello: worker_pb2.Hello = await worker.hello(timeout=600)
     if hello.architecture != architecture:

@@ -298,3 +298,25 @@ def test_an_oversized_message_drops_its_sender_not_the_worker(cluster, stub):
     assert _hello(ours, 10000).model_name
     ours.close()
     assert synthesize(stub, _request(), timeout=120, api_key=KEY_A).summary.frames == 4
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+def test_a_bad_key_file_names_the_line_never_the_key(tmp_path):
+    from chorus.api_keys import KeyFileError, read_keys
+
+    path = tmp_path / "keys"
+    path.write_text("alice short-key\n")
+    with pytest.raises(KeyFileError, match="line 1") as e:
+        read_keys(str(path))
+    assert "short-key" not in str(e.value)
+    path.write_text("alice\n")
+    with pytest.raises(KeyFileError, match="OWNER KEY"):
+        read_keys(str(path))
+
+
+def test_a_tls_dir_without_its_files_says_which(tmp_path):
+    from chorus.tls import TlsError, server_credentials
+
+    with pytest.raises(TlsError, match="tls.key is missing"):
+        server_credentials(str(tmp_path), require_client_cert=False)

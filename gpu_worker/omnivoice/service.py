@@ -108,7 +108,10 @@ def run(args: WorkerConfig) -> None:
     engine = build_engine(args)
     greeting = hello(args, engine)
     ctx = zmq.Context()
-    sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
+    try:
+        sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
+    except curve.CurveError as e:
+        raise SystemExit(f"worker: {e}") from None
     endpoint = _bind(sock, args.bind)
     curve.warn_if_open(endpoint, auth)
     stopping = False
