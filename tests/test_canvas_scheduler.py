@@ -367,18 +367,23 @@ def test_the_core_process_greets_its_omnivoice_workers():
         box["loop"] = asyncio.new_event_loop()
         box["loop"].run_until_complete(main())
 
+    from test_vocoder_service import start_vocoder
+
     thread = threading.Thread(target=serve_fake, daemon=True)
     thread.start()
     assert ready.wait(10)
+    codec, codec_address, _, _ = start_vocoder("--preset", "higgs-tiny", "--metrics-port", "0", "--grace", "1")
     try:
         with make_cluster(scheduler_args=["--omnivoice-worker", box["fake"].endpoint, "--omnivoice-vocoder",
-                                          "127.0.0.1:1", "--default-model", "omnivoice"]) as c:
+                                          codec_address, "--default-model", "omnivoice"]) as c:
             line = next(x for x in c.service("scheduler").lines if "ready on" in x)
             models = line.split("models=")[1].split()[0].split(",")
             assert models[1:] == ["omnivoice-tiny"] and " default=omnivoice-tiny " in line
             with urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10) as r:
                 assert 'chorus_canvas_queue_depth{model="omnivoice-tiny"} 0.0' in r.read().decode()
     finally:
+        codec.terminate()
+        codec.wait(20)
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(10)
 
