@@ -14,6 +14,7 @@ Every command takes --help.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -116,10 +117,12 @@ def cmd_say(args: argparse.Namespace) -> None:
     import grpc
     import soundfile as sf
 
-    from chorus.client import channel, synthesize
+    from chorus.client import channel, credentials, synthesize
     from chorus.v1 import tts_pb2_grpc
 
-    stub = tts_pb2_grpc.TextToSpeechStub(channel(args.server))
+    ca = getattr(args, "tls_ca", None)  # `chorus demo` runs its own loopback cluster: plaintext, no key
+    creds = credentials(ca, args.tls_cert, args.tls_key) if ca else None
+    stub = tts_pb2_grpc.TextToSpeechStub(channel(args.server, creds))
 
     def progress(s):
         secs = sum(c.num_samples for c in s.chunks) / s.header.sample_rate
@@ -127,7 +130,8 @@ def cmd_say(args: argparse.Namespace) -> None:
 
     t0 = time.monotonic()
     try:
-        result = synthesize(stub, _say_request(args), timeout=args.timeout, on_chunk=progress)
+        result = synthesize(stub, _say_request(args), timeout=args.timeout, on_chunk=progress,
+                            api_key=getattr(args, "api_key", None))
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(2)
@@ -244,6 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server", default="127.0.0.1:50051", help="scheduler address HOST:PORT")
     p.add_argument("--model", default="", help="model to speak with: a served model's name or architecture, e.g. "
                    "omnivoice (empty: the server's default)")
+    p.add_argument("--api-key", default=os.environ.get("CHORUS_API_KEY"), help="API key sent as `authorization: "
+                   "Bearer KEY` (default: $CHORUS_API_KEY)")
+    p.add_argument("--tls-ca", metavar="FILE", help="CA certificate (PEM) to verify the server with: use TLS")
+    p.add_argument("--tls-cert", metavar="FILE", help="with --tls-ca: client certificate (PEM) for mTLS")
+    p.add_argument("--tls-key", metavar="FILE", help="with --tls-cert: its private key (PEM)")
     _add_say_flags(p, "out.wav")
     p.set_defaults(func=cmd_say)
 

@@ -53,15 +53,32 @@ class Synthesis:
         return np.concatenate(self.codes) if self.codes else np.zeros((0, 0), np.int32)
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+def credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """TLS that trusts the CA certificate file `ca` (PEM) and, for mTLS, presents cert/key."""
+    def read(path):
+        with open(path, "rb") as fh:
+            return fh.read()
+    return grpc.ssl_channel_credentials(read(ca), read(key) if key else None, read(cert) if cert else None)
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that carries api_key (`authorization: Bearer KEY`), or None without one."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+def channel(address: str, creds: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to address: TLS with creds (see `credentials`), else plaintext."""
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    if creds is not None:
+        return grpc.secure_channel(address, creds, options=options)
+    return grpc.insecure_channel(address, options=options)
 
 
 def synthesize(stub: tts_pb2_grpc.TextToSpeechStub, request: tts_pb2.SynthesizeRequest,
-               timeout: float | None = None, on_chunk=None) -> Synthesis:
+               timeout: float | None = None, on_chunk=None, api_key: str | None = None) -> Synthesis:
     out = Synthesis()
     t0 = time.monotonic()
-    for resp in stub.Synthesize(request, timeout=timeout):
+    for resp in stub.Synthesize(request, timeout=timeout, metadata=auth_metadata(api_key)):
         _add(out, resp, t0)
         if on_chunk and resp.WhichOneof("kind") == "audio":
             on_chunk(out)
@@ -103,9 +120,13 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 class Client:
     """A synchronous client over one or more servers (tried in turn, starting at a random one)."""
 
-    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None):
+    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None,
+                 api_key: str | None = None, creds: grpc.ChannelCredentials | None = None):
+        """api_key: sent as `authorization: Bearer KEY`; creds: TLS (see `credentials`), else plaintext."""
         self.retry, self.timeout = retry or Retry(), timeout
-        self._channels = [grpc.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
+        self._metadata = auth_metadata(api_key)
+        self._channels = [grpc.secure_channel(a, creds, options=_OPTIONS) if creds is not None else
+                          grpc.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
         self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
         self._turn = itertools.count(random.randrange(len(self._stubs)))
 
@@ -116,7 +137,7 @@ class Client:
         """The responses of one Synthesize call as they come. Retried only before the first one
         arrives (after that the caller holds audio a second call would repeat)."""
         for attempt in itertools.count():
-            call = self._stub().Synthesize(request, timeout=self.timeout)
+            call = self._stub().Synthesize(request, timeout=self.timeout, metadata=self._metadata)
             try:
                 first = next(call)
             except StopIteration:
@@ -140,7 +161,7 @@ class Client:
     def _unary(self, name: str, request):
         for attempt in itertools.count():
             try:
-                return getattr(self._stub(), name)(request, timeout=self.timeout)
+                return getattr(self._stub(), name)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise
@@ -175,9 +196,13 @@ class Client:
 class AsyncClient:
     """Client's asyncio twin (grpc.aio); create it inside the running event loop."""
 
-    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None):
+    def __init__(self, addresses: str | list[str], retry: Retry | None = None, timeout: float | None = None,
+                 api_key: str | None = None, creds: grpc.ChannelCredentials | None = None):
+        """api_key: sent as `authorization: Bearer KEY`; creds: TLS (see `credentials`), else plaintext."""
         self.retry, self.timeout = retry or Retry(), timeout
-        self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
+        self._metadata = auth_metadata(api_key)
+        self._channels = [grpc.aio.secure_channel(a, creds, options=_OPTIONS) if creds is not None else
+                          grpc.aio.insecure_channel(a, options=_OPTIONS) for a in _addresses(addresses)]
         self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
         self._turn = itertools.count(random.randrange(len(self._stubs)))
 
@@ -186,7 +211,7 @@ class AsyncClient:
 
     async def stream(self, request: tts_pb2.SynthesizeRequest) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         for attempt in itertools.count():
-            call = self._stub().Synthesize(request, timeout=self.timeout)
+            call = self._stub().Synthesize(request, timeout=self.timeout, metadata=self._metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
@@ -212,7 +237,7 @@ class AsyncClient:
     async def _unary(self, name: str, request):
         for attempt in itertools.count():
             try:
-                return await getattr(self._stub(), name)(request, timeout=self.timeout)
+                return await getattr(self._stub(), name)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise

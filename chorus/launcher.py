@@ -202,8 +202,12 @@ class Cluster:
     omnivoice_worker: WorkerConfig | None = None
     omnivoice_vocoder: VocoderConfig | None = None
     omnivoice_vocoder_ports: list[int] = field(default_factory=lambda: [0])
+    # CURVE on the worker links with a key pair made for this run (a worker or scheduler config that
+    # names its own keys keeps them).
+    curve: bool = False
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
+    _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
 
     @property
     def address(self) -> str:
@@ -232,6 +236,8 @@ class Cluster:
         decoder_dir = os.path.join(tmp, "decoder")
         attach: list[str | None] = [None for _ in self.vocoder_ports]  # each replica's decoder directory
         worker = dataclasses.replace(worker, bind=f"tcp://{self.host}:{self.worker_port}")
+        if self.curve:
+            worker, scheduler = self._curve_keys(tmp, worker, scheduler)
         services = []
         if self.colocate_vocoder:
             worker.host_vocoder_decoder = attach[0] = decoder_dir
@@ -275,12 +281,32 @@ class Cluster:
             raise
         return self
 
+    def _curve_keys(self, tmp: str, worker: WorkerConfig, scheduler: SchedulerConfig):
+        """worker and scheduler (and the OmniVoice worker) with a throwaway CURVE pair each, under tmp."""
+        from chorus.curve import generate
+        keys = os.path.join(tmp, "curve")
+        clients = os.path.join(keys, "clients")
+        worker_public, worker_secret = generate(keys, "worker")
+        scheduler_public, scheduler_secret = generate(keys, "scheduler")
+        os.makedirs(clients)
+        os.replace(scheduler_public, os.path.join(clients, "scheduler.key"))
+        if not scheduler.curve_secret_key:
+            scheduler = dataclasses.replace(scheduler, curve_secret_key=scheduler_secret,
+                                            worker_public_key=worker_public)
+        if not worker.curve_secret_key:
+            worker = dataclasses.replace(worker, curve_secret_key=worker_secret, curve_clients=clients)
+        self._worker_curve = (worker_secret, clients)  # the OmniVoice worker's too
+        return worker, scheduler
+
     def _omnivoice_services(self, tmp: str) -> list[Service]:
         """The OmniVoice worker, then its vocoder replicas; [] when OmniVoice is not served."""
         if self.omnivoice_worker is None:
             return []
         py = [sys.executable, "-m"]
         worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None)
+        if self._worker_curve and not worker.curve_secret_key:
+            worker = dataclasses.replace(worker, curve_secret_key=self._worker_curve[0],
+                                         curve_clients=self._worker_curve[1])
         out = [Service("omnivoice-worker", py + ["chorus.colocate", "--config-proto", write_worker_proto(
             worker, None, os.path.join(tmp, "omnivoice-worker.pb"))])]
         vocoder = self.omnivoice_vocoder or VocoderConfig()

@@ -27,6 +27,7 @@ from chorus.config import (ConfigError, add_flags, check, given_fields, markdown
 from chorus.launcher import Cluster, colocation
 from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
+from chorus.tls import is_loopback
 from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
@@ -67,6 +68,8 @@ class ClusterConfig:
                                           "else the tiny preset)", metavar="DIR")
     omnivoice_vocoders: int = setting(1, "OmniVoice codec vocoder replicas", metavar="N", minimum=1)
     quiet: bool = setting(False, "do not relay the services' logs")
+    curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
+                         "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
 
     @property
     def serves_omnivoice(self) -> bool:
@@ -101,11 +104,13 @@ class Layout:
                        echo=not self.cluster.quiet, colocate_vocoder=self.colocate,
                        shared_decoder=self.cluster.shared_vocoder_decoder, omnivoice_worker=self.omnivoice_worker,
                        omnivoice_vocoder=self.omnivoice_vocoder,
-                       omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders, **kw)
+                       omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
+                       curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
+                                                            and not is_loopback(self.cluster.host)), **kw)
 
 
 def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
-                                     "omnivoice", "omnivoice_model", "omnivoice_codec"),
+                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""

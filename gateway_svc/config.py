@@ -34,3 +34,6 @@ class GatewayConfig:
     continuation_seconds: float = setting(10.0, "speech stream: seconds of the previous sentences' audio a MOSS "
                                           "sentence continues (whole sentences; 0 = each starts from the voice)",
                                           flag="--continuation-s", metavar="S", minimum=0)
+    scheduler_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the scheduler and whose tls.crt "
+                                            "and tls.key (if present) are the gateway's client certificate; "
+                                            "unset: plaintext", metavar="DIR")

@@ -11,6 +11,8 @@ from starlette.responses import JSONResponse
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
@@ -72,6 +74,6 @@ def from_rpc(e: grpc.RpcError, retry_after: int) -> GatewayError:
     status, type_ = _STATUS.get(code, (500, "server_error"))
     param = param_of(details) if status in (400, 404) else None
     wait = retry_after if status in (429, 503) else None
-    code_name = {404: "voice_not_found" if "voice" in (param or "") else "not_found", 429: "rate_limit_exceeded",
-                 503: "unavailable"}.get(status, code.name.lower())
+    code_name = {401: "invalid_api_key", 404: "voice_not_found" if "voice" in (param or "") else "not_found",
+                 429: "rate_limit_exceeded", 503: "unavailable"}.get(status, code.name.lower())
     return GatewayError(status, details, param=param, code=code_name, type_=type_, retry_after=wait)

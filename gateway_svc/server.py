@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
 import itertools
 import json
 import sys
@@ -22,12 +23,15 @@ from pathlib import Path
 
 import grpc
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
+from chorus.api_keys import bearer_interceptors
 from chorus.config import ConfigError, add_config_flags, parse
+from chorus.tls import aio_channel
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from gateway_svc.config import GatewayConfig
 from gateway_svc.encoders import Encoder
@@ -37,6 +41,23 @@ from gateway_svc.speech_stream import SpeechSession
 from gateway_svc.stream import AudioStream
 
 STATIC = Path(__file__).with_name("static")  # the playground: one page, its script and its style
+
+# The API key of the HTTP request being served (its `Authorization: Bearer KEY`), sent on to the
+# scheduler with every gRPC call the request makes; the scheduler judges it.
+BEARER: contextvars.ContextVar[str | None] = contextvars.ContextVar("bearer", default=None)
+
+
+class BearerPassthrough:
+    """ASGI middleware: puts an HTTP request's or WebSocket's bearer key in BEARER."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            value = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+            BEARER.set(value[7:].strip() if value[:7].lower() == "bearer " else None)
+        await self.app(scope, receive, send)
 
 
 class Gateway:
@@ -54,12 +75,13 @@ class Gateway:
         self._turn = itertools.count()
         self._models: dict[str, tts_pb2.ModelInfo] = {}
         # OpenAI voice names lately found not stored -> until when to trust that (monotonic seconds)
-        self._not_stored: dict[str, float] = {}
+        self._not_stored: dict[tuple[str | None, str], float] = {}  # by (caller's key, name): voices are per key
 
     async def open(self) -> None:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", -1),
                    ("grpc.use_local_subchannel_pool", 1)]  # a connection of its own per channel
-        self._channels = [grpc.aio.insecure_channel(self.cfg.scheduler, options=options)
+        self._channels = [aio_channel(self.cfg.scheduler, self.cfg.scheduler_tls_dir, options,
+                                      interceptors=bearer_interceptors(BEARER.get))
                           for _ in range(self.cfg.channels)]
         self._stubs = [tts_pb2_grpc.TextToSpeechStub(c) for c in self._channels]
 
@@ -95,7 +117,7 @@ class Gateway:
     async def open_synthesis(self, plan: SpeechPlan):
         """The call and its stream header; a failure before the header is an HTTP error answer."""
         name = plan.request.references[0].voice_id if plan.voice_may_be_builtin else ""
-        if name and self._not_stored.get(name, 0.0) > time.monotonic():
+        if name and self._not_stored.get((BEARER.get(), name), 0.0) > time.monotonic():
             self._use_model_voice(plan)
         while True:
             call = self.stub.Synthesize(plan.request)
@@ -104,7 +126,7 @@ class Gateway:
             except grpc.aio.AioRpcError as e:
                 if (e.code() == grpc.StatusCode.NOT_FOUND and plan.voice_may_be_builtin
                         and "voice_id" in (e.details() or "")):
-                    self._not_stored[name] = time.monotonic() + self.cfg.voice_name_cache
+                    self._not_stored[BEARER.get(), name] = time.monotonic() + self.cfg.voice_name_cache
                     self._use_model_voice(plan)
                     continue
                 err = from_rpc(e, self.cfg.retry_after)
@@ -122,7 +144,7 @@ class Gateway:
         plan.voice_may_be_builtin = False
 
     def voice_stored(self, voice_id: str) -> None:
-        self._not_stored.pop(voice_id, None)
+        self._not_stored.pop((BEARER.get(), voice_id), None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -242,7 +264,7 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         yield
         await gw.close()
 
-    return Starlette(routes=[
+    return Starlette(middleware=[Middleware(BearerPassthrough)], routes=[
         Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", lambda ws: SpeechSession(ws, gw).serve()),
         Route("/v1/models", list_models, methods=["GET"]),

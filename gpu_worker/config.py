@@ -48,7 +48,16 @@ class WorkerConfig:
     stall_exit_s: float | None = stall_exit_setting("a launched step")
     max_packed_rows: int = setting(24576, "OmniVoice: rows one packed step may run (prefix + target, + target "
                                    "again with guidance, summed over its canvases)", minimum=1)
+    curve_secret_key: str | None = setting(None, "this worker's CURVE key pair file (.key_secret): only clients "
+                                           "in curve_clients may connect; unset: no CURVE", metavar="FILE")
+    curve_clients: str | None = setting(None, "directory of the CURVE public keys (.key) allowed to connect: "
+                                        "the scheduler's", metavar="DIR")
+    max_message_bytes: int = setting(256 << 20, "a peer sending a larger ZeroMQ message is disconnected",
+                                     minimum=1024)
 
     def validate(self) -> None:
         if not (self.bind.startswith(("tcp://", "ipc://", "inproc://"))):
             raise ConfigError(f"worker.bind = {self.bind!r}: give a ZeroMQ endpoint such as tcp://127.0.0.1:5560")
+        if bool(self.curve_secret_key) != bool(self.curve_clients):
+            raise ConfigError("worker.curve_secret_key and worker.curve_clients go together: give both (CURVE on) "
+                              "or neither")

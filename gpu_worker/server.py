@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import zmq
 
+from chorus import curve
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
@@ -92,9 +93,12 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
         incarnation=secrets.randbits(63) | 1)
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
+    except curve.CurveError as e:
+        raise SystemExit(f"worker: {e}") from None
     endpoint = _bind(sock, args.bind)
+    curve.warn_if_open(endpoint, auth)
     stopping = False
 
     def _stop(*_):
@@ -173,6 +177,8 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
             sock.send_multipart([ident, reply.SerializeToString()])
     finally:
         sock.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         log.info("worker stopped")
 

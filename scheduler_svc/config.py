@@ -80,6 +80,26 @@ class SchedulerConfig:
                                               "the bundled Qwen BPE", metavar="DIR")
     default_model: str = setting("", "model of requests that name none: a served model's name or architecture "
                                  "(empty: the MOSS model)", metavar="NAME")
+    # ---- security
+    tls_dir: str | None = setting(None, "directory with tls.crt, tls.key and ca.crt (a Kubernetes TLS secret) to "
+                                  "serve the public API over TLS; unset: plaintext", metavar="DIR")
+    require_client_cert: bool = setting(False, "with tls_dir: accept only clients whose certificate ca.crt signed")
+    api_keys: str | None = setting(None, "file of API keys, one `OWNER KEY` a line, that calls must send as "
+                                   "`authorization: Bearer KEY` (reread on change or SIGHUP); unset: no keys",
+                                   metavar="FILE")
+    vocoder_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the vocoders and whose tls.crt and "
+                                          "tls.key are this service's client certificate; unset: plaintext",
+                                          metavar="DIR")
+    curve_secret_key: str | None = setting(None, "this scheduler's CURVE key pair file (.key_secret) for the "
+                                           "worker links; unset: no CURVE", metavar="FILE")
+    worker_public_key: str | None = setting(None, "the workers' CURVE public key file (.key); needed with "
+                                            "curve_secret_key", metavar="FILE")
+
+    def link_message_bytes(self) -> int:
+        """The largest message either end of the core-frontend link sends under these limits: a
+        request or voice of max_request_bytes, or a list of max_voices transcripts, plus room for a
+        step's rows."""
+        return self.max_request_bytes + self.max_voices * 4 * (self.max_text_chars + self.max_id_chars + 64) + (16 << 20)
 
     def validate(self) -> None:
         if not self.vocoder:
@@ -87,3 +107,6 @@ class SchedulerConfig:
         if self.omnivoice_worker and not self.omnivoice_vocoder:
             raise ConfigError("scheduler.omnivoice_worker is set but scheduler.omnivoice_vocoder is empty: give the "
                               "address of at least one OmniVoice codec vocoder")
+        if bool(self.curve_secret_key) != bool(self.worker_public_key):
+            raise ConfigError("scheduler.curve_secret_key and scheduler.worker_public_key go together: give both "
+                              "(CURVE on the worker links) or neither")

@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from chorus import curve
 from chorus.v1 import frontend_pb2, worker_pb2
 from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, QueueFull, Unavailable
 from chorus.wire import matrix_array, rows_matrix
@@ -55,10 +56,12 @@ class CanvasTicket:
 
 
 class CoreClient:
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None, max_message_bytes: int = 0):
+        """max_message_bytes: a larger message from the core drops the link (0 = no limit)."""
         self.endpoint = endpoint
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.limit_size(self._sock, max_message_bytes)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(endpoint)
@@ -198,18 +201,19 @@ class CoreClient:
         """False: the store is full (it holds max_voices others)."""
         return bool((await self._call(frontend_pb2.FrontendMessage(put_voice=voice))).voices.voices)
 
-    async def get_voice(self, voice_id: str) -> frontend_pb2.StoredVoice | None:
+    async def get_voice(self, voice_id: str, owner: str = "") -> frontend_pb2.StoredVoice | None:
+        """The voice_id of this owner (the caller's API key owner), or None."""
         found = (await self._call(frontend_pb2.FrontendMessage(
-            get_voice=frontend_pb2.VoiceQuery(voice_id=voice_id)))).voices.voices
+            get_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices
         return found[0] if found else None
 
-    async def delete_voice(self, voice_id: str) -> bool:
+    async def delete_voice(self, voice_id: str, owner: str = "") -> bool:
         return bool((await self._call(frontend_pb2.FrontendMessage(
-            delete_voice=frontend_pb2.VoiceQuery(voice_id=voice_id)))).voices.voices)
+            delete_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices)
 
-    async def list_voices(self) -> list[frontend_pb2.StoredVoice]:
+    async def list_voices(self, owner: str = "") -> list[frontend_pb2.StoredVoice]:
         return list((await self._call(frontend_pb2.FrontendMessage(
-            list_voices=frontend_pb2.VoiceQuery()))).voices.voices)
+            list_voices=frontend_pb2.VoiceQuery(owner=owner)))).voices.voices)
 
     @property
     def broken(self) -> str:

@@ -28,9 +28,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
@@ -58,10 +60,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
                  limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
                  models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
-                 backlog: Backlog | None = None):
+                 backlog: Backlog | None = None, keys: ApiKeys | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
         streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
-        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models."""
+        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models; keys: the API
+        keys, whose owners own voices (None: no keys; every voice is everyone's)."""
         self.core = core
         self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
         self.omnivoice = omnivoice
@@ -73,6 +76,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.first_chunk_frames_loaded = first_chunk_frames_loaded
         self.relay = AudioRelay(vocoders, codec, cfg.n_vq, backlog=backlog, pause=core.pause)
         self.frame_rate = codec.sample_rate / codec.samples_per_frame
+        self.keys = keys
+
+    def _caller(self, context) -> str:
+        """The owner of the call's API key ("" without keys); the interceptor has checked the key."""
+        owner = self.keys.owner(context.invocation_metadata()) if self.keys else ""
+        caller.set(owner or "")
+        return owner or ""
 
     # ---- references ------------------------------------------------------------
     async def _encode_audio(self, audio: common_pb2.AudioData, field: str) -> np.ndarray:
@@ -103,7 +113,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 raise InvalidRequest(f"{field}.codes values must be in [0, {self.cfg.audio_vocab_size})")
             return codes
         if kind == "voice_id":
-            voice = await self.core.get_voice(ref.voice_id)
+            voice = await self.core.get_voice(ref.voice_id, caller.get())
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
                                       f"{field}.voice_id {shown(ref.voice_id)} not found; create it with "
@@ -154,6 +164,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     # ---- Synthesize -------------------------------------------------------------
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
+        self._caller(context)
         self.core.report("start")
         outcome = ""
         try:
@@ -267,7 +278,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         voice_id = request.voice_id or uuid.uuid4().hex[:12]
         if not await self.core.put_voice(frontend_pb2.StoredVoice(
                 voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
-                model=model.name, rms=rms)):
+                model=model.name, rms=rms, owner=self._caller(context))):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
                                 f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript,
@@ -276,13 +287,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     async def ListVoices(self, request, context):
         return tts_pb2.ListVoicesResponse(voices=[
             tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name)
-            for v in await self.core.list_voices()])
+            for v in await self.core.list_voices(self._caller(context))])
 
     async def DeleteVoice(self, request, context):
         if len(request.voice_id) > self.limits.max_id_chars:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice_id has {len(request.voice_id)} "
                                 f"characters; the limit is {self.limits.max_id_chars}")
-        if not await self.core.delete_voice(request.voice_id):
+        if not await self.core.delete_voice(request.voice_id, self._caller(context)):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {shown(request.voice_id)} not found")
         return tts_pb2.DeleteVoiceResponse()
 
@@ -326,7 +337,7 @@ async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalC
         return models, None
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 
-    clips = ClipVocoders(args.omnivoice_vocoder)
+    clips = ClipVocoders(args.omnivoice_vocoder, tls_dir=args.vocoder_tls_dir)
     if index == 0:
         log.info("waiting for the OmniVoice vocoder at %s", clips.replicas[0].address)
     info = await clips.info(timeout=600)
@@ -338,10 +349,10 @@ async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalC
 
 
 async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
-    core = CoreClient(core_endpoint)
+    core = CoreClient(core_endpoint, max_message_bytes=args.link_message_bytes())
     hello = await core.connect(timeout=600)
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.worker.model_config_json))
-    vocoders = VocoderPool(args.vocoder)
+    vocoders = VocoderPool(args.vocoder, tls_dir=args.vocoder_tls_dir)
     if index == 0:
         log.info("waiting for the vocoder at %s", vocoders.replicas[0].address)
     codec = await vocoders.info(timeout=600)
@@ -354,17 +365,27 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     models, omnivoice = await _omnivoice(args, core, cfg, limits, index)
 
+    try:
+        keys = ApiKeys(args.api_keys) if args.api_keys else None
+    except KeyFileError as e:
+        raise SystemExit(f"frontend {index}: scheduler.{e}") from None
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
-                                      ("grpc.so_reuseport", 1)])
+                                      ("grpc.so_reuseport", 1)],
+                             interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog), server)
+                             omnivoice, backlog, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    if server.add_insecure_port(f"{args.host}:{args.port}") != args.port:
+    try:
+        bound = add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert,
+                         f"frontend {index}" if index else "the public API")
+    except TlsError as e:
+        raise SystemExit(f"frontend {index}: scheduler.tls_dir: {e}") from None
+    if bound != args.port:
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     loop = asyncio.get_running_loop()
@@ -374,6 +395,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, keys.reload if keys else lambda: None)  # the core relays its SIGHUP
     watcher = loop.create_task(_watch_core(stop, core))
     await stop.wait()
     core_gone = watcher.done()

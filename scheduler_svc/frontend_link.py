@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from chorus import curve
 from chorus.v1 import frontend_pb2
 from chorus.wire import matrix_array, rows_matrix
 from scheduler_svc import metrics
@@ -41,15 +42,18 @@ class _Outbox:
 
 
 class FrontendLink(EventSink, CanvasSink):
-    def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None,
+                 max_message_bytes: int = 0):
+        """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit)."""
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.limit_size(self._sock, max_message_bytes)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds the HWM: never drop frames
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler: Scheduler | None = None
-        self.voices: dict[str, frontend_pb2.StoredVoice] = {}
+        self.voices: dict[tuple[str, str], frontend_pb2.StoredVoice] = {}  # (owner, voice_id): each key's own
         self.max_voices = max_voices
         self.ready: set[bytes] = set()
         self.ready_changed = asyncio.Event()
@@ -215,19 +219,20 @@ class FrontendLink(EventSink, CanvasSink):
                 default_model=self.default_model))
         if kind == "put_voice":
             v = msg.put_voice
-            if v.voice_id not in self.voices and len(self.voices) >= self.max_voices:
+            if (v.owner, v.voice_id) not in self.voices and len(self.voices) >= self.max_voices:
                 return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList())  # full: not stored
-            self.voices[v.voice_id] = v
+            self.voices[v.owner, v.voice_id] = v
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v]))
         if kind in ("get_voice", "delete_voice"):
-            vid = getattr(msg, kind).voice_id
-            v = self.voices.get(vid) if kind == "get_voice" else self.voices.pop(vid, None)
+            q = getattr(msg, kind)
+            key = (q.owner, q.voice_id)
+            v = self.voices.get(key) if kind == "get_voice" else self.voices.pop(key, None)
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v] if v is not None else []))
         if kind == "list_voices":
             return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[
                 frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames, model=v.model,
-                                         rms=v.rms)
-                for v in self.voices.values()]))
+                                         rms=v.rms, owner=v.owner)
+                for v in self.voices.values() if v.owner == msg.list_voices.owner]))
         raise ValueError(f"unknown frontend message {kind!r}")
 
     def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:

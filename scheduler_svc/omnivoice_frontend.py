@@ -23,6 +23,7 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 
+from chorus.api_keys import caller
 from chorus.omnivoice import knobs as ov
 from chorus.omnivoice.prompt import Piece, PromptError, plan_pieces
 from chorus.v1 import common_pb2, tts_pb2, vocoder_pb2, worker_pb2
@@ -113,7 +114,7 @@ class OmniVoiceFrontend:
             if codes.min() < 0 or codes.max() >= CODES:
                 raise InvalidRequest(f"{field}.codes values must be in [0, {CODES})")
         elif kind == "voice_id":
-            voice = await self.core.get_voice(ref.voice_id)
+            voice = await self.core.get_voice(ref.voice_id, caller.get())
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND, f"{field}.voice_id {shown(ref.voice_id)} not "
                                       "found; create it with CreateVoice first")

@@ -29,6 +29,7 @@ import time
 from prometheus_client import start_http_server
 
 from chorus.config import ConfigError, add_config_flags, parse, write_proto
+from chorus.curve import CurveError
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
 from scheduler_svc import frontend, metrics
@@ -87,6 +88,7 @@ async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen], link: Fron
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: [p.send_signal(signal.SIGHUP) for p in procs if p.poll() is None])
     while not stop.is_set():
         for i, p in enumerate(procs):
             if p.poll() is not None:
@@ -113,9 +115,13 @@ def _stop_frontends(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
-async def _hello(endpoint: str, architecture: str) -> tuple[WorkerClient, worker_pb2.Hello]:
+async def _hello(endpoint: str, architecture: str, args: SchedulerConfig) -> tuple[WorkerClient, worker_pb2.Hello]:
     """A client of the worker at endpoint and its hello; SystemExit when it serves another architecture."""
-    worker = WorkerClient(endpoint)
+    keys = (args.curve_secret_key, args.worker_public_key) if args.curve_secret_key else None
+    try:
+        worker = WorkerClient(endpoint, curve_keys=keys)
+    except CurveError as e:
+        raise SystemExit(f"scheduler: {e}") from None
     log.info("waiting for the %s worker at %s", architecture, endpoint)
     hello: worker_pb2.Hello = await worker.hello(timeout=600)
     if hello.architecture != architecture:
@@ -129,7 +135,7 @@ async def _canvas_schedulers(args: SchedulerConfig, sink) -> list[CanvasSchedule
     """A CanvasScheduler per OmniVoice worker (workers serving one model share its requests)."""
     out = []
     for endpoint in args.omnivoice_worker:
-        client, hello = await _hello(endpoint, OMNIVOICE)
+        client, hello = await _hello(endpoint, OMNIVOICE, args)
         try:
             out.append(CanvasScheduler(client, hello, args, sink=sink))
         except ValueError as e:  # a Hello the policy cannot work with
@@ -138,11 +144,11 @@ async def _canvas_schedulers(args: SchedulerConfig, sink) -> list[CanvasSchedule
 
 
 async def serve(args: SchedulerConfig) -> None:
-    worker, hello = await _hello(args.worker, MOSS)
+    worker, hello = await _hello(args.worker, MOSS, args)
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.model_config_json))
     cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
     with tempfile.TemporaryDirectory(prefix="chorus-scheduler-") as tmp:
-        link = FrontendLink(f"ipc://{tmp}/core", args.max_voices)
+        link = FrontendLink(f"ipc://{tmp}/core", args.max_voices, max_message_bytes=args.link_message_bytes())
         scheduler = Scheduler(worker, hello, dataclasses.replace(args, cache_key=cache_key), sink=link)
         canvas_schedulers = await _canvas_schedulers(args, link)
         try:

@@ -22,6 +22,7 @@ from typing import Awaitable, Callable, Iterable
 
 import grpc
 
+from chorus.tls import aio_channel
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 
 log = logging.getLogger("chorus.scheduler")
@@ -50,10 +51,12 @@ def chunk_defaults(info: vocoder_pb2.VocoderInfo) -> tuple[int, int]:
 
 
 class VocoderReplica:
-    def __init__(self, address: str, target: str | None = None):
+    def __init__(self, address: str, target: str | None = None, tls_dir: str | None = None):
+        """tls_dir: TLS (and this side's client certificate) for the channel; unset: plaintext."""
         self.address = address
         self.target = target or address  # the --vocoder value it came from
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        dns = parse_target(self.target)  # an address resolved from a name: the certificate carries the name
+        self.channel = aio_channel(address, tls_dir, CHANNEL_OPTIONS, server_name=dns[1] if dns else None)
         self.stub = vocoder_pb2_grpc.VocoderStub(self.channel)
         self.open_streams = 0
         self.healthy = True
@@ -108,11 +111,13 @@ def resolve(host: str, port: int) -> list[str]:
 
 class VocoderPool:
     def __init__(self, addresses: Iterable[str], *, cooldown: float = 10.0, resolve_interval: float = 30.0,
-                 probe_interval: float = 1.0, resolver: Callable[[str, int], list[str]] = resolve):
+                 probe_interval: float = 1.0, resolver: Callable[[str, int], list[str]] = resolve,
+                 tls_dir: str | None = None):
         targets = list(dict.fromkeys(addresses))
         if not targets:
             raise ValueError("at least one vocoder address is required")
         self.targets = targets
+        self.tls_dir = tls_dir
         self.cooldown = cooldown
         self.resolve_interval = resolve_interval
         self.probe_interval = probe_interval
@@ -142,7 +147,7 @@ class VocoderPool:
         current = {r.address: r for r in self.replicas if r.target == target}
         for a in addresses:
             if a not in current and not any(r.address == a for r in self.replicas):
-                self.replicas.append(VocoderReplica(a, target))
+                self.replicas.append(VocoderReplica(a, target, self.tls_dir))
                 log.info("vocoder replica %s added (%s)", a, target)
         for a, r in current.items():
             if a not in addresses:

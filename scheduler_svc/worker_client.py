@@ -14,7 +14,10 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from chorus import curve
 from chorus.v1 import worker_pb2
+
+MAX_REPLY_BYTES = 256 << 20  # a hello or journal larger than this drops the link (ZMQ_MAXMSGSIZE)
 
 
 class WorkerUnavailable(RuntimeError):
@@ -22,11 +25,16 @@ class WorkerUnavailable(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None,
+                 curve_keys: tuple[str, str] | None = None):
+        """curve_keys: (this side's .key_secret file, the worker's public .key file) for a CURVE link."""
         self.endpoint = endpoint
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.limit_size(self._sock, MAX_REPLY_BYTES)
+        if curve_keys:
+            curve.connect_as(self._sock, *curve_keys)
         self._sock.connect(endpoint)
         self._waiting: dict[str, deque[asyncio.Future]] = {"hello": deque(), "stats": deque()}
         self._journals: dict[int, asyncio.Future] = {}  # step id -> the future of its journal

@@ -208,7 +208,7 @@ class FakeCore:
     def report(self, *a, **kw):
         pass
 
-    async def get_voice(self, voice_id):
+    async def get_voice(self, voice_id, owner=""):
         return self.voices.get(voice_id)
 
 

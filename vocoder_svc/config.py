@@ -12,6 +12,9 @@ from chorus.watchdog import stall_exit_setting
 from vocoder_svc.codec_config import DEFAULT_CODEBOOKS
 
 MAX_CHUNK_FRAMES = 1000  # 80 s of audio per step bounds one step's memory
+# A decode link message: one chunk's PCM (<= 8192 float32 samples a frame over all channels), or a
+# step's jobs; a peer sending more is disconnected (ZMQ_MAXMSGSIZE).
+DECODE_LINK_BYTES = MAX_CHUNK_FRAMES * 8192 * 4 + (16 << 20)
 
 
 def _int_list(text: str, key: str) -> list[int]:
@@ -79,6 +82,10 @@ class VocoderConfig:
     torch_threads: int = setting(1, "CPU threads for torch ops (0 = torch's default, all cores)", minimum=0)
     switch_interval_ms: float = setting(0.5, "the interpreter's GIL switch interval in milliseconds", minimum=0)
     grace: float = setting(10.0, "seconds open calls get to finish on SIGINT/SIGTERM", minimum=0)
+    tls_dir: str | None = setting(None, "directory with tls.crt, tls.key and ca.crt (a Kubernetes TLS secret) to "
+                                  "serve over TLS; unset: plaintext", metavar="DIR")
+    require_client_cert: bool = setting(True, "with tls_dir: accept only clients whose certificate ca.crt signed "
+                                        "(mTLS: the schedulers)")
 
     def bucket_sizes(self) -> list[int] | None:
         """buckets as integers (None: the slot decoder's default)."""

@@ -54,7 +54,7 @@ import zmq
 
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import vocoder_decoder_pb2 as dpb
-from vocoder_svc.config import VocoderConfig
+from vocoder_svc.config import DECODE_LINK_BYTES, VocoderConfig
 from vocoder_svc.decoder_build import build_slot_decoder, make_codec, stall_exit_seconds
 from vocoder_svc.decoder_client import front_dirs, host_endpoints
 from vocoder_svc.metrics import StepReport
@@ -125,6 +125,7 @@ class Decoder:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)
+            inbox.setsockopt(zmq.MAXMSGSIZE, DECODE_LINK_BYTES)
             inbox.connect(jobs)
             outbox.connect(results)
             self._inboxes.append(inbox)

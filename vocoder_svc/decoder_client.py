@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from chorus.config import write_proto
 from chorus.v1 import common_pb2, vocoder_decoder_pb2 as dpb
-from vocoder_svc.config import VocoderConfig
+from vocoder_svc.config import DECODE_LINK_BYTES, VocoderConfig
 from vocoder_svc.metrics import Metrics, StepReport
 from vocoder_svc.slot_worker import StreamTooLong
 
@@ -73,6 +73,7 @@ class DecodeProcess:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+        self._results.setsockopt(zmq.MAXMSGSIZE, DECODE_LINK_BYTES)
         # A child is a decode process with this process as its one front (the same protocol and code
         # as a shared one), under a directory of its own.
         front = attach or front_dirs(self._tmp.name, 1)[0]

@@ -93,6 +93,7 @@ from prometheus_client import start_http_server
 
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 from chorus.config import ConfigError, add_config_flags, parse
+from chorus.tls import TlsError, add_port
 from vocoder_svc.clip_servicer import ClipServicer, make_clip_codec, serves_clips
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
 from vocoder_svc.decoder_build import first_chunk, make_codec, resolve_engine
@@ -180,7 +181,10 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(_host_port(args.host, args.port))
+    try:
+        port = add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert, "the vocoder")
+    except TlsError as e:
+        raise SystemExit(f"vocoder.tls_dir: {e}") from None
     if port == 0:
         raise SystemExit(f"could not bind {_host_port(args.host, args.port)}")
     await server.start()

@@ -127,26 +127,30 @@ class Progress(_message.Message):
     def __init__(self, tickets: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ...) -> None: ...
 
 class StoredVoice(_message.Message):
-    __slots__ = ("voice_id", "codes", "transcript", "frames", "model", "rms")
+    __slots__ = ("voice_id", "codes", "transcript", "frames", "model", "rms", "owner")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RMS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     codes: _common_pb2.IntMatrix
     transcript: str
     frames: int
     model: str
     rms: float
-    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ...) -> None: ...
+    owner: str
+    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class VoiceQuery(_message.Message):
-    __slots__ = ("voice_id",)
+    __slots__ = ("voice_id", "owner")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
-    def __init__(self, voice_id: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, voice_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class VoiceList(_message.Message):
     __slots__ = ("voices",)

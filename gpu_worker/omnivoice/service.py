@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from chorus import curve
 from chorus.omnivoice.config import ARCHITECTURE
 from chorus.omnivoice.knobs import UnmaskKnobs
 from chorus.v1 import worker_pb2
@@ -107,9 +108,12 @@ def run(args: WorkerConfig) -> None:
     engine = build_engine(args)
     greeting = hello(args, engine)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
+    except curve.CurveError as e:
+        raise SystemExit(f"worker: {e}") from None
     endpoint = _bind(sock, args.bind)
+    curve.warn_if_open(endpoint, auth)
     stopping = False
 
     def _stop(*_):
@@ -148,5 +152,7 @@ def run(args: WorkerConfig) -> None:
             sock.send_multipart([ident, reply.SerializeToString()])
     finally:
         sock.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         log.info("worker stopped")
