@@ -14,19 +14,17 @@ import argparse
 import logging
 import os
 import secrets
-import signal
 import sys
 import time
 from typing import Callable
 
 import torch
-import zmq
 
-from chorus import curve
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig
+from gpu_worker.worker_socket import WorkerSocket
 from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import build_model
 from gpu_worker.omnivoice import service as omnivoice
@@ -37,13 +35,6 @@ log = logging.getLogger("chorus.worker")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, WorkerConfig)
 
-
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    if endpoint.endswith(":0"):
-        port = sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
-        return f"{endpoint.rsplit(':', 1)[0]}:{port}"
-    sock.bind(endpoint)
-    return endpoint
 
 
 def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> None:
@@ -92,21 +83,8 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
         device=str(engine.device), dtype=args.dtype, pid=os.getpid(), page_size=engine.page_size,
         incarnation=secrets.randbits(63) | 1)
 
-    ctx = zmq.Context()
-    try:
-        sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
-    except curve.CurveError as e:
-        raise SystemExit(f"worker: {e}") from None
-    endpoint = _bind(sock, args.bind)
-    curve.warn_if_open(endpoint, auth)
-    stopping = False
-
-    def _stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    link = WorkerSocket(args)
+    sock, endpoint = link.sock, link.endpoint
     print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}",
           flush=True)
     pending: tuple[bytes, PendingStep] | None = None  # a launched step whose journal is not sent yet
@@ -128,7 +106,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
             send_journal(ident, journal)
 
     try:
-        while not stopping:
+        while not link.stopping:
             # While a step runs on the GPU, wait for whichever comes first: its journal or the
             # next plan (the scheduler's lookahead), which is launched before the journal is read.
             if pending is not None and pending[1].ready():
@@ -176,11 +154,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
                 reply.error = f"unknown command {kind!r}"
             sock.send_multipart([ident, reply.SerializeToString()])
     finally:
-        sock.close()
-        if auth is not None:
-            auth.stop()
-        ctx.term()
-        log.info("worker stopped")
+        link.close()
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m gpu_worker.server") -> None:

@@ -12,19 +12,17 @@ import json
 import logging
 import os
 import secrets
-import signal
 import time
 from pathlib import Path
 
 import numpy as np
-import zmq
 
-from chorus import curve
 from chorus.omnivoice.config import ARCHITECTURE
 from chorus.omnivoice.knobs import UnmaskKnobs
 from chorus.v1 import worker_pb2
 from chorus.wire import matrix_array, rows_matrix
 from gpu_worker.config import WorkerConfig
+from gpu_worker.worker_socket import WorkerSocket
 from gpu_worker.omnivoice.engine import CanvasEngine, CanvasError, CanvasSpec
 
 log = logging.getLogger("chorus.worker")
@@ -93,39 +91,18 @@ def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journ
     return journal
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind; an endpoint ending in :0 takes a free port. Returns the endpoint bound."""
-    if endpoint.endswith(":0"):
-        host = endpoint.rsplit(":", 1)[0]
-        return f"{host}:{sock.bind_to_random_port(host)}"
-    sock.bind(endpoint)
-    return endpoint
-
 
 def run(args: WorkerConfig) -> None:
     """Serve until SIGINT/SIGTERM or a Shutdown command."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     engine = build_engine(args)
     greeting = hello(args, engine)
-    ctx = zmq.Context()
-    try:
-        sock, auth = curve.router(ctx, args.curve_secret_key, args.curve_clients, args.max_message_bytes)
-    except curve.CurveError as e:
-        raise SystemExit(f"worker: {e}") from None
-    endpoint = _bind(sock, args.bind)
-    curve.warn_if_open(endpoint, auth)
-    stopping = False
-
-    def _stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    link = WorkerSocket(args)
+    sock, endpoint = link.sock, link.endpoint
     print(f"worker ready on {endpoint} model={greeting.model_name} device={greeting.device} dtype={greeting.dtype}",
           flush=True)
     try:
-        while not stopping:
+        while not link.stopping:
             if not sock.poll(200):
                 continue
             ident, payload = sock.recv_multipart()
@@ -151,8 +128,4 @@ def run(args: WorkerConfig) -> None:
                 reply.error = f"unknown command {kind!r}"
             sock.send_multipart([ident, reply.SerializeToString()])
     finally:
-        sock.close()
-        if auth is not None:
-            auth.stop()
-        ctx.term()
-        log.info("worker stopped")
+        link.close()
