@@ -84,7 +84,10 @@ def cmd_up(args: argparse.Namespace) -> None:
             print(f"{', '.join(dead)} exited; stopping the rest", file=sys.stderr)
             sys.exit(1)
         except KeyboardInterrupt:
-            print("\nstopping ...", flush=True)
+            # leaving the block drains the services one tier after another; a second signal must not cut it
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("\nstopping (draining the open streams) ...", flush=True)
 
 
 # `chorus say` flags -> OmniVoiceParams fields (set only when given)

@@ -3,7 +3,7 @@
 `synthesize(stub, request)` is the plain call (`chorus say`, the demo and the tests use it).
 `Client` and `AsyncClient` are the SDK: one or more server addresses, a call that fails with
 UNAVAILABLE or RESOURCE_EXHAUSTED before any answer is retried on the next address after a
-jittered, growing wait, `stream()` yields the responses as they come, and `AudioFile` writes the
+jittered, growing wait (with one address, at least the retry hint the server sent), `stream()` yields the responses as they come, and `AudioFile` writes the
 audio to a WAV or FLAC file as it streams:
 
     with Client(["10.0.0.1:50051", "10.0.0.2:50051"]) as client, AudioFile("out.flac") as out:
@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import soundfile as sf
 
+from chorus.retry_hint import retry_hint
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 
 WAV_HEADER_BYTES = 44
@@ -101,6 +102,13 @@ class Retry:
         """Seconds to wait after failed call number `attempt` (0-based)."""
         return random.uniform(0, min(self.max_wait, self.first_wait * 2 ** attempt))
 
+    def pause(self, e: grpc.RpcError, attempt: int, servers: int) -> float:
+        """Seconds to wait before the next call: the backoff, and with one server at least the wait
+        its refusal asked for (a draining or loaded server); with several the next call goes to
+        another server, which that hint does not concern."""
+        hint = retry_hint(e) if servers == 1 else None
+        return max(self.wait(attempt), hint or 0.0)
+
     def should_retry(self, e: grpc.RpcError, attempt: int) -> bool:
         # RESOURCE_EXHAUSTED also says "message larger than max": that one never fits later
         return (attempt + 1 < self.attempts and e.code() in RETRYABLE
@@ -145,7 +153,7 @@ class Client:
             except grpc.RpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise
-                time.sleep(self.retry.wait(attempt))
+                time.sleep(self.retry.pause(e, attempt, len(self._stubs)))
                 continue
             try:
                 yield first
@@ -165,7 +173,7 @@ class Client:
             except grpc.RpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise
-                time.sleep(self.retry.wait(attempt))
+                time.sleep(self.retry.pause(e, attempt, len(self._stubs)))
 
     def list_models(self) -> list[tts_pb2.ModelInfo]:
         return list(self._unary("ListModels", tts_pb2.ListModelsRequest()).models)
@@ -217,7 +225,7 @@ class AsyncClient:
             except grpc.aio.AioRpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise
-                await asyncio.sleep(self.retry.wait(attempt))
+                await asyncio.sleep(self.retry.pause(e, attempt, len(self._stubs)))
                 continue
             try:
                 while first is not grpc.aio.EOF:
@@ -241,7 +249,7 @@ class AsyncClient:
             except grpc.aio.AioRpcError as e:
                 if not self.retry.should_retry(e, attempt):
                     raise
-                await asyncio.sleep(self.retry.wait(attempt))
+                await asyncio.sleep(self.retry.pause(e, attempt, len(self._stubs)))
 
     async def list_models(self) -> list[tts_pb2.ModelInfo]:
         return list((await self._unary("ListModels", tts_pb2.ListModelsRequest())).models)

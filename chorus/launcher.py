@@ -28,6 +28,7 @@ from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
 READY = re.compile(r"\bready on (\S+)")
+DRAIN_MARGIN_S = 5.0  # a service's exit after its drain
 
 
 class LaunchError(RuntimeError):
@@ -75,6 +76,7 @@ class Service:
     proc: subprocess.Popen | None = None
     address: str | None = None
     lines: list[str] = field(default_factory=list)
+    drain: float = 10.0  # seconds it may take to exit after SIGTERM (its drain) before it is killed
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def start(self, echo: bool, env: dict[str, str], die_with_parent: bool = False) -> None:
@@ -114,12 +116,13 @@ class Service:
         total = [process_cpu_seconds(p) for p in pids]
         return None if total[0] is None else sum(t for t in total if t is not None)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM, and a kill if it has not exited after `timeout` (None: its drain) seconds."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(self.drain if timeout is None else timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -257,7 +260,8 @@ class Cluster:
             replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport,
                                           attach_decoder=attached)
             vocoders.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
-                                                write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
+                                                write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
+                                    drain=replica.grace + DRAIN_MARGIN_S))
         self.services += vocoders
         omnivoice = self._omnivoice_services(tmp)
         self.services += omnivoice
@@ -272,8 +276,10 @@ class Cluster:
             if omnivoice:
                 scheduler = dataclasses.replace(scheduler, omnivoice_worker=[omnivoice[0].address],
                                                 omnivoice_vocoder=[v.address for v in omnivoice[1:]])
+            # the core drains, then waits for its frontends to relay the last audio (scheduler_svc.server)
             self.services.append(Service("scheduler", py + [
-                "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))]))
+                "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))],
+                drain=scheduler.drain_seconds + 2 * DRAIN_MARGIN_S))
             self.services[-1].start(self.echo, env, self.die_with_parent)
             self.services[-1].wait_ready(max(1.0, deadline - time.monotonic()))
         except BaseException:
@@ -314,10 +320,13 @@ class Cluster:
             name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
             replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=0, attach_decoder=None)
             out.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
-                                           write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
+                                           write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
+                               drain=replica.grace + DRAIN_MARGIN_S))
         return out
 
     def stop(self) -> None:
+        """SIGTERM each service, each drained before the next: the scheduler (frontends, then core),
+        the vocoders, the workers (the reverse of the start order)."""
         for s in reversed(self.services):
             s.stop()
         if self._tmp is not None:

@@ -26,7 +26,8 @@ class GatewayConfig:
     voice_name_cache: float = setting(2.0, "seconds the gateway remembers that an OpenAI voice name is no stored "
                                       "voice, skipping the lookup (0 = ask every time)", flag="--voice-name-cache-s",
                                       metavar="S", minimum=0)
-    drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
+    drain_seconds: float = setting(25.0, "seconds open streams and speech sessions get to finish on SIGTERM (below "
+                                   "terminationGracePeriodSeconds)", minimum=0)
     log_level: str = setting("warning", "uvicorn's log level",
                              choices=("critical", "error", "warning", "info", "debug"))
     sentence_chars: int = setting(300, "speech stream: characters of text with no sentence end after which it is "

@@ -8,6 +8,8 @@ import re
 import grpc
 from starlette.responses import JSONResponse
 
+from chorus.retry_hint import retry_after_header, retry_hint
+
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -73,7 +75,8 @@ def from_rpc(e: grpc.RpcError, retry_after: int) -> GatewayError:
         return GatewayError(413, details, code="request_too_large")
     status, type_ = _STATUS.get(code, (500, "server_error"))
     param = param_of(details) if status in (400, 404) else None
-    wait = retry_after if status in (429, 503) else None
+    hint = retry_hint(e)  # the scheduler's own, where it gave one
+    wait = (int(retry_after_header(hint)) if hint is not None else retry_after) if status in (429, 503) else None
     code_name = {401: "invalid_api_key", 404: "voice_not_found" if "voice" in (param or "") else "not_found",
                  429: "rate_limit_exceeded", 503: "unavailable"}.get(status, code.name.lower())
     return GatewayError(status, details, param=param, code=code_name, type_=type_, retry_after=wait)

@@ -5,6 +5,11 @@
 Routes: POST /v1/audio/speech, WebSocket /v1/audio/speech/stream (text in as it is written,
 gateway_svc.speech_stream), GET /v1/models, POST/GET /v1/audio/voices,
 DELETE /v1/audio/voices/{voice_id}, GET /health, and the playground: GET / and /static/*.
+
+SIGTERM drains (chorus.drain): from then on every new HTTP request, /health included, gets 503 with
+Retry-After and `Connection: close`; the responses and speech streams under way finish (a WebSocket
+session after its current sentence, closed 1001), and the process exits 0 once none is left or
+drain_seconds have passed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import contextvars
 import itertools
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +37,8 @@ from starlette.staticfiles import StaticFiles
 
 from chorus.api_keys import bearer_interceptors
 from chorus.config import ConfigError, add_config_flags, parse
+from chorus.drain import CUT_MARGIN_S, RETRY_HINT_S, Drain
+from chorus.retry_hint import retry_after_header
 from chorus.tls import aio_channel
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from gateway_svc.config import GatewayConfig
@@ -68,8 +76,9 @@ class Gateway:
     connection to one of them: over a single channel, every call of every HTTP client would land
     on one frontend. So the gateway opens `channels` connections and spreads calls over them."""
 
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewayConfig, drain: Drain | None = None):
         self.cfg = cfg
+        self.drain = drain or Drain(cfg.drain_seconds, "this gateway")
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[tts_pb2_grpc.TextToSpeechStub] = []
         self._turn = itertools.count()
@@ -205,8 +214,30 @@ def voice_json(v: tts_pb2.Voice) -> dict:
             "transcript": v.transcript, "model": v.model}
 
 
-def build_app(cfg: GatewayConfig) -> Starlette:
-    gw = Gateway(cfg)
+class DrainGate:
+    """ASGI middleware: counts the requests and sessions under way; while draining, answers new ones
+    503 (HTTP) or closes them before accepting (WebSocket)."""
+
+    def __init__(self, app, drain: Drain):
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        if self.drain.draining:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1013, "reason": self.drain.refusal})
+            error = GatewayError(503, self.drain.refusal, code="unavailable")
+            response = error.response()
+            response.headers["Retry-After"] = retry_after_header(RETRY_HINT_S)
+            response.headers["Connection"] = "close"  # the client's next request opens a connection elsewhere
+            return await response(scope, receive, send)
+        with self.drain.track():
+            await self.app(scope, receive, send)
+
+
+def build_app(cfg: GatewayConfig, drain: Drain | None = None) -> Starlette:
+    gw = Gateway(cfg, drain)
 
     async def speech(request: Request):
         plan = await gw.plan(await read_json(request, cfg.max_body_bytes))
@@ -264,7 +295,7 @@ def build_app(cfg: GatewayConfig) -> Starlette:
         yield
         await gw.close()
 
-    return Starlette(middleware=[Middleware(BearerPassthrough)], routes=[
+    return Starlette(middleware=[Middleware(DrainGate, drain=gw.drain), Middleware(BearerPassthrough)], routes=[
         Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", lambda ws: SpeechSession(ws, gw).serve()),
         Route("/v1/models", list_models, methods=["GET"]),
@@ -279,17 +310,32 @@ def build_app(cfg: GatewayConfig) -> Starlette:
 
 
 async def serve(cfg: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM; says `ready on HOST:PORT` once the port listens."""
+    """Serve until SIGINT or SIGTERM, then drain; says `ready on HOST:PORT` once the port listens."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                                           lifespan="on", timeout_graceful_shutdown=cfg.drain_seconds))
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the drain handles them: uvicorn would stop at once, then die of the signal
+            yield
+
+    drain = Drain(cfg.drain_seconds, "this gateway")
+    server = Server(uvicorn.Config(build_app(cfg, drain), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                   lifespan="on", timeout_graceful_shutdown=CUT_MARGIN_S))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, drain.begin)
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         print(f"gateway ready on {host}:{port} (HTTP, translating to {cfg.scheduler})", flush=True)
+    draining = asyncio.ensure_future(drain.started.wait())
+    await asyncio.wait({serving, draining}, return_when=asyncio.FIRST_COMPLETED)
+    draining.cancel()
+    if drain.draining:
+        await drain.wait()
+        server.should_exit = True
     await serving
 
 

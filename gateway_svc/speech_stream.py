@@ -14,7 +14,12 @@ sentence `{"type": "sentence", index, text}`, binary frames of interleaved int16
 `{"type": "audio_done", index, ...summary}`; at the end `{"type": "done", cancelled, usage}` and
 close code 1000. A failure is `{"type": "error", "error": {message, type, param, code}}` and close
 code 4000 + the HTTP status the same failure gets on POST (4400 a bad field, 4404 unknown model or
-voice, 4429 queue full, 4503 draining).
+voice, 4429 queue full, 4503 no scheduler answering).
+
+A gateway that drains (SIGTERM) finishes the sentence being spoken, then sends
+`{"type": "done", "cancelled", "going_away": true, "unspoken": TEXT, usage}` (unspoken: the text
+received but not spoken, for the client to send again on a new session) and closes with 1001
+(going away); a sentence still running at the drain deadline is cut the same way.
 
 Sentences are spoken one after another in the session's voice. On MOSS each continues the audio
 of the sentences before it (the continuation prompt: their codes and transcript, whole sentences
@@ -65,6 +70,8 @@ class SpeechSession:
         self.context: list[tuple[str, np.ndarray]] = []  # (transcript, codes [T, n_vq]) spoken last
         self.wav, self.header_sent = False, False
         self.usage = {"input_tokens": 0, "output_tokens": 0, "sentences": 0, "audio_seconds": 0.0}
+        self.going_away = False        # the gateway drains: no sentence is started any more
+        self.unspoken: list[str] = []  # sentences dequeued but not spoken
 
     async def serve(self) -> None:
         await self.ws.accept()
@@ -73,13 +80,23 @@ class SpeechSession:
             await self._configure(await self._receive())
             speaker = asyncio.ensure_future(self._speak())
             reader = asyncio.ensure_future(self._read())
-            await asyncio.wait({speaker, reader}, return_when=asyncio.FIRST_COMPLETED)
+            cut = asyncio.ensure_future(self.gw.drain.expired.wait())
+            try:
+                await asyncio.wait({speaker, reader, cut}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cut.cancel()
             cancelled = not speaker.done()
-            if cancelled:  # the reader ended first: cancel, a bad message or a disconnect
+            if cancelled:  # cancel, a bad message, a disconnect, or the drain deadline
                 await _stop(speaker)
-                reader.result()
+                if reader.done():
+                    reader.result()
+                else:
+                    self.going_away = True
             else:
                 speaker.result()
+            if self.going_away:
+                await self._go_away(cancelled)
+                return
             await self.ws.send_json({"type": "done", "cancelled": cancelled, "usage": self._usage()})
             await self.ws.close(1000)
         except WebSocketDisconnect:
@@ -169,9 +186,44 @@ class SpeechSession:
 
     async def _speak(self) -> None:
         index = 0
-        while (text := await self.sentences.get()) is not END:
-            await self._sentence(index, text)
+        while (text := await self._next_sentence()) is not END:
+            try:
+                await self._sentence(index, text)
+            except asyncio.CancelledError:
+                self.unspoken.insert(0, text)
+                raise
             index += 1
+
+    async def _next_sentence(self) -> str | None:
+        """The next sentence; END at the end of the text or once the gateway drains."""
+        drain = self.gw.drain
+        get = asyncio.ensure_future(self.sentences.get())
+        draining = asyncio.ensure_future(drain.started.wait())
+        try:
+            await asyncio.wait({get, draining}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            draining.cancel()
+        if not drain.draining:
+            return get.result()
+        if get.done():
+            if get.result() is not END:
+                self.unspoken.append(get.result())
+        else:
+            get.cancel()
+        self.going_away = True
+        return END
+
+    async def _go_away(self, cancelled: bool) -> None:
+        """The gateway drains: what was not spoken goes back to the client, then close 1001."""
+        while not self.sentences.empty():
+            if (s := self.sentences.get_nowait()) is not END:
+                self.unspoken.append(s)
+        parts = [s for s in (*self.unspoken, self.cutter.buffer.strip()) if s]
+        unspoken = _join(parts) if parts else ""
+        with contextlib.suppress(Exception):  # the client may be gone already
+            await self.ws.send_json({"type": "done", "cancelled": cancelled or bool(unspoken), "going_away": True,
+                                     "unspoken": unspoken, "usage": self._usage()})
+            await self.ws.close(1001, "going away: the server restarts; open a new session for the unspoken text")
 
     def _request(self, index: int, text: str) -> SpeechPlan:
         req = tts_pb2.SynthesizeRequest()

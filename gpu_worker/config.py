@@ -54,6 +54,8 @@ class WorkerConfig:
                                         "the scheduler's", metavar="DIR")
     max_message_bytes: int = setting(256 << 20, "a peer sending a larger ZeroMQ message is disconnected",
                                      minimum=1024)
+    drain_seconds: float = setting(30.0, "seconds after SIGTERM the worker keeps serving its connected schedulers "
+                                   "(it exits as soon as none is connected)", minimum=0)
 
     def validate(self) -> None:
         if not (self.bind.startswith(("tcp://", "ipc://", "inproc://"))):

@@ -1,13 +1,19 @@
 """The worker's ROUTER socket, as every model's worker serves it: CURVE and the message-size limit
-from the config, the endpoint bound (a :0 port picks a free one), and a stop flag that SIGINT and
-SIGTERM set so the serving loop ends between commands."""
+from the config, the endpoint bound (a :0 port picks a free one), and the stop flag that ends the
+serving loop between commands.
+
+SIGINT or SIGTERM drains: a scheduler draining its requests (it got SIGTERM at the same moment, in
+the same pod) still needs steps, so the worker serves on until no scheduler is connected or
+drain_seconds have passed, then `stopping` turns true."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from chorus import curve
 from gpu_worker.config import WorkerConfig
@@ -34,14 +40,37 @@ class WorkerSocket:
             raise SystemExit(f"worker: {e}") from None
         self.endpoint = bind(self.sock, args.bind)
         curve.warn_if_open(self.endpoint, self.auth)
-        self.stopping = False
+        # peers connect only after the bind returns: watching from here counts every one
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.peers = 0
+        self.drain_seconds = args.drain_seconds
+        self._deadline: float | None = None
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
 
     def _stop(self, *_) -> None:
-        self.stopping = True
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.drain_seconds
+
+    @property
+    def stopping(self) -> bool:
+        """Signalled, and no scheduler is connected or the drain time is over."""
+        while self._monitor.poll(0):  # read as they come: the monitor's queue is bounded
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            self.peers += 1 if event == zmq.EVENT_ACCEPTED else -1
+        if self._deadline is None:
+            return False
+        if self.peers <= 0:
+            log.info("draining: no scheduler connected; stopping")
+            return True
+        if time.monotonic() >= self._deadline:
+            log.warning("draining: %d connections still open after %g s; stopping", self.peers, self.drain_seconds)
+            return True
+        return False
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close()
         self.sock.close()
         if self.auth is not None:
             self.auth.stop()

@@ -91,6 +91,16 @@ class CanvasScheduler:
         self._wakeup.set()
         return canvas
 
+    @property
+    def idle(self) -> bool:
+        """No canvas running or waiting (a draining core may exit)."""
+        return not self.policy.running and not self.policy.waiting
+
+    def end_all(self, why: str) -> None:
+        """End every canvas, running or waiting, UNAVAILABLE (the core is going away)."""
+        message = f"{UNAVAILABLE}: {why}"
+        self._ended(self.policy.forget_worker(message) + self.policy.fail_waiting(message))
+
     def cancel(self, canvas: Canvas) -> None:
         """The client went away: drop the canvas wherever it is; the sink hears nothing of it. Idempotent."""
         self.policy.cancel(canvas)

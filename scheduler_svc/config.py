@@ -71,7 +71,8 @@ class SchedulerConfig:
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
     frontends: int = setting(1, "frontend processes serving the gRPC port", minimum=1)
-    drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
+    drain_seconds: float = setting(25.0, "seconds the running and queued requests get to finish on SIGTERM (below "
+                                   "terminationGracePeriodSeconds)", minimum=0)
     omnivoice_worker: list[str] = setting([], "ZeroMQ endpoint of an OmniVoice gpu_worker; repeat the flag for "
                                           "several (none: OmniVoice is not served)", metavar="ENDPOINT")
     omnivoice_vocoder: list[str] = setting([], "an OmniVoice codec (Higgs-Audio-v2) vocoder replica's address; repeat "

@@ -72,6 +72,7 @@ class CoreClient:
         self._reader: asyncio.Task | None = None
         self.hello: frontend_pb2.CoreHello | None = None
         self.down: set[str] = set()            # models none of whose workers answers (the core's WorkerHealth)
+        self.draining = False                  # the core is draining: it takes no new requests
         self.health_changed = asyncio.Event()   # set on every WorkerHealth
 
     # ---- transport ------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class CoreClient:
                 continue
             if kind == "health":
                 self.down = set(msg.health.down)
+                self.draining = msg.health.draining
                 self.health_changed.set()
                 continue
             fut = self._answers.get(msg.call)

@@ -29,8 +29,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
+from chorus.drain import RETRY_HINT_S, Drain
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
+from chorus.retry_hint import set_retry_hint
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
@@ -53,6 +55,8 @@ from scheduler_svc.vocoder_client import VocoderPool
 
 log = logging.getLogger("chorus.scheduler")
 SERVICE_NAME = "chorus.v1.TextToSpeech"
+CORE_LAG_S = 2.0  # a draining core ends its last requests at its deadline: their status goes out first
+WRITES = ("Synthesize", "CreateVoice", "DeleteVoice")  # refused while draining (reads are still answered)
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 
@@ -176,6 +180,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             outcome = "failed"
+            if e.code == grpc.StatusCode.UNAVAILABLE:  # another replica, or this one later, may serve it
+                set_retry_hint(context, RETRY_HINT_S)
             await context.abort(e.code, str(e))
         finally:
             self.core.report("end", outcome=outcome)
@@ -310,10 +316,13 @@ async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
     stop.set()
 
 
-async def _serve_health(health_servicer, core: CoreClient, models: ServedModels) -> None:
+async def _serve_health(health_servicer, core: CoreClient, models: ServedModels, drain) -> None:
     """grpc health as the core sees the workers: a model none of whose workers answers is NOT_SERVING
-    under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model."""
+    under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model.
+    A draining core drains this frontend too: drain() stops taking calls (health NOT_SERVING for good)."""
     while True:
+        if core.draining:
+            drain()
         for m in models.models:
             status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down else \
                 health_pb2.HealthCheckResponse.SERVING
@@ -370,15 +379,18 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     except KeyFileError as e:
         raise SystemExit(f"frontend {index}: scheduler.{e}") from None
     # SO_REUSEPORT (gRPC's default on Linux) lets every frontend listen on the same port
+    drain = Drain(args.drain_seconds, f"scheduler frontend {index}")
+    interceptors = [ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else []
+    interceptors.append(drain.interceptor(tuple(f"/{SERVICE_NAME}/{m}" for m in WRITES)))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
-                                      ("grpc.so_reuseport", 1)],
-                             interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
+                                      ("grpc.so_reuseport", 1)], interceptors=interceptors)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
                              omnivoice, backlog, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    drain.health(health_servicer)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
     try:
         bound = add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert,
@@ -389,7 +401,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     loop = asyncio.get_running_loop()
-    health_task = loop.create_task(_serve_health(health_servicer, core, models))
+    follow_core = lambda: drain.close(server, "the core drains", args.drain_seconds + CORE_LAG_S)  # noqa: E731
+    health_task = loop.create_task(_serve_health(health_servicer, core, models, follow_core))
     core.report("ready")
 
     stop = asyncio.Event()
@@ -401,9 +414,11 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     core_gone = watcher.done()
     watcher.cancel()
     health_task.cancel()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=args.drain_seconds)
+    if core_gone:  # nothing can be served: no drain
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=0)
+    else:
+        await drain.close(server)
     await vocoders.close()
     if omnivoice is not None:
         await omnivoice.vocoders.close()

@@ -67,6 +67,7 @@ class FrontendLink(EventSink, CanvasSink):
         self._canvases: dict[tuple[bytes, int], tuple[CanvasScheduler, Canvas]] = {}
         self._late: list[tuple[bytes, frontend_pb2.CoreMessage]] = []  # sent after the current answer
         self._task: asyncio.Task | None = None
+        self.draining = ""  # set (why): new requests are refused UNAVAILABLE; the frontends drain too
 
     def start(self, scheduler: Scheduler, canvas_schedulers: list[CanvasScheduler] = (),
               default_model: str = "") -> None:
@@ -152,12 +153,18 @@ class FrontendLink(EventSink, CanvasSink):
         for frontend in self.ready:
             self._send(frontend, msg)
 
+    def drain(self, why: str) -> None:
+        """Take no new requests (the running and queued ones go on) and tell the frontends, which
+        then serve NOT_SERVING and refuse new calls themselves."""
+        self.draining = why
+        self.worker_health("", True)
+
     def _health(self) -> frontend_pb2.CoreMessage:
         """The models none of whose workers answers."""
         down = [name for name, group in self.canvas_schedulers.items() if not any(s.heartbeat.up for s in group)]
         if self.scheduler is not None and not self.scheduler.heartbeat.up:
             down.insert(0, self.scheduler.hello.model_name)
-        return frontend_pb2.CoreMessage(health=frontend_pb2.WorkerHealth(down=down))
+        return frontend_pb2.CoreMessage(health=frontend_pb2.WorkerHealth(down=down, draining=bool(self.draining)))
 
     def _forget(self, req: Request) -> None:
         origin = self._origin.pop(req.id, None)
@@ -236,6 +243,8 @@ class FrontendLink(EventSink, CanvasSink):
         raise ValueError(f"unknown frontend message {kind!r}")
 
     def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:
+        if self.draining:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=self.draining))
         req = Request(prompt_rows=matrix_array(sub.prompt_rows), sampling=sub.sampling, max_frames=sub.max_frames)
         try:
             self.scheduler.submit(req)
@@ -252,6 +261,8 @@ class FrontendLink(EventSink, CanvasSink):
         """Queue a canvas on its model's least loaded scheduler that takes it: Submitted now (queue_full
         set when none does), the CanvasDone when it ends. A model that takes no canvases, or a malformed
         canvas, is answered by a CanvasDone error."""
+        if self.draining:
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=self.draining))
         try:
             name = resolve_model(sub.model, self.served, self.default_model)
             group = self.canvas_schedulers.get(name)

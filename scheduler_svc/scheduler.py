@@ -90,6 +90,17 @@ class Scheduler:
         self._wakeup.set()
         return req
 
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting (a draining core may exit)."""
+        return not self.policy.running and not self.policy.waiting
+
+    def end_all(self, message: str) -> None:
+        """End every request, running or waiting, UNAVAILABLE with `message` (the core is going away)."""
+        self.policy.fail_all(message)
+        self._publish()
+        self.sink.flush()
+
     def abort(self, req: Request) -> None:
         """The client went away: drop the request wherever it is. Idempotent."""
         self.policy.abort(req)

@@ -9,6 +9,11 @@ per-frame work that one Python process cannot carry at full GPU throughput. They
 over a ZeroMQ ipc socket (protos/chorus/v1/frontend.proto). The core prints
 its `ready on` line once every frontend serves; if a frontend dies, the core
 stops the rest and exits non-zero, so an orchestrator restarts the whole pod.
+
+SIGTERM drains: the core takes no new requests and tells its frontends (health NOT_SERVING, new
+calls refused UNAVAILABLE with a retry hint), steps the running and queued requests to their end
+for up to drain_seconds, ends what is left UNAVAILABLE ("engine shutting down"), then stops the
+frontends (they relay the last audio) and exits 0. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
@@ -81,13 +86,14 @@ async def _wait_frontends(link: FrontendLink, procs: list[subprocess.Popen], tim
             pass
 
 
-async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen], link: FrontendLink) -> int | None:
+async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen], link: FrontendLink,
+                                       hurry: asyncio.Event) -> int | None:
     """Waits for SIGINT/SIGTERM (None), for a frontend to exit (its index) or for the frontends' ZeroMQ
-    link to die (-1)."""
+    link to die (-1). A second signal sets `hurry`: the drain stops waiting."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     loop.add_signal_handler(signal.SIGHUP, lambda: [p.send_signal(signal.SIGHUP) for p in procs if p.poll() is None])
     while not stop.is_set():
         for i, p in enumerate(procs):
@@ -100,6 +106,23 @@ async def _until_stop_or_frontend_exit(procs: list[subprocess.Popen], link: Fron
         except asyncio.TimeoutError:
             pass
     return None
+
+
+async def _drain(link: FrontendLink, schedulers: list, seconds: float, hurry: asyncio.Event) -> None:
+    """SIGTERM: take no new requests, step the running and queued ones to their end for up to
+    `seconds` (or until `hurry`: a second signal), then end what is left UNAVAILABLE (a client
+    retries it on another engine)."""
+    log.info("draining: no new requests; the running and queued ones get up to %g s", seconds)
+    link.drain("this engine is draining (shutting down for a restart or scale-down); retry: another engine "
+               "takes the request")
+    deadline = time.monotonic() + seconds
+    while not all(s.idle for s in schedulers) and time.monotonic() < deadline and not hurry.is_set():
+        await asyncio.sleep(0.05)
+    why = "a second signal cut its drain" if hurry.is_set() else f"its drain time ({seconds:g} s) ran out"
+    for s in schedulers:
+        if not s.idle:
+            log.warning("draining: %s; ending the requests still running or queued", why)
+            s.end_all(f"engine shutting down: {why} before this request ended; retry the request")
 
 
 def _stop_frontends(procs: list[subprocess.Popen], grace: float) -> None:
@@ -171,14 +194,15 @@ async def serve(args: SchedulerConfig) -> None:
             print(f"scheduler ready on {args.host}:{port} models={models} default={link.default_model} "
                   f"worker={args.worker} frontends={args.frontends} vocoders={','.join(args.vocoder)}",
                   flush=True)
-            failed = await _until_stop_or_frontend_exit(procs, link)
+            hurry = asyncio.Event()
+            failed = await _until_stop_or_frontend_exit(procs, link, hurry)
             if failed == -1:
                 log.error("the link to the frontends failed (%s); stopping the service", link.broken)
             elif failed is not None:
                 log.error("scheduler frontend %d exited with code %s; stopping the service", failed,
                           procs[failed].returncode)
             else:
-                log.info("draining")
+                await _drain(link, [scheduler, *canvas_schedulers], args.drain_seconds, hurry)
         finally:
             await asyncio.get_running_loop().run_in_executor(None, _stop_frontends, procs, args.drain_seconds + 5)
             reservation.close()

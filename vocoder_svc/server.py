@@ -93,6 +93,7 @@ from prometheus_client import start_http_server
 
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 from chorus.config import ConfigError, add_config_flags, parse
+from chorus.drain import Drain
 from chorus.tls import TlsError, add_port
 from vocoder_svc.clip_servicer import ClipServicer, make_clip_codec, serves_clips
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
@@ -103,6 +104,7 @@ from vocoder_svc.selfcheck import check_batch_invariance
 from vocoder_svc.servicer import VocoderServicer
 
 SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name  # "chorus.v1.Vocoder"
+DRAINED = ("Decode", "DecodeClip", "Encode")  # refused while draining; Info is still answered
 MAX_MESSAGE_BYTES = 64 << 20  # a 100 s 48 kHz stereo float32 reference is ~38 MB
 
 
@@ -175,11 +177,16 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     else:
         servicer = await _moss_servicer(args, metrics, stop, failures)
 
+    # SIGTERM: the open streams decode what they are sent; new calls (Info aside) are refused with a
+    # retry hint, and the scheduler's vocoder pool opens them on another replica
+    drain = Drain(args.grace, "this vocoder replica")
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                             interceptors=[drain.interceptor(tuple(f"/{SERVICE_NAME}/{m}" for m in DRAINED))])
     vocoder_pb2_grpc.add_VocoderServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    drain.health(health_servicer)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = add_port(server, args.host, args.port, args.tls_dir, args.require_client_cert, "the vocoder")
@@ -204,9 +211,7 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     try:
         await stop.wait()
     finally:
-        # Drain: report NOT_SERVING so balancers move away, let open calls finish, then stop.
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(args.grace)
+        await drain.close(server, failures[0] if failures else "SIGTERM")
         servicer.close()  # and the decode process, if there is one
         if http is not None:
             http.shutdown()

@@ -101,10 +101,12 @@ class Finished(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("down",)
+    __slots__ = ("down", "draining")
     DOWN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     down: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, down: _Optional[_Iterable[str]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, down: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class Pause(_message.Message):
     __slots__ = ("ticket", "paused")

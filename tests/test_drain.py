@@ -1,0 +1,226 @@
+"""Graceful drain on SIGTERM (rolling updates), each tier as a real process: the streams in flight
+end with all their audio, byte for byte what an undisturbed run gives; a call that arrives meanwhile
+is refused UNAVAILABLE with a retry hint (HTTP: 503 with Retry-After) and health reads NOT_SERVING;
+the process exits 0. One engine serves the module; the last test drains its core and worker."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chorus.client import Client, Retry, channel, synthesize
+from chorus.launcher import Service
+from chorus.retry_hint import KEY as RETRY_KEY
+from chorus.v1 import tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
+from helpers import make_cluster, seeded_request
+
+websockets_sync = pytest.importorskip("websockets.sync.client")
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+
+FRAMES = 6
+DRAIN_S = 60  # the engine's: the short streams end well within it; a second SIGTERM ends the long one
+SERVICE = "chorus.v1.TextToSpeech"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Two requests decode at a time (more wait in the queue); two vocoder replicas."""
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "16384"],
+                      scheduler_args=["--max-running", "2", "--drain-seconds", str(DRAIN_S)],
+                      vocoder_ports=[0, 0]) as c:
+        c.stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        yield c
+
+
+def reference(stub, seeds) -> dict[int, bytes]:
+    """Each seed's PCM from undisturbed runs (at once: batch-invariant, and quicker)."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        out = pool.map(lambda s: synthesize(stub, seeded_request(seed=s, frames=FRAMES), timeout=120), seeds)
+    return {s: o.pcm().tobytes() for s, o in zip(seeds, out)}
+
+
+class Streams:
+    """Synthesize calls running in threads; `started` waits until each has sent audio."""
+
+    def __init__(self, stub, requests):
+        self.out, self.errors = {}, {}
+        self._audio = [threading.Event() for _ in requests]
+        self._threads = [threading.Thread(target=self._run, args=(i, stub, r), daemon=True)
+                         for i, r in enumerate(requests)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i, stub, request):
+        try:
+            self.out[i] = synthesize(stub, request, timeout=120, on_chunk=lambda _: self._audio[i].set())
+        except grpc.RpcError as e:
+            self.errors[i] = e
+            self._audio[i].set()
+
+    def started(self, which, timeout=60.0) -> None:
+        for i in which:
+            assert self._audio[i].wait(timeout), f"stream {i} sent no audio"
+
+    def join(self, which=None, timeout=120.0) -> None:
+        for t in self._threads if which is None else [self._threads[i] for i in which]:
+            t.join(timeout)
+            assert not t.is_alive(), "a stream hangs"
+
+
+def health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def hint_of(e: grpc.RpcError) -> str | None:
+    return dict(e.trailing_metadata() or ()).get(RETRY_KEY)
+
+
+# ---- vocoder ------------------------------------------------------------------------------------
+
+def test_a_draining_vocoder_finishes_its_streams_and_refuses_new_ones(engine):
+    ref = reference(engine.stub, [1, 2])
+    vocoders = [engine.service("vocoder0"), engine.service("vocoder1")]
+    streams = Streams(engine.stub, [seeded_request(seed=1, frames=FRAMES), seeded_request(seed=2, frames=FRAMES)])
+    streams.started([0, 1])
+    stubs = [vocoder_pb2_grpc.VocoderStub(channel(v.address)) for v in vocoders]
+    active = [s.Info(vocoder_pb2.VocoderInfoRequest()).active_streams for s in stubs]
+    busy = 0 if active[0] else 1
+    assert active[busy] > 0, active
+    vocoders[busy].proc.send_signal(signal.SIGTERM)
+    assert _until(lambda: health(vocoders[busy].address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(grpc.RpcError) as e:  # a new stream: refused with the hint (the pool goes elsewhere)
+        next(iter(stubs[busy].Decode(iter([vocoder_pb2.DecodeRequest(start=vocoder_pb2.DecodeStart(codebooks=16))]),
+                                     timeout=10)))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
+    late = synthesize(engine.stub, seeded_request(seed=2, frames=FRAMES), timeout=120)  # on the other replica
+    streams.join()
+    assert not streams.errors, streams.errors
+    assert [streams.out[i].pcm().tobytes() for i in (0, 1)] == [ref[1], ref[2]]
+    assert late.pcm().tobytes() == ref[2]
+    assert vocoders[busy].proc.wait(30) == 0
+
+
+# ---- gateway ------------------------------------------------------------------------------------
+
+def test_a_draining_gateway_finishes_http_and_websocket_streams_then_exits_0(engine):
+    gw = Service("gateway", [sys.executable, "-m", "gateway_svc.server", "--port", "0", "--scheduler",
+                             engine.address, "--drain-seconds", "20"])
+    gw.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        url = f"http://{gw.wait_ready(120)}"
+        body = {"model": "tts-1", "input": "Hello from the test suite.", "voice": "alloy", "seed": 5,
+                "min_frames": FRAMES, "max_frames": FRAMES, "response_format": "pcm"}
+        with httpx.Client(base_url=url, timeout=120) as http:
+            whole = http.post("/v1/audio/speech", json=body).content
+            got, first_bytes = {}, threading.Event()
+
+            def stream():
+                with httpx.Client(base_url=url, timeout=120) as own, own.stream("POST", "/v1/audio/speech",
+                                                                                json=body) as r:
+                    got["status"], data = r.status_code, bytearray()
+                    for piece in r.iter_bytes():
+                        data += piece
+                        first_bytes.set()
+                    got["data"] = bytes(data)
+
+            t = threading.Thread(target=stream, daemon=True)
+            t.start()
+            with websockets_sync.connect(url.replace("http", "ws") + "/v1/audio/speech/stream",
+                                         open_timeout=30) as ws:
+                # long enough that the first sentence is still being spoken when the SIGTERM lands
+                ws.send(json.dumps({"model": "tts-1", "seed": 7, "min_frames": 30, "max_frames": 30}))
+                ws.send(json.dumps({"type": "text", "text": "The first sentence. The second one. And a thir"}))
+                events, audio = [], bytearray()
+                while not audio:  # the first sentence is being spoken
+                    msg = ws.recv(timeout=60)
+                    (audio.extend if isinstance(msg, bytes) else lambda m: events.append(json.loads(m)))(msg)
+                assert first_bytes.wait(60)
+                gw.proc.send_signal(signal.SIGTERM)
+                assert _until(lambda: http.get("/health").status_code == 503)
+                refused = http.post("/v1/audio/speech", json=body)
+                assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1, refused.text
+                close = None
+                try:
+                    while True:
+                        msg = ws.recv(timeout=60)
+                        (audio.extend if isinstance(msg, bytes) else lambda m: events.append(json.loads(m)))(msg)
+                except ConnectionClosed as e:
+                    close = e.rcvd.code if e.rcvd else None
+            t.join(60)
+        kinds = [e["type"] for e in events]
+        assert kinds == ["ready", "sentence", "audio_done", "done"], events
+        assert len(audio) == 30 * 3840 * 2 * 2  # the whole first sentence (int16 stereo, 48 kHz)
+        done = events[-1]
+        assert done["going_away"] is True and done["unspoken"] == "The second one. And a thir", done
+        assert close == 1001
+        assert got["status"] == 200 and got["data"] == whole
+        assert gw.proc.wait(30) == 0
+    finally:
+        gw.stop(5)
+
+
+# ---- engine: frontends + core + worker ----------------------------------------------------------
+
+def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
+    """SIGTERM to the core and its worker at once (one pod): the running and the queued requests
+    finish, new calls are refused with the hint, and the SDK with a second server's address moves
+    its call there; a request still running when the drain ends (here: a second SIGTERM, as at the
+    deadline) ends UNAVAILABLE."""
+    seeds = [11, 12]
+    ref = reference(engine.stub, seeds)
+    long = seeded_request(seed=9, frames=4000)  # min_frames too: it cannot stop early
+    # the long request takes one of the two running places; the short ones share the other in turn
+    streams = Streams(engine.stub, [long] + [seeded_request(seed=s, frames=FRAMES) for s in seeds])
+    streams.started([0, 1])
+    core, worker = engine.service("scheduler").proc, engine.service("worker").proc
+    model = _model(engine.address)
+    core.send_signal(signal.SIGTERM)
+    worker.send_signal(signal.SIGTERM)
+    assert _until(lambda: health(engine.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    for service in (SERVICE, f"{SERVICE}/{model}"):
+        assert health(engine.address, service) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        synthesize(engine.stub, seeded_request(seed=1, frames=FRAMES), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
+    with Client([engine.address, cluster.address], retry=Retry(attempts=3, first_wait=0.05), timeout=120) as sdk:
+        sdk._turn = itertools.count(0)  # the draining server first
+        assert sdk.synthesize(seeded_request(seed=11, frames=FRAMES)).summary.frames == FRAMES
+    streams.join([1, 2])
+    assert not streams.errors, {i: e.details() for i, e in streams.errors.items()}
+    assert [streams.out[i].pcm().tobytes() for i in (1, 2)] == [ref[s] for s in seeds]
+    assert core.poll() is None and 0 not in streams.out  # the long one still runs: the core waits for it
+    core.send_signal(signal.SIGTERM)
+    streams.join([0])
+    cut = streams.errors[0]
+    assert cut.code() == grpc.StatusCode.UNAVAILABLE and "engine shutting down" in cut.details(), cut
+    assert core.wait(30) == 0
+    assert worker.wait(30) == 0  # it served on until its scheduler had gone
+
+
+def _model(address: str) -> str:
+    with grpc.insecure_channel(address) as ch:
+        return tts_pb2_grpc.TextToSpeechStub(ch).ListModels(tts_pb2.ListModelsRequest(), timeout=10).models[0].name
+
+
+def _until(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    return False
