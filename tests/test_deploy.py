@@ -278,13 +278,15 @@ def test_grace_covers_the_drain(containers):
         where = f"{c.pod['metadata']['name']}/{c.spec['name']}"
         grace = c.pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         drain = {SchedulerConfig: lambda x: x.drain_seconds + DRAIN_MARGIN_S, GatewayConfig: lambda x: x.drain_seconds,
-                 VocoderConfig: lambda x: x.grace, WorkerConfig: lambda x: 0}[c.cls](c.config)
+                 VocoderConfig: lambda x: x.grace, WorkerConfig: lambda x: x.drain_seconds}[c.cls](c.config)
         assert c.pre_stop_s() + drain <= grace, f"{where}: preStop {c.pre_stop_s()} s + drain {drain} s > {grace} s"
         if c.cls is SchedulerConfig:  # what serves its draining streams goes after it
             for other in containers:
-                if other.pod is c.pod and other.cls in (WorkerConfig, VocoderConfig):
-                    assert other.pre_stop_s() >= c.pre_stop_s() + drain, f"{other.spec['name']} leaves before " \
-                                                                         "the scheduler drained"
+                if other.pod is not c.pod or other.cls not in (WorkerConfig, VocoderConfig):
+                    continue
+                # a worker serves on while its scheduler is connected; a vocoder refuses new streams at once
+                serves = other.pre_stop_s() + (other.config.drain_seconds if other.cls is WorkerConfig else 0)
+                assert serves >= c.pre_stop_s() + drain, f"{other.spec['name']} leaves before the scheduler drained"
 
 
 def test_every_deployment_has_a_budget_and_an_autoscaler_that_can_read_its_metrics(overlay, containers):
