@@ -4,7 +4,7 @@ serving loop between commands.
 
 SIGINT or SIGTERM drains: a scheduler draining its requests (it got SIGTERM at the same moment, in
 the same pod) still needs steps, so the worker serves on until no scheduler is connected or
-drain_seconds have passed, then `stopping` turns true."""
+drain_seconds have passed (or a second signal comes), then `stopping` turns true."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ class WorkerSocket:
         signal.signal(signal.SIGINT, self._stop)
 
     def _stop(self, *_) -> None:
-        if self._deadline is None:
-            self._deadline = time.monotonic() + self.drain_seconds
+        """The first signal drains; a second one (Ctrl-C again) stops at once."""
+        now = time.monotonic()
+        self._deadline = now + self.drain_seconds if self._deadline is None else now
 
     @property
     def stopping(self) -> bool:

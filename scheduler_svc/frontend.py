@@ -32,8 +32,8 @@ from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
 from chorus.drain import RETRY_HINT_S, Drain
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
-from chorus.retry_hint import set_retry_hint
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.retry_hint import set_retry_hint
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2

@@ -83,7 +83,7 @@ def test_a_dead_frontend_stops_the_service():
 
 def test_sigterm_lets_open_streams_finish():
     """Rolling restarts: SIGTERM stops new calls, but a stream already open gets all its audio."""
-    # The drain outlasts the stream however slow the machine (the default 5 s is for servers).
+    # The drain outlasts the stream however slow the machine (the default is for servers).
     with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
                       scheduler_args=["--frontends", "2", "--drain-seconds", "120"]) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(own_connection(c.address))
