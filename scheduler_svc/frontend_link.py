@@ -5,8 +5,9 @@ back through this sink: buffered per frontend while a journal is applied and
 sent as one Progress message per frontend at flush(), so a step of 256 frames
 costs each frontend one message, not 256. OmniVoice canvases go to the canvas
 scheduler of the model they name and come back whole, one CanvasDone each.
-Which models have no worker answering goes to every frontend when it changes
-(WorkerHealth), and a frontend whose client stops reading pauses its request.
+Which models have no worker answering, and whether the core drains, goes to every
+frontend when it changes (WorkerHealth), and a frontend whose client stops reading
+pauses its request.
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ from chorus.client import Client, Retry, channel, synthesize
 from chorus.launcher import Service
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
-from helpers import make_cluster, seeded_request
+from helpers import make_cluster, metric, seeded_request
 
 websockets_sync = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
-FRAMES = 6
+FRAMES = 6    # a short request
+IN_FLIGHT = 30  # a stream's frames: after its first audio (5 frames) it is still running when the signal lands
 DRAIN_S = 60  # the engine's: the short streams end well within it; a second SIGTERM ends the long one
 SERVICE = "chorus.v1.TextToSpeech"
 
@@ -43,11 +44,10 @@ def engine():
         yield c
 
 
-def reference(stub, seeds) -> dict[int, bytes]:
-    """Each seed's PCM from undisturbed runs (at once: batch-invariant, and quicker)."""
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        out = pool.map(lambda s: synthesize(stub, seeded_request(seed=s, frames=FRAMES), timeout=120), seeds)
-    return {s: o.pcm().tobytes() for s, o in zip(seeds, out)}
+def reference(stub, requests) -> list[bytes]:
+    """Each request's PCM from undisturbed runs (at once: batch-invariant, and quicker)."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return [o.pcm().tobytes() for o in pool.map(lambda r: synthesize(stub, r, timeout=120), requests)]
 
 
 class Streams:
@@ -72,8 +72,8 @@ class Streams:
         for i in which:
             assert self._audio[i].wait(timeout), f"stream {i} sent no audio"
 
-    def join(self, which=None, timeout=120.0) -> None:
-        for t in self._threads if which is None else [self._threads[i] for i in which]:
+    def join(self, timeout=120.0) -> None:
+        for t in self._threads:
             t.join(timeout)
             assert not t.is_alive(), "a stream hangs"
 
@@ -90,9 +90,10 @@ def hint_of(e: grpc.RpcError) -> str | None:
 # ---- vocoder ------------------------------------------------------------------------------------
 
 def test_a_draining_vocoder_finishes_its_streams_and_refuses_new_ones(engine):
-    ref = reference(engine.stub, [1, 2])
+    requests = [seeded_request(seed=1, frames=IN_FLIGHT), seeded_request(seed=2, frames=IN_FLIGHT)]
+    ref = reference(engine.stub, requests)
     vocoders = [engine.service("vocoder0"), engine.service("vocoder1")]
-    streams = Streams(engine.stub, [seeded_request(seed=1, frames=FRAMES), seeded_request(seed=2, frames=FRAMES)])
+    streams = Streams(engine.stub, requests)
     streams.started([0, 1])
     stubs = [vocoder_pb2_grpc.VocoderStub(channel(v.address)) for v in vocoders]
     active = [s.Info(vocoder_pb2.VocoderInfoRequest()).active_streams for s in stubs]
@@ -104,11 +105,11 @@ def test_a_draining_vocoder_finishes_its_streams_and_refuses_new_ones(engine):
         next(iter(stubs[busy].Decode(iter([vocoder_pb2.DecodeRequest(start=vocoder_pb2.DecodeStart(codebooks=16))]),
                                      timeout=10)))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
-    late = synthesize(engine.stub, seeded_request(seed=2, frames=FRAMES), timeout=120)  # on the other replica
+    late = synthesize(engine.stub, seeded_request(seed=3, frames=FRAMES), timeout=120)  # on the other replica
     streams.join()
     assert not streams.errors, streams.errors
-    assert [streams.out[i].pcm().tobytes() for i in (0, 1)] == [ref[1], ref[2]]
-    assert late.pcm().tobytes() == ref[2]
+    assert [streams.out[i].pcm().tobytes() for i in (0, 1)] == ref
+    assert late.summary.frames == FRAMES
     assert vocoders[busy].proc.wait(30) == 0
 
 
@@ -121,7 +122,7 @@ def test_a_draining_gateway_finishes_http_and_websocket_streams_then_exits_0(eng
     try:
         url = f"http://{gw.wait_ready(120)}"
         body = {"model": "tts-1", "input": "Hello from the test suite.", "voice": "alloy", "seed": 5,
-                "min_frames": FRAMES, "max_frames": FRAMES, "response_format": "pcm"}
+                "min_frames": IN_FLIGHT, "max_frames": IN_FLIGHT, "response_format": "pcm"}
         with httpx.Client(base_url=url, timeout=120) as http:
             whole = http.post("/v1/audio/speech", json=body).content
             got, first_bytes = {}, threading.Event()
@@ -140,7 +141,7 @@ def test_a_draining_gateway_finishes_http_and_websocket_streams_then_exits_0(eng
             with websockets_sync.connect(url.replace("http", "ws") + "/v1/audio/speech/stream",
                                          open_timeout=30) as ws:
                 # long enough that the first sentence is still being spoken when the SIGTERM lands
-                ws.send(json.dumps({"model": "tts-1", "seed": 7, "min_frames": 30, "max_frames": 30}))
+                ws.send(json.dumps({"model": "tts-1", "seed": 7, "min_frames": IN_FLIGHT, "max_frames": IN_FLIGHT}))
                 ws.send(json.dumps({"type": "text", "text": "The first sentence. The second one. And a thir"}))
                 events, audio = [], bytearray()
                 while not audio:  # the first sentence is being spoken
@@ -161,7 +162,7 @@ def test_a_draining_gateway_finishes_http_and_websocket_streams_then_exits_0(eng
             t.join(60)
         kinds = [e["type"] for e in events]
         assert kinds == ["ready", "sentence", "audio_done", "done"], events
-        assert len(audio) == 30 * 3840 * 2 * 2  # the whole first sentence (int16 stereo, 48 kHz)
+        assert len(audio) == IN_FLIGHT * 3840 * 2 * 2  # the whole first sentence (int16 stereo, 48 kHz)
         done = events[-1]
         assert done["going_away"] is True and done["unspoken"] == "The second one. And a thir", done
         assert close == 1001
@@ -178,12 +179,17 @@ def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
     finish, new calls are refused with the hint, and the SDK with a second server's address moves
     its call there; a request still running when the drain ends (here: a second SIGTERM, as at the
     deadline) ends UNAVAILABLE."""
-    seeds = [11, 12]
-    ref = reference(engine.stub, seeds)
+    short = [seeded_request(seed=11, frames=IN_FLIGHT), seeded_request(seed=12, frames=FRAMES)]
+    ref = reference(engine.stub, short)
     long = seeded_request(seed=9, frames=4000)  # min_frames too: it cannot stop early
-    # the long request takes one of the two running places; the short ones share the other in turn
-    streams = Streams(engine.stub, [long] + [seeded_request(seed=s, frames=FRAMES) for s in seeds])
-    streams.started([0, 1])
+    # the long request takes one of the two running places, the first short one the other: the
+    # second waits in the queue when the SIGTERM lands
+    running = Streams(engine.stub, [long])
+    running.started([0])
+    streams = Streams(engine.stub, short[:1])
+    streams.started([0])
+    queued = Streams(engine.stub, short[1:])
+    assert _until(lambda: metric(engine, "chorus_queue_depth") == 1)
     core, worker = engine.service("scheduler").proc, engine.service("worker").proc
     model = _model(engine.address)
     core.send_signal(signal.SIGTERM)
@@ -197,13 +203,14 @@ def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
     with Client([engine.address, cluster.address], retry=Retry(attempts=3, first_wait=0.05), timeout=120) as sdk:
         sdk._turn = itertools.count(0)  # the draining server first
         assert sdk.synthesize(seeded_request(seed=11, frames=FRAMES)).summary.frames == FRAMES
-    streams.join([1, 2])
-    assert not streams.errors, {i: e.details() for i, e in streams.errors.items()}
-    assert [streams.out[i].pcm().tobytes() for i in (1, 2)] == [ref[s] for s in seeds]
-    assert core.poll() is None and 0 not in streams.out  # the long one still runs: the core waits for it
+    for done in (streams, queued):
+        done.join()
+        assert not done.errors, {i: e.details() for i, e in done.errors.items()}
+    assert [streams.out[0].pcm().tobytes(), queued.out[0].pcm().tobytes()] == ref
+    assert core.poll() is None and not running.out  # the long one still runs: the core waits for it
     core.send_signal(signal.SIGTERM)
-    streams.join([0])
-    cut = streams.errors[0]
+    running.join()
+    cut = running.errors[0]
     assert cut.code() == grpc.StatusCode.UNAVAILABLE and "engine shutting down" in cut.details(), cut
     assert core.wait(30) == 0
     assert worker.wait(30) == 0  # it served on until its scheduler had gone
