@@ -3,7 +3,6 @@ the real services on the CPU (tiny OmniVoice and codec), and their named GPU lay
 
 import json
 
-
 from chorus import bench
 from chorus.bench import layouts
 
