@@ -24,6 +24,7 @@ from torch import Tensor
 
 from chorus.omnivoice.knobs import RANGES, UnmaskKnobs, in_range, packed_rows, range_text
 from gpu_worker.omnivoice.attention import make_document_attention
+from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
 from gpu_worker.omnivoice.model import OmniVoiceModel
 from gpu_worker.omnivoice.packing import Document, layout
 from gpu_worker.omnivoice.unmask import reveal_counts, step_generator, unmask_step
@@ -70,9 +71,11 @@ class Canvas:
 
 class CanvasEngine:
     def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576,
-                 attention: str = "auto", cuda_graphs: bool = True):
+                 attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None):
         """attention: auto, torch or flashinfer (attention.make_document_attention); cuda_graphs:
-        replay the forward from CUDA graphs where the backend allows it (flashinfer on CUDA)."""
+        replay the forward from CUDA graphs where the backend allows it (flashinfer on CUDA);
+        batched_unmask: unmask a step's canvases together (batched_unmask.py; None: on CUDA),
+        else one by one with the reference (unmask.py)."""
         self.model = model
         self.cfg = model.cfg
         p = next(model.parameters())
@@ -80,6 +83,7 @@ class CanvasEngine:
         self.max_batch = max_batch
         self.max_packed_rows = max_packed_rows
         self.attention = make_document_attention(attention, self.cfg, p.dtype, self.device)
+        self.batched_unmask = self.device.type == "cuda" if batched_unmask is None else batched_unmask
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and self.attention.graphs:
             from gpu_worker.omnivoice.graphs import GraphedSteps
@@ -178,14 +182,23 @@ class CanvasEngine:
                 ids.append(c.ids[:, -c.target:])
                 mask.append(c.audio_mask[-c.target:])
         logits = self._logits(torch.cat(ids, dim=1), torch.cat(mask), lay)
+        together: list[tuple[Canvas, Item]] = []
         for (c, k), col, ucol in zip(scored, lay.cond_column, lay.uncond_column):
             knobs = c.spec.knobs
+            if self.batched_unmask and knobs.class_temperature <= 0:
+                generator = step_generator(c.spec.seed, k) if knobs.position_temperature > 0 else None
+                together.append((c, Item(c.ids[:, -c.target:], col, ucol, knobs, c.counts[k], generator)))
+                continue
             cond = logits[:, col:col + c.target]
             uncond = None if ucol is None else logits[:, ucol:ucol + c.target]
             noisy = knobs.position_temperature > 0 or knobs.class_temperature > 0
             generator = step_generator(c.spec.seed, k) if noisy else None
             c.ids[:, -c.target:] = unmask_step(c.ids[:, -c.target:], cond, uncond, knobs, c.counts[k],
                                                self.cfg.audio_mask_id, generator)
+        if together:
+            revealed = unmask_batch(logits, [item for _, item in together], self.cfg.audio_mask_id)
+            for (c, _), canvas in zip(together, revealed):
+                c.ids[:, -c.target:] = canvas
 
     def _logits(self, ids: Tensor, mask: Tensor, lay) -> Tensor:
         """fp32 logits [C, n, V] at the layout's gathered rows: graphed when a graph holds the step."""
