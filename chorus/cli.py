@@ -117,21 +117,19 @@ def cmd_say(args: argparse.Namespace) -> None:
     import grpc
     import soundfile as sf
 
-    from chorus.client import channel, credentials, synthesize
-    from chorus.v1 import tts_pb2_grpc
+    from chorus.client import Client, Synthesis, add_response, credentials
 
     ca = getattr(args, "tls_ca", None)  # `chorus demo` runs its own loopback cluster: plaintext, no key
     creds = credentials(ca, args.tls_cert, args.tls_key) if ca else None
-    stub = tts_pb2_grpc.TextToSpeechStub(channel(args.server, creds))
-
-    def progress(s):
-        secs = sum(c.num_samples for c in s.chunks) / s.header.sample_rate
-        print(f"\r  {secs:6.2f} s of audio received", end="", file=sys.stderr, flush=True)
-
     t0 = time.monotonic()
+    result = Synthesis()
     try:
-        result = synthesize(stub, _say_request(args), timeout=args.timeout, on_chunk=progress,
-                            api_key=getattr(args, "api_key", None))
+        with Client(args.server, timeout=args.timeout, api_key=getattr(args, "api_key", None), creds=creds) as client:
+            for resp in client.stream(_say_request(args)):
+                add_response(result, resp, t0)
+                if resp.WhichOneof("kind") == "audio":
+                    secs = sum(c.num_samples for c in result.chunks) / result.header.sample_rate
+                    print(f"\r  {secs:6.2f} s of audio received", end="", file=sys.stderr, flush=True)
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(2)

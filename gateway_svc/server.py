@@ -114,14 +114,17 @@ class Gateway:
                 raise
             return parse_speech(body, await self.models(refresh=True))
 
-    async def open_synthesis(self, plan: SpeechPlan):
-        """The call and its stream header; a failure before the header is an HTTP error answer."""
+    async def open_synthesis(self, plan: SpeechPlan, stream: bool = False):
+        """The call (Synthesize, or SynthesizeStream with plan.request as its config) and its stream
+        header; a failure before the header is an HTTP error answer."""
         name = plan.request.references[0].voice_id if plan.voice_may_be_builtin else ""
         if name and self._not_stored.get((BEARER.get(), name), 0.0) > time.monotonic():
             self._use_model_voice(plan)
         while True:
-            call = self.stub.Synthesize(plan.request)
+            call = self.stub.SynthesizeStream() if stream else self.stub.Synthesize(plan.request)
             try:
+                if stream:
+                    await call.write(tts_pb2.SynthesizeStreamRequest(config=plan.request))
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
                 if (e.code() == grpc.StatusCode.NOT_FOUND and plan.voice_may_be_builtin

@@ -15,7 +15,7 @@ import pytest
 
 from chorus.client import channel, synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
-from gateway_svc.sentences import SentenceCutter, split_sentences
+from chorus.sentences import SentenceCutter, split_sentences
 from helpers import metric, wait_until_idle
 from test_gateway import FRAMES, SAMPLES_PER_FRAME, stack  # noqa: F401 - the module's services
 

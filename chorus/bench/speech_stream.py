@@ -28,7 +28,7 @@ from websockets.sync.client import connect
 
 from chorus.bench.common import write_json
 from chorus.launcher import Cluster, Service
-from gateway_svc.sentences import SentenceCutter
+from chorus.sentences import SentenceCutter
 
 TEXT = ("Hello, this is the first sentence of the answer. The second one follows it closely, "
         "a little longer than the first. And a third to end.")
