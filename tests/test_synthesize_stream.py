@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import queue
 import random
+import subprocess
+import sys
 
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 
 from chorus.client import Client, collect
 from chorus.sentences import SentenceCutter, pieces, split_sentences
@@ -155,6 +158,20 @@ def test_long_text_is_spoken_in_pieces_in_order_deterministically(stack):
     with pytest.raises(grpc.RpcError) as e:
         stack.client.synthesize(config(text="word " * (MAX_LONGFORM_CHARS // 5 + 1)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_longform_chars" in e.value.details()
+
+
+def test_chorus_say_speaks_text_or_stdin_as_it_arrives(stack, tmp_path):
+    from chorus.cli import main
+
+    flags = ["--server", stack.address, "--seed", "11", "--min-frames", str(FRAMES), "--max-frames", str(FRAMES)]
+    main(["say", "Hello there.", *flags, "-o", str(tmp_path / "a.wav")])
+    audio, rate = sf.read(tmp_path / "a.wav", dtype="int16")
+    assert rate == 48000 and audio.shape == (FRAMES * 3840, 2)
+    proc = subprocess.run([sys.executable, "-m", "chorus.cli", "say", "-", *flags, "-o", str(tmp_path / "b.wav")],
+                          input="Hello there. And more", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "2 sentences" in proc.stdout, proc.stderr[-2000:]
+    streamed, _ = sf.read(tmp_path / "b.wav", dtype="int16")
+    assert np.array_equal(streamed[:audio.shape[0]], audio)  # sentence 0 has the seed a whole request has
 
 
 # ---- without services -------------------------------------------------------------------------
