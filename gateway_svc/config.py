@@ -32,3 +32,4 @@ class GatewayConfig:
     scheduler_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the scheduler and whose tls.crt "
                                             "and tls.key (if present) are the gateway's client certificate; "
                                             "unset: plaintext", metavar="DIR")
+    aac_bitrate_kbps: int = setting(128, "bit rate of aac output per channel in kbit/s", minimum=16, maximum=256)

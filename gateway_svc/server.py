@@ -214,7 +214,8 @@ def build_app(cfg: GatewayConfig) -> Starlette:
     async def speech(request: Request):
         plan = await gw.plan(await read_json(request, cfg.max_body_bytes))
         call, header = await gw.open_synthesis(plan)
-        encoder = Encoder(plan.response_format, header.sample_rate, header.channels, cfg.mp3_bitrate_kbps)
+        encoder = Encoder(plan.response_format, header.sample_rate, header.channels, cfg.mp3_bitrate_kbps,
+                          cfg.aac_bitrate_kbps)
         return AudioStream(call, encoder, plan.sse, {
             "X-Sample-Rate": str(header.sample_rate), "X-Channels": str(header.channels),
             "X-Request-Id": header.request_id, "X-Model": header.model, "Cache-Control": "no-store"},

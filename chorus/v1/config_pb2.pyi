@@ -225,7 +225,7 @@ class SchedulerConfig(_message.Message):
     def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., api_keys: _Optional[str] = ..., vocoder_tls_dir: _Optional[str] = ..., curve_secret_key: _Optional[str] = ..., worker_public_key: _Optional[str] = ..., max_longform_chars: _Optional[int] = ..., sentence_chars: _Optional[int] = ..., continuation_seconds: _Optional[float] = ...) -> None: ...
 
 class GatewayConfig(_message.Message):
-    __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "scheduler_tls_dir")
+    __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "scheduler_tls_dir", "aac_bitrate_kbps")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class GatewayConfig(_message.Message):
     DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_TLS_DIR_FIELD_NUMBER: _ClassVar[int]
+    AAC_BITRATE_KBPS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     scheduler: str
@@ -248,7 +249,8 @@ class GatewayConfig(_message.Message):
     drain_seconds: float
     log_level: str
     scheduler_tls_dir: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., scheduler: _Optional[str] = ..., channels: _Optional[int] = ..., max_body_bytes: _Optional[int] = ..., retry_after: _Optional[int] = ..., mp3_bitrate_kbps: _Optional[int] = ..., voice_name_cache: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., log_level: _Optional[str] = ..., scheduler_tls_dir: _Optional[str] = ...) -> None: ...
+    aac_bitrate_kbps: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., scheduler: _Optional[str] = ..., channels: _Optional[int] = ..., max_body_bytes: _Optional[int] = ..., retry_after: _Optional[int] = ..., mp3_bitrate_kbps: _Optional[int] = ..., voice_name_cache: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., log_level: _Optional[str] = ..., scheduler_tls_dir: _Optional[str] = ..., aac_bitrate_kbps: _Optional[int] = ...) -> None: ...
 
 class WorkerProcessConfig(_message.Message):
     __slots__ = ("worker", "vocoder")
