@@ -1,5 +1,5 @@
 """Sentences cut from text that arrives in pieces (an LLM's output), for English and Chinese.
-Shared by the scheduler's SynthesizeStream and long-form Synthesize, and by the gateway.
+The scheduler's SynthesizeStream and long-form Synthesize cut text with it.
 
 A boundary is decided from the characters up to a short look-ahead (the closing quotes after a
 full stop, the next word's first letter), and a cut waits until those characters have arrived.

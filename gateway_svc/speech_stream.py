@@ -2,7 +2,8 @@
 
 The client's first message is the session's config, a JSON object with the fields of
 POST /v1/audio/speech except `input` and `stream_format` (they apply to each sentence, e.g.
-max_frames); `response_format` is pcm (default) or wav (one streaming WAV header, then PCM). Then it sends, in any number:
+max_frames); `response_format` is pcm (default) or wav (one streaming WAV header, then PCM).
+Then it sends, in any number:
 
     {"type": "text", "text": "..."}   more text
     {"type": "flush"}                 speak what is buffered, even without a sentence end

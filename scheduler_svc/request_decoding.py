@@ -112,7 +112,8 @@ def add_text_to_speech(servicer, server) -> None:
         if method.client_streaming:
             make, behavior = grpc.stream_stream_rpc_method_handler, getattr(servicer, method.name)
         else:
-            make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+            make = (grpc.unary_stream_rpc_method_handler if method.server_streaming else
+                    grpc.unary_unary_rpc_method_handler)
             behavior = _guard(getattr(servicer, method.name), method.server_streaming)
         handlers[method.name] = make(behavior,
                                      request_deserializer=deserializer(request),

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -176,14 +177,15 @@ class TextStreams:
         """The speaker of the config's pieces, the config checked (its text aside). Audio references
         are encoded once here rather than again for every piece. stream: errors name config.*"""
         tts = self.tts
-        check_model_name(config.model, tts.limits)
-        model = tts.models.resolve(config.model)
-        if model.name in tts.core.down:
-            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"the {model.name} worker is not answering; retry later")
         probe = tts_pb2.SynthesizeRequest()
         probe.CopyFrom(config)
         probe.text = "-"
         try:
+            check_model_name(config.model, tts.limits)
+            model = tts.models.resolve(config.model)
+            if model.name in tts.core.down:
+                raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"the {model.name} worker is not answering; "
+                                      "retry later")
             if model.architecture == OMNIVOICE:
                 validate_omnivoice(probe, tts.limits, model.name)
                 info = tts._model_info(model)
@@ -202,6 +204,7 @@ class TextStreams:
             if not stream:
                 raise
             raise SynthesisFailed(e.code, in_config(str(e))) from None
+        config.request_id = config.request_id or uuid.uuid4().hex  # every piece's, for the logs
         out_rate = config.sample_rate or info.sample_rate
         header = tts_pb2.StreamHeader(
             request_id=config.request_id, model=model.name, sample_rate=out_rate, channels=info.channels,

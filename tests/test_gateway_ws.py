@@ -10,7 +10,6 @@ import json
 import random
 import time
 
-import numpy as np
 import pytest
 
 from chorus.client import channel, synthesize

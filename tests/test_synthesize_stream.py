@@ -6,6 +6,7 @@ each piece's request, without services."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import random
 import subprocess
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from chorus.client import Client, collect
+from chorus.client import AsyncClient, Client, Synthesis, add_response, collect
 from chorus.sentences import SentenceCutter, pieces, split_sentences
 from chorus.v1 import tts_pb2
 from helpers import make_cluster, metric, wait_until_idle
@@ -63,9 +64,25 @@ def test_text_in_random_pieces_gives_the_same_audio_as_whole(stack):
     assert [s.first_sample for s in whole.sentences] == [i * samples for i in range(len(SENTENCES))]
     assert [c.first_sample for c in whole.chunks] == list(np.cumsum([0] + [c.num_samples for c in whole.chunks])[:-1])
     assert whole.pcm().shape[0] == len(SENTENCES) * samples
-    split = collect(stack.client.synthesize_stream(config(), word_pieces(TEXT, random.Random(1))))
+    split = asyncio.run(_async_stream(stack.address, word_pieces(TEXT, random.Random(1))))
     assert [s.text for s in split.sentences] == SENTENCES
     assert split.audio_bytes == whole.audio_bytes
+
+
+async def _async_stream(address: str, texts: list[str]) -> Synthesis:
+    """The pieces through AsyncClient, as an async generator with an LLM's pauses between them."""
+    rng = random.Random(5)
+
+    async def llm():
+        for text in texts:
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            yield text
+
+    out = Synthesis()
+    async with AsyncClient(address, timeout=120) as client:
+        async for resp in client.synthesize_stream(config(), llm()):
+            add_response(out, resp, 0.0)
+    return out
 
 
 def test_flush_speaks_what_is_buffered_and_wav_has_one_header(stack):
