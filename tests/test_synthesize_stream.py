@@ -20,6 +20,8 @@ import soundfile as sf
 from chorus.client import AsyncClient, Client, Synthesis, add_response, collect
 from chorus.sentences import SentenceCutter, pieces, split_sentences
 from chorus.v1 import tts_pb2
+from gpu_worker.config import WorkerConfig
+from vocoder_svc.config import VocoderConfig
 from helpers import make_cluster, metric, wait_until_idle
 
 FRAMES = 4
@@ -35,7 +37,9 @@ LONG = ("The river ran past the mill at dawn. Mr. Brown opened the gate, e.g. th
 def stack():
     with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "8192"],
                       scheduler_args=["--max-text-chars", str(MAX_TEXT_CHARS),
-                                      "--max-longform-chars", str(MAX_LONGFORM_CHARS)]) as cluster:
+                                      "--max-longform-chars", str(MAX_LONGFORM_CHARS)],
+                      omnivoice_worker=WorkerConfig(preset="omnivoice-tiny", dtype="float32"),
+                      omnivoice_vocoder=VocoderConfig(preset="higgs-tiny")) as cluster:
         with Client(cluster.address, timeout=120) as client:
             cluster.client = client
             yield cluster
@@ -83,6 +87,18 @@ async def _async_stream(address: str, texts: list[str]) -> Synthesis:
         async for resp in client.synthesize_stream(config(), llm()):
             add_response(out, resp, 0.0)
     return out
+
+
+def test_omnivoice_speaks_each_sentence_as_a_plain_request(stack):
+    cfg = tts_pb2.SynthesizeRequest(model="omnivoice")
+    cfg.sampling.seed = 3
+    cfg.omnivoice.num_step = 2
+    texts = ["One two. ", "Three four five! ", "Six"]
+    whole = collect(stack.client.synthesize_stream(cfg, ["".join(texts)]))
+    assert whole.header.model.startswith("omnivoice") and (whole.header.sample_rate, whole.header.channels) == (24000, 1)
+    assert [s.text for s in whole.sentences] == ["One two.", "Three four five!", "Six"]
+    assert whole.pcm().shape[0] > 0
+    assert collect(stack.client.synthesize_stream(cfg, texts)).audio_bytes == whole.audio_bytes
 
 
 def test_flush_speaks_what_is_buffered_and_wav_has_one_header(stack):
