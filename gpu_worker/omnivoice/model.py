@@ -119,7 +119,7 @@ class Attention(nn.Module):
             keys, values = torch.empty_like(k), torch.empty_like(v)
             q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
                                            sin[:, :half], self.q_norm.eps, keys, values,
-                                           torch.arange(rows, device=x.device))
+                                           torch.arange(rows, device=x.device), rows_per_program=16)
             o = attend(q, keys, values)
         else:
             o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
