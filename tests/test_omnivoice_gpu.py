@@ -160,3 +160,21 @@ def test_batched_unmask_equals_the_per_canvas_reference(dtype):
         results.append([codes[i] for i in range(len(knobs))])
     assert all(np.array_equal(a, b) for a, b in zip(*results))
     assert all((c != 1024).all() for c in results[1])
+
+
+@pytest.mark.skipif(not (CUDA and importlib.util.find_spec("triton") is not None), reason="needs CUDA and triton")
+def test_fused_kernels_match_the_torch_ops(monkeypatch):
+    from gpu_worker.omnivoice import model as model_module
+
+    model = gpu_model()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = 96
+    ids = torch.randint(0, 1024, (8, rows), device="cuda", generator=g)
+    mask = torch.arange(rows, device="cuda") >= 16
+    positions = torch.cat([torch.arange(64), torch.arange(32)]).cuda()
+    with torch.inference_mode():
+        fused = model(ids, mask, positions, [64, 32], torch.arange(16, rows, device="cuda"))
+        monkeypatch.setattr(model_module, "KERNELS", "torch")
+        plain = model(ids, mask, positions, [64, 32], torch.arange(16, rows, device="cuda"))
+    assert (fused - plain).abs().max().item() < 0.05 * plain.abs().max().item()
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() > 0.95

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-step", type=int, default=32, help="unmasking steps per canvas")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
     p.add_argument("--torch-baseline", action="store_true", help="also time the eager torch-attention step")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time graphed steps without the Triton norm/SiLU kernels (torch ops)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense fp16 matrix rate (floor)")
     p.add_argument("--out", default=None, help="write the JSON here too")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -197,6 +199,29 @@ def main(argv: list[str] | None = None) -> int:
 
     stage("fp16 vs fp32 agreement", agreement)
 
+    def fused_vs_torch():
+        from gpu_worker.omnivoice import model as model_module
+        from gpu_worker.omnivoice.packing import Document, layout
+
+        if not model_module.fused(torch.zeros(1, dtype=model.llm.norm.weight.dtype, device=dev)):
+            return {"skipped": "no triton here: the torch ops run"}
+        docs = [Document(prefix, target, True)] * 2
+        lay = layout(docs)
+        g = torch.Generator(device=dev).manual_seed(0)
+        ids = torch.randint(0, 1024, (8, lay.rows), device=dev, generator=g)
+        mask = torch.ones(lay.rows, dtype=torch.bool, device=dev)
+        with torch.inference_mode():
+            fused = model(ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+            model_module.KERNELS = "torch"
+            try:
+                plain = model(ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+            finally:
+                model_module.KERNELS = "auto"
+        return {"max_abs_diff": (fused - plain).abs().max().item(), "max_abs": plain.abs().max().item(),
+                "argmax_agreement": (fused.argmax(-1) == plain.argmax(-1)).float().mean().item()}
+
+    stage("fused kernels vs torch ops (logits)", fused_vs_torch)
+
     def step_bench():
         flops1 = step_flops(model.cfg, prefix, target, True)
         rows = []
@@ -204,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch_baseline:
             build("torch", attention="torch", cuda_graphs=False)
             kinds.insert(0, "torch")
+        if args.unfused and not dry:
+            from gpu_worker.omnivoice import model as model_module
+            model_module.KERNELS = "torch"  # read at capture: these graphs hold the torch ops
+            try:
+                build("unfused", attention=attention, cuda_graphs=True).warm_up()
+            finally:
+                model_module.KERNELS = "auto"
+            kinds.append("unfused")
         for b in [int(x) for x in args.bench_batches.split(",")]:
             row = {"batch": b, "floor_ms": round(b * flops1 / (args.peak_tflops * 1e12) * 1000, 3)}
             for kind in kinds:

@@ -8,7 +8,10 @@ Module names equal the checkpoint's tensor names, so it loads by name.
 Numerics follow the reference's Qwen3 (transformers) operation for operation, so a document's
 logits do not depend on the documents packed beside it and equal the reference's: RMSNorm
 statistics in fp32 (also for fp64 activations), RoPE angles and cos/sin in fp32 then cast, q/k
-norm before half-split RoPE, softmax attention per document. CPU GEMMs compute the last
+norm before half-split RoPE, softmax attention per document. On CUDA with triton, RMSNorm (and
+the residual add before the second norm) and SiLU x mul run as gpu_worker/kernels.py's fused
+kernels (KERNELS = "auto"; "torch" keeps the reference ops everywhere): the same math, with the
+norm's sum in the kernel's fixed order. CPU GEMMs compute the last
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
@@ -24,11 +27,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from chorus.omnivoice.config import OmniVoiceConfig
+from chorus.triton_support import KERNEL_DTYPES
+from gpu_worker import kernels
 
 ROW_MULTIPLE = 4
+KERNELS = "auto"  # "auto": gpu_worker/kernels.py's fused kernels on CUDA when triton imports; "torch": never
 
 # One step's attention, planned for its documents: q [rows, H, d], k/v [rows, KV, d] -> [rows, H, d].
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def fused(x: Tensor) -> bool:
+    """Whether x's norms and SiLU x mul run as Triton kernels."""
+    return KERNELS == "auto" and kernels.HAVE_TRITON and x.is_cuda and x.dtype in KERNEL_DTYPES
 
 
 def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
@@ -48,6 +59,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps, impl="auto")
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -115,7 +128,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up, impl="auto") if fused(x) else F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -127,8 +141,14 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        if fused(x):  # the residual add and the next norm in one launch
+            norm = self.post_attention_layernorm
+            x, h = kernels.add_rms_norm(x, a, norm.weight, norm.eps, impl="auto")
+        else:
+            x = x + a
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 class Body(nn.Module):
