@@ -81,7 +81,7 @@ def test_attention_backend_choice():
     with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
         make_document_attention("sdpa", cfg, torch.float32, torch.device("cpu"))
     engine = CanvasEngine(build_omnivoice(preset="tiny"), attention="auto", cuda_graphs=True)
-    assert engine.attention.name == "torch" and engine.graphs is None
+    assert engine.attention.name == "torch" and engine.bucketed is None
 
 
 def gpu_model(dtype: torch.dtype = torch.float16, seed: int = 5) -> OmniVoiceModel:
@@ -131,9 +131,10 @@ def test_graphed_steps_equal_eager_steps(batch):
     model = gpu_model()
     graphed = CanvasEngine(model, max_batch=8, max_packed_rows=2048, cuda_graphs=True)
     eager = CanvasEngine(model, max_batch=8, max_packed_rows=2048, cuda_graphs=False)
-    assert graphed.graphs is not None and eager.graphs is None
+    assert graphed.bucketed.replay and not eager.bucketed.replay
     got, want = _run(graphed, batch), _run(eager, batch)
-    assert graphed.graphs.replays == 4 and not graphed.graphs.disabled
+    assert graphed.bucketed.runs == eager.bucketed.runs == 4 and not graphed.bucketed.disabled
+    assert len(graphed.bucketed.graphs) and all(g.graph is None for g in eager.bucketed.graphs.values())
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 

@@ -136,17 +136,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def warm_graphed():
         e = build("graphed", attention=attention, cuda_graphs=True)
-        if e.graphs is None:
+        if e.bucketed is None:
             del engines["graphed"]
-            raise RuntimeError("no graphs (cuda_graphs on, flashinfer on CUDA expected)")
-        n = len(e.graphs.buckets.all())
-        say(f"  capturing {n} step graphs (rows buckets {e.graphs.buckets.rows}, document buckets "
-            f"{e.graphs.buckets.docs})")
+            raise RuntimeError("no bucketed forward (flashinfer on CUDA expected)")
+        n = len(e.bucketed.buckets.all())
+        say(f"  capturing {n} step graphs (rows buckets {e.bucketed.buckets.rows}, document buckets "
+            f"{e.bucketed.buckets.docs})")
         seconds = e.warm_up(capture=True)
-        if e.graphs.disabled:
-            raise RuntimeError(e.graphs.disabled)
-        return {"seconds": round(seconds, 1), "graphs": len(e.graphs.graphs),
-                "left_out": {f"{b.rows}x{b.docs}": why for b, why in e.graphs.unusable.items()},
+        if e.bucketed.disabled:
+            raise RuntimeError(e.bucketed.disabled)
+        return {"seconds": round(seconds, 1), "graphs": len(e.bucketed.graphs),
+                "left_out": {f"{b.rows}x{b.docs}": why for b, why in e.bucketed.unusable.items()},
                 "memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not dry else None}
 
     stage("graphed engine warm-up and capture", warm_graphed)
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             nonlocal parity_ok
             rows = {}
             for b in [int(x) for x in args.parity_batches.split(",")]:
-                replays = engines["graphed"].graphs.replays
+                runs = engines["graphed"].bucketed.runs
                 got = generate(engines["graphed"], b)
-                graphed_steps = engines["graphed"].graphs.replays - replays
+                graphed_steps = engines["graphed"].bucketed.runs - runs
                 rows[b] = compare(got, generate(engines["eager"], b)) | {"graphed_steps": graphed_steps}
                 parity_ok &= rows[b]["canvases_identical"] == b and graphed_steps == args.num_step
                 say(f"  batch {b}: {rows[b]}")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{kind}_step_ms"] = round(ms, 3)
                 row[f"{kind}_x_floor"] = round(ms / row["floor_ms"], 2)
                 row[f"{kind}_audio_s_per_s"] = round(b * target / FRAME_RATE / (ms * args.num_step / 1000), 1)
-            if "graphed" in engines:
+            if "graphed" in engines and engines["graphed"].bucketed is not None:
                 row["graphed_forward_ms"] = forward_ms(engines["graphed"], b)
             rows.append(row)
             say(f"  {row}")
@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     def forward_ms(e: CanvasEngine, b: int) -> float | None:
         """GPU time of one replay of the graph a b-canvas step runs in (the forward to the final norm)."""
         from chorus.bench.common import replay_ms
-        bucket = e.graphs.buckets.pick(b * (prefix + 2 * target), 2 * b)
-        g = e.graphs.graphs.get(bucket)
-        return None if g is None else round(replay_ms(g.graph, 10), 3)
+        bucket = e.bucketed.buckets.pick(b * (prefix + 2 * target), 2 * b)
+        g = e.bucketed.graphs.get(bucket)
+        return None if g is None or g.graph is None else round(replay_ms(g.graph, 10), 3)
 
     stage("step bench", step_bench)
     report["parity_ok"] = parity_ok
