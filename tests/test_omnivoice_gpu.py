@@ -179,3 +179,37 @@ def test_fused_kernels_match_the_torch_ops(monkeypatch):
         plain = model(ids, mask, positions, [64, 32], torch.arange(16, rows, device="cuda"))
     assert (fused - plain).abs().max().item() < 0.05 * plain.abs().max().item()
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() > 0.95
+
+
+def test_batched_unmask_takes_rows_anywhere_in_the_logits():
+    """Items whose rows are not laid out in the engine's order (gathered, not sliced) reveal the
+    same cells as the reference."""
+    from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
+    from gpu_worker.omnivoice.unmask import step_generator, unmask_step
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 40, 1025, generator=g)
+    canvas = [torch.full((8, 7), 1024), torch.full((8, 5), 1024)]
+    canvas[0][:, :2] = 3
+    knobs = [UnmaskKnobs(), UnmaskKnobs(guidance_scale=0.0, position_temperature=0.0)]
+    items = [Item(canvas[0], 20, 3, knobs[0], 9, step_generator(1, 2)), Item(canvas[1], 10, None, knobs[1], 6, None)]
+    got = unmask_batch(logits, items, 1024)
+    want = [unmask_step(canvas[0], logits[:, 20:27], logits[:, 3:10], knobs[0], 9, 1024, step_generator(1, 2)),
+            unmask_step(canvas[1], logits[:, 10:15], None, knobs[1], 6, 1024)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_batched_unmask_of_guided_canvases_only():
+    from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
+    from gpu_worker.omnivoice.unmask import step_generator, unmask_step
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 24, 1025, generator=g)  # cond 0:7, 7:12, then uncond 12:19, 19:24
+    canvas = [torch.full((8, 7), 1024), torch.full((8, 5), 1024)]
+    knobs = [UnmaskKnobs(), UnmaskKnobs(guidance_scale=3.0, layer_penalty_factor=1.0)]
+    items = [Item(canvas[0], 0, 12, knobs[0], 11, step_generator(5, 0)),
+             Item(canvas[1], 7, 19, knobs[1], 4, step_generator(6, 0))]
+    got = unmask_batch(logits, items, 1024)
+    want = [unmask_step(canvas[0], logits[:, 0:7], logits[:, 12:19], knobs[0], 11, 1024, step_generator(5, 0)),
+            unmask_step(canvas[1], logits[:, 7:12], logits[:, 19:24], knobs[1], 4, 1024, step_generator(6, 0))]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -74,11 +74,19 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     rows_guided, uncond_rows, cond_rows, flat, counts = ints.split([g, g, n, c * n, len(items)])
     scale, penalty, temperature = floats.split([g, n, n])
 
-    lp = torch.log_softmax(logits[:, cond_rows], dim=-1)
+    # The engine's layout puts the cond rows first and the uncond rows after them, each in item
+    # order: slices then, no gathered copies of [C, rows, V] (the step's largest tensors).
+    contiguous = all(it.cond_column == s for it, s in zip(items, starts)) and \
+        all(items[i].uncond_column == n + sum(lens[j] for j in guided[:m]) for m, i in enumerate(guided))
+    lp = torch.log_softmax(logits[:, :n] if contiguous else logits[:, cond_rows], dim=-1)
     if g:
-        a = lp[:, rows_guided]
-        b = torch.log_softmax(logits[:, uncond_rows], dim=-1)
-        lp[:, rows_guided] = torch.log_softmax(a + scale[None, :, None] * (a - b), dim=-1)
+        a = lp if g == n else lp[:, rows_guided]
+        b = torch.log_softmax(logits[:, n:n + g] if contiguous else logits[:, uncond_rows], dim=-1)
+        extrapolated = torch.log_softmax(a + scale[None, :, None] * (a - b), dim=-1)
+        if g == n:
+            lp = extrapolated
+        else:
+            lp[:, rows_guided] = extrapolated
     lp[..., mask_id] = -math.inf
     codes = lp.argmax(dim=-1)
     score = lp.max(dim=-1).values
