@@ -135,6 +135,11 @@ class BucketedForward:
         except BucketUnusable as e:
             log.warning("OmniVoice step graph for %d rows in %d documents left out: %s", bucket.rows, bucket.docs, e)
             return None
+        except Exception as e:  # noqa: BLE001 - a capture on first use failed: every step runs unpadded
+            log.exception("OmniVoice step graph capture failed; steps run eagerly")
+            self.disabled = f"capture failed: {e!r}"
+            self.graphs.clear()
+            return None
         inputs = g.inputs
         inputs.ids[:, :r].copy_(ids)
         inputs.ids[:, r:].fill_(self.cfg.audio_mask_id)
