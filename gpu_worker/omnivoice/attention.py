@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from gpu_worker.omnivoice.model import Attend, document_attention
+from gpu_worker.omnivoice.staging import host
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's prefill kernels are built for
@@ -82,7 +83,7 @@ class FlashInferDocuments:
         copied = self._plan_copied.get(id(wrapper))
         if copied is not None:
             copied.synchronize()
-        rows = indptr(doc_lens)
+        rows = host(indptr(doc_lens), self.device)
         wrapper.plan(rows, rows, self.num_heads, self.num_kv_heads, self.head_dim, causal=False,
                      q_data_type=self.dtype, kv_data_type=self.dtype, **self._split_kv)
         copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from chorus.omnivoice.knobs import UnmaskKnobs
+from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import gumbel
 
 
@@ -69,7 +70,7 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
         if it.knobs.position_temperature > 0:
             noise[:, s:s + t] = gumbel((c, t), it.generator).numpy()
     floats = torch.from_numpy(np.concatenate([scale, penalty, temperature]).astype(np.float32))
-    ints, floats, noise = (x.to(dev, non_blocking=True) for x in (ints, floats, torch.from_numpy(noise)))
+    ints, floats, noise = (to_device(x, dev) for x in (ints, floats, noise))
     g = len(rows_guided)
     rows_guided, uncond_rows, cond_rows, flat, counts = ints.split([g, g, n, c * n, len(items)])
     scale, penalty, temperature = floats.split([g, n, n])

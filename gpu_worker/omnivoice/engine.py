@@ -28,6 +28,7 @@ from gpu_worker.omnivoice.attention import make_document_attention
 from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
 from gpu_worker.omnivoice.model import OmniVoiceModel
 from gpu_worker.omnivoice.packing import Document, layout
+from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import reveal_counts, step_generator, unmask_step
 
 
@@ -204,12 +205,12 @@ class CanvasEngine:
 
     def _logits(self, ids: Tensor, mask: Tensor, lay) -> Tensor:
         """fp32 logits [C, n, V] at the layout's gathered rows: graphed when a graph holds the step."""
-        gather = lay.gather.to(self.device, non_blocking=True)
+        gather = to_device(lay.gather, self.device)
         if self.bucketed is not None:
             h = self.bucketed.hidden(ids, mask, lay.positions.numpy(), lay.doc_lens)
             if h is not None:
                 return self.model.head(h, gather)
-        return self.model(ids, mask, lay.positions.to(self.device), lay.doc_lens, gather, self.attention)
+        return self.model(ids, mask, to_device(lay.positions, self.device), lay.doc_lens, gather, self.attention)
 
     def warm_up(self, capture: bool = True) -> float:
         """Run a step of a guided and an unguided canvas unpadded (flashinfer JIT-compiles its kernels

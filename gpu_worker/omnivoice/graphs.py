@@ -27,6 +27,7 @@ from torch import Tensor
 
 from gpu_worker.cuda_graphs import capture_graph
 from gpu_worker.omnivoice.buckets import Bucket, Buckets, filler_lens, padded_layout
+from gpu_worker.omnivoice.staging import to_device
 
 log = logging.getLogger("chorus.worker")
 
@@ -145,7 +146,7 @@ class BucketedForward:
         inputs.ids[:, r:].fill_(self.cfg.audio_mask_id)
         inputs.audio_mask[:r].copy_(audio_mask)
         inputs.audio_mask[r:].fill_(True)
-        inputs.positions.copy_(torch.from_numpy(pos).to(self.device, non_blocking=True))
+        inputs.positions.copy_(to_device(pos, self.device))
         self.runs += 1
         if g.graph is None:
             return self._body(inputs, g.wrapper)[:r]
