@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-baseline", action="store_true", help="also time the eager torch-attention step")
     p.add_argument("--unfused", action="store_true",
                    help="also time graphed steps without the Triton norm/SiLU kernels (torch ops)")
+    p.add_argument("--profile-batch", type=int, default=32, help="canvases of the profiled graphed steps (0: none)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense fp16 matrix rate (floor)")
     p.add_argument("--out", default=None, help="write the JSON here too")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -271,6 +272,38 @@ def main(argv: list[str] | None = None) -> int:
         return None if g is None or g.graph is None else round(replay_ms(g.graph, 10), 3)
 
     stage("step bench", step_bench)
+
+    def profile():
+        """Where a graphed step's time goes: GPU time by kernel over 3 steps (graph replays show their
+        kernels), and the step's wall time against its GPU time (the host's share)."""
+        from collections import defaultdict
+
+        e, b = engines["graphed"], args.profile_batch
+        for i in range(b):
+            e.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
+        for k in range(3):
+            e.step([(i, k) for i in range(b)])
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for k in range(3, 6):
+                e.step([(i, k) for i in range(b)])
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) * 1000 / 3
+        for i in range(b):
+            e.release(i)
+        by_kernel: dict[str, float] = defaultdict(float)
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[ev.name[:90]] += (getattr(ev, "device_time", None) or ev.cuda_time) / 1000 / 3
+        gpu = sum(by_kernel.values())
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:20]
+        return {"batch": b, "step_wall_ms": round(wall, 3), "step_gpu_ms": round(gpu, 3),
+                "top_kernels_ms_per_step": {k: round(v, 3) for k, v in top}}
+
+    if args.profile_batch and "graphed" in engines:
+        stage("profile of graphed steps", profile)
     report["parity_ok"] = parity_ok
     return finish(report, args.out, write_json)
 
