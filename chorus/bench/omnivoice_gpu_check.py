@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix, target = len(piece.text_ids), piece.target_frames
     knobs = UnmaskKnobs(num_step=args.num_step, guidance_scale=2.0)
     batches = sorted({int(b) for b in (args.parity_batches + "," + args.bench_batches).split(",")} |
-                     {args.agreement_batch})
+                     {args.agreement_batch} | ({args.profile_batch} if args.profile_batch else set()))
     top = max(batches)
     max_rows = top * (prefix + 2 * target)
     report.update(prefix_rows=prefix, target_frames=target, num_step=args.num_step, guidance_scale=2.0)
@@ -278,18 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         kernels), and the step's wall time against its GPU time (the host's share)."""
         from collections import defaultdict
 
-        e, b = engines["graphed"], args.profile_batch
+        e, b = engines.get("graphed") or engines["eager"], args.profile_batch
         for i in range(b):
             e.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
         for k in range(3):
             e.step([(i, k) for i in range(b)])
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([] if dry else [torch.profiler.ProfilerActivity.CUDA])
+        with torch.profiler.profile(activities=activities) as prof:
             t = time.perf_counter()
             for k in range(3, 6):
                 e.step([(i, k) for i in range(b)])
-            torch.cuda.synchronize()
+            sync()
             wall = (time.perf_counter() - t) * 1000 / 3
         for i in range(b):
             e.release(i)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"batch": b, "step_wall_ms": round(wall, 3), "step_gpu_ms": round(gpu, 3),
                 "top_kernels_ms_per_step": {k: round(v, 3) for k, v in top}}
 
-    if args.profile_batch and "graphed" in engines:
+    if args.profile_batch and ("graphed" in engines or dry):
         stage("profile of graphed steps", profile)
     report["parity_ok"] = parity_ok
     return finish(report, args.out, write_json)
