@@ -9,8 +9,8 @@ Numerics follow the reference's Qwen3 (transformers) operation for operation, so
 logits do not depend on the documents packed beside it and equal the reference's: RMSNorm
 statistics in fp32 (also for fp64 activations), RoPE angles and cos/sin in fp32 then cast, q/k
 norm before half-split RoPE, softmax attention per document. On CUDA with triton, RMSNorm (and
-the residual add before the second norm) and SiLU x mul run as gpu_worker/kernels.py's fused
-kernels (KERNELS = "auto"; "torch" keeps the reference ops everywhere): the same math, with the
+the residual add before the second norm), q/k norm + RoPE, and SiLU x mul run as
+gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the reference ops everywhere): the same math, with the
 norm's sum in the kernel's fixed order. CPU GEMMs compute the last
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
@@ -113,10 +113,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(rows, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(rows, self.n_kv, self.head_dim))
+        q = self.q_proj(x).view(rows, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
-        o = attend(rotate(q, cos, sin), rotate(k, cos, sin), v)
+        if fused(x):  # q/k norms and RoPE in one launch; k and v land in fresh [rows, KV, d] buffers
+            half = self.head_dim // 2
+            k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+            q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
+                                           sin[:, :half], self.q_norm.eps, k_out, v_out,
+                                           torch.arange(rows, device=x.device), impl="auto")
+            o = attend(q, k_out, v_out)
+        else:
+            o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
         return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
 
 
