@@ -193,6 +193,18 @@ def main(argv: list[str] | None = None) -> int:
         out = {"fp16_eager_flashinfer": compare(generate(engines["eager"], b), ref)} if "eager" in engines else {}
         if "graphed" in engines:
             out["fp16_graphed"] = compare(generate(engines["graphed"], b), ref)
+        # One step's logits on the same input (whole canvases diverge once one reveal differs).
+        from gpu_worker.omnivoice.packing import Document, layout
+        lay = layout([Document(prefix, target, True)] * b)
+        g = torch.Generator(device=dev).manual_seed(1)
+        ids = torch.randint(0, 1024, (8, lay.rows), device=dev, generator=g)
+        mask = torch.ones(lay.rows, dtype=torch.bool, device=dev)
+        args16 = (ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+        with torch.inference_mode():
+            l16 = model(*args16, engines["eager"].attention if "eager" in engines else None)
+            l32 = model32(*args16)
+        out["first_step_logits"] = {"argmax_agreement": round((l16.argmax(-1) == l32.argmax(-1)).float().mean().item(), 5),
+                                    "max_abs_diff": (l16 - l32).abs().max().item(), "max_abs": l32.abs().max().item()}
         del engines["fp32"], e32, model32
         if not dry:
             torch.cuda.empty_cache()
