@@ -143,16 +143,18 @@ class CanvasEngine:
         scored = [(c, k) for c, k in running if c.counts[k] > 0]
         if scored:
             self._unmask(scored)
-        outcomes = []
         for c, k in running:
             c.steps_done = k + 1
-            finished = c.steps_done == c.spec.knobs.num_step
-            codes = c.ids[:, -c.target:].T.cpu().numpy().copy() if finished else None
-            if finished:
+        finished = [c for c, _ in running if c.steps_done == c.spec.knobs.num_step]
+        codes = {}
+        if finished:  # one device-to-host copy for every canvas this step finishes
+            done = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.cpu().numpy()
+            for c, block in zip(finished, np.split(done, np.cumsum([c.target for c in finished])[:-1])):
+                codes[c.spec.request_id] = block.copy()
                 del self.canvases[c.spec.request_id]
-            outcomes.append(CanvasOutcome(c.spec.request_id, k, finished, codes))
         self.steps += 1
-        return outcomes
+        return [CanvasOutcome(c.spec.request_id, k, c.spec.request_id in codes, codes.get(c.spec.request_id))
+                for c, k in running]
 
     def _check(self, items: list[tuple[int, int]]) -> list[tuple[Canvas, int]]:
         if len(items) > self.max_batch:
