@@ -1,6 +1,6 @@
 """One unmasking step of many canvases at once: unmask.unmask_step's math over a packed step's
-gathered logits, in ~25 launches instead of ~25 per canvas (eager, the per-canvas loop was most
-of a graphed step's host time at 32 canvases).
+gathered logits, in ~25 launches instead of ~25 per canvas (at 32 canvases a per-canvas loop
+would be most of a graphed step's host time).
 
 Same operations in the same order as the per-canvas reference, each over all rows at once: the
 log-softmaxes and guidance extrapolation row by row (guided canvases' rows together), the code
