@@ -38,8 +38,10 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def fused(x: Tensor) -> bool:
-    """Whether x's norms and SiLU x mul run as Triton kernels."""
-    return KERNELS == "auto" and kernels.HAVE_TRITON and x.is_cuda and x.dtype in KERNEL_DTYPES
+    """Whether x's norms, RoPE and SiLU x mul run as Triton kernels: compiled ones only (the
+    interpreter the CPU tests turn on cannot run inside a CUDA graph)."""
+    return (KERNELS == "auto" and kernels.HAVE_TRITON and not kernels.INTERPRET and x.is_cuda
+            and x.dtype in KERNEL_DTYPES)
 
 
 def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
