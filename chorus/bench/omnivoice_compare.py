@@ -161,8 +161,9 @@ def engine_part(ckpt: Path, batches: list[int], repeats: int, peak_tflops: float
     engine = CanvasEngine(model, max_batch=top, max_packed_rows=top * (len(piece.text_ids) + 2 * frames))
     warm = engine.warm_up()
     knobs = UnmaskKnobs(num_step=NUM_STEP, guidance_scale=GUIDANCE)
-    out: dict = {"attention": engine.attention.name, "graphs": None if engine.graphs is None else
-                 (engine.graphs.disabled or len(engine.graphs.graphs)), "warm_up_s": round(warm, 1),
+    b = engine.bucketed
+    out: dict = {"attention": engine.attention.name, "graphs": None if b is None else (b.disabled or len(b.graphs)),
+                 "warm_up_s": round(warm, 1),
                  "prefix_rows": len(piece.text_ids)}
     for b in batches:
         def run():

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-step", type=int, default=32, help="unmasking steps per canvas")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
     p.add_argument("--torch-baseline", action="store_true", help="also time the eager torch-attention step")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time graphed steps without the Triton norm/SiLU kernels (torch ops)")
+    p.add_argument("--profile-batch", type=int, default=32, help="canvases of the profiled graphed steps (0: none)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense fp16 matrix rate (floor)")
     p.add_argument("--out", default=None, help="write the JSON here too")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix, target = len(piece.text_ids), piece.target_frames
     knobs = UnmaskKnobs(num_step=args.num_step, guidance_scale=2.0)
     batches = sorted({int(b) for b in (args.parity_batches + "," + args.bench_batches).split(",")} |
-                     {args.agreement_batch})
+                     {args.agreement_batch} | ({args.profile_batch} if args.profile_batch else set()))
     top = max(batches)
     max_rows = top * (prefix + 2 * target)
     report.update(prefix_rows=prefix, target_frames=target, num_step=args.num_step, guidance_scale=2.0)
@@ -134,17 +137,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def warm_graphed():
         e = build("graphed", attention=attention, cuda_graphs=True)
-        if e.graphs is None:
+        if e.bucketed is None:
             del engines["graphed"]
-            raise RuntimeError("no graphs (cuda_graphs on, flashinfer on CUDA expected)")
-        n = len(e.graphs.buckets.all())
-        say(f"  capturing {n} step graphs (rows buckets {e.graphs.buckets.rows}, document buckets "
-            f"{e.graphs.buckets.docs})")
+            raise RuntimeError("no bucketed forward (flashinfer on CUDA expected)")
+        n = len(e.bucketed.buckets.all())
+        say(f"  capturing {n} step graphs (rows buckets {e.bucketed.buckets.rows}, document buckets "
+            f"{e.bucketed.buckets.docs})")
         seconds = e.warm_up(capture=True)
-        if e.graphs.disabled:
-            raise RuntimeError(e.graphs.disabled)
-        return {"seconds": round(seconds, 1), "graphs": len(e.graphs.graphs),
-                "left_out": {f"{b.rows}x{b.docs}": why for b, why in e.graphs.unusable.items()},
+        if e.bucketed.disabled:
+            raise RuntimeError(e.bucketed.disabled)
+        return {"seconds": round(seconds, 1), "graphs": len(e.bucketed.graphs),
+                "left_out": {f"{b.rows}x{b.docs}": why for b, why in e.bucketed.unusable.items()},
                 "memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not dry else None}
 
     stage("graphed engine warm-up and capture", warm_graphed)
@@ -172,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             nonlocal parity_ok
             rows = {}
             for b in [int(x) for x in args.parity_batches.split(",")]:
-                replays = engines["graphed"].graphs.replays
+                runs = engines["graphed"].bucketed.runs
                 got = generate(engines["graphed"], b)
-                graphed_steps = engines["graphed"].graphs.replays - replays
+                graphed_steps = engines["graphed"].bucketed.runs - runs
                 rows[b] = compare(got, generate(engines["eager"], b)) | {"graphed_steps": graphed_steps}
                 parity_ok &= rows[b]["canvases_identical"] == b and graphed_steps == args.num_step
                 say(f"  batch {b}: {rows[b]}")
@@ -190,12 +193,47 @@ def main(argv: list[str] | None = None) -> int:
         out = {"fp16_eager_flashinfer": compare(generate(engines["eager"], b), ref)} if "eager" in engines else {}
         if "graphed" in engines:
             out["fp16_graphed"] = compare(generate(engines["graphed"], b), ref)
+        # One step's logits on the same input (whole canvases diverge once one reveal differs).
+        from gpu_worker.omnivoice.packing import Document, layout
+        lay = layout([Document(prefix, target, True)] * b)
+        g = torch.Generator(device=dev).manual_seed(1)
+        ids = torch.randint(0, 1024, (8, lay.rows), device=dev, generator=g)
+        mask = torch.ones(lay.rows, dtype=torch.bool, device=dev)
+        args16 = (ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+        with torch.inference_mode():
+            l16 = model(*args16, engines["eager"].attention if "eager" in engines else None)
+            l32 = model32(*args16)
+        out["first_step_logits"] = {"argmax_agreement": round((l16.argmax(-1) == l32.argmax(-1)).float().mean().item(), 5),
+                                    "max_abs_diff": (l16 - l32).abs().max().item(), "max_abs": l32.abs().max().item()}
         del engines["fp32"], e32, model32
         if not dry:
             torch.cuda.empty_cache()
         return out
 
     stage("fp16 vs fp32 agreement", agreement)
+
+    def fused_vs_torch():
+        from gpu_worker.omnivoice import model as model_module
+        from gpu_worker.omnivoice.packing import Document, layout
+
+        if not model_module.fused(torch.zeros(1, dtype=model.llm.norm.weight.dtype, device=dev)):
+            return {"skipped": "no triton here: the torch ops run"}
+        docs = [Document(prefix, target, True)] * 2
+        lay = layout(docs)
+        g = torch.Generator(device=dev).manual_seed(0)
+        ids = torch.randint(0, 1024, (8, lay.rows), device=dev, generator=g)
+        mask = torch.ones(lay.rows, dtype=torch.bool, device=dev)
+        with torch.inference_mode():
+            fused = model(ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+            model_module.KERNELS = "torch"
+            try:
+                plain = model(ids, mask, lay.positions.to(dev), lay.doc_lens, lay.gather.to(dev))
+            finally:
+                model_module.KERNELS = "auto"
+        return {"max_abs_diff": (fused - plain).abs().max().item(), "max_abs": plain.abs().max().item(),
+                "argmax_agreement": (fused.argmax(-1) == plain.argmax(-1)).float().mean().item()}
+
+    stage("fused kernels vs torch ops (logits)", fused_vs_torch)
 
     def step_bench():
         flops1 = step_flops(model.cfg, prefix, target, True)
@@ -204,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch_baseline:
             build("torch", attention="torch", cuda_graphs=False)
             kinds.insert(0, "torch")
+        if args.unfused and not dry:
+            from gpu_worker.omnivoice import model as model_module
+            model_module.KERNELS = "torch"  # read at capture: these graphs hold the torch ops
+            try:
+                build("unfused", attention=attention, cuda_graphs=True).warm_up()
+            finally:
+                model_module.KERNELS = "auto"
+            kinds.append("unfused")
         for b in [int(x) for x in args.bench_batches.split(",")]:
             row = {"batch": b, "floor_ms": round(b * flops1 / (args.peak_tflops * 1e12) * 1000, 3)}
             for kind in kinds:
@@ -224,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{kind}_step_ms"] = round(ms, 3)
                 row[f"{kind}_x_floor"] = round(ms / row["floor_ms"], 2)
                 row[f"{kind}_audio_s_per_s"] = round(b * target / FRAME_RATE / (ms * args.num_step / 1000), 1)
-            if "graphed" in engines:
+            if "graphed" in engines and engines["graphed"].bucketed is not None:
                 row["graphed_forward_ms"] = forward_ms(engines["graphed"], b)
             rows.append(row)
             say(f"  {row}")
@@ -233,11 +279,43 @@ def main(argv: list[str] | None = None) -> int:
     def forward_ms(e: CanvasEngine, b: int) -> float | None:
         """GPU time of one replay of the graph a b-canvas step runs in (the forward to the final norm)."""
         from chorus.bench.common import replay_ms
-        bucket = e.graphs.buckets.pick(b * (prefix + 2 * target), 2 * b)
-        g = e.graphs.graphs.get(bucket)
-        return None if g is None else round(replay_ms(g.graph, 10), 3)
+        bucket = e.bucketed.buckets.pick(b * (prefix + 2 * target), 2 * b)
+        g = e.bucketed.graphs.get(bucket)
+        return None if g is None or g.graph is None else round(replay_ms(g.graph, 10), 3)
 
     stage("step bench", step_bench)
+
+    def profile():
+        """Where a graphed step's time goes: GPU time by kernel over 3 steps (graph replays show their
+        kernels), and the step's wall time against its GPU time (the host's share)."""
+        from collections import defaultdict
+
+        e, b = engines.get("graphed") or engines["eager"], args.profile_batch
+        for i in range(b):
+            e.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
+        for k in range(3):
+            e.step([(i, k) for i in range(b)])
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([] if dry else [torch.profiler.ProfilerActivity.CUDA])
+        with torch.profiler.profile(activities=activities) as prof:
+            t = time.perf_counter()
+            for k in range(3, 6):
+                e.step([(i, k) for i in range(b)])
+            sync()
+            wall = (time.perf_counter() - t) * 1000 / 3
+        for i in range(b):
+            e.release(i)
+        by_kernel: dict[str, float] = defaultdict(float)
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[ev.name[:90]] += (getattr(ev, "device_time", None) or ev.cuda_time) / 1000 / 3
+        gpu = sum(by_kernel.values())
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:20]
+        return {"batch": b, "step_wall_ms": round(wall, 3), "step_gpu_ms": round(gpu, 3),
+                "top_kernels_ms_per_step": {k: round(v, 3) for k, v in top}}
+
+    if args.profile_batch and ("graphed" in engines or dry):
+        stage("profile of graphed steps", profile)
     report["parity_ok"] = parity_ok
     return finish(report, args.out, write_json)
 

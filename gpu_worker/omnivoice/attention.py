@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from gpu_worker.omnivoice.model import Attend, document_attention
+from gpu_worker.omnivoice.staging import host
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's prefill kernels are built for
@@ -29,7 +30,7 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's prefill kernels
 
 class TorchDocuments:
     name = "torch"
-    graphs = False  # a per-document loop has a launch per document: no fixed shape to capture
+    bucketed = False  # a launch per document: nothing gained by fixed shapes, nothing to capture
 
     def plan(self, doc_lens: list[int]) -> Attend:
         return lambda q, k, v: document_attention(q, k, v, doc_lens)
@@ -42,7 +43,7 @@ def indptr(doc_lens: list[int] | np.ndarray) -> torch.Tensor:
 
 class FlashInferDocuments:
     name = "flashinfer"
-    graphs = True
+    bucketed = True  # fixed document counts and rows: steps run in buckets, graphed or not
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  workspace_bytes: int = 256 << 20):
@@ -60,6 +61,10 @@ class FlashInferDocuments:
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: dict[int, torch.cuda.Event] = {}
+        # disable_split_kv where this flashinfer's ragged plan takes it (it does from 0.2.x on)
+        import inspect
+        takes = "disable_split_kv" in inspect.signature(self.wrapper.plan).parameters
+        self._split_kv = {"disable_split_kv": True} if takes else {}
 
     def graph_wrapper(self, docs: int):
         """A wrapper for a CUDA graph of exactly `docs` documents: its indptr arrays live in fixed
@@ -78,9 +83,9 @@ class FlashInferDocuments:
         copied = self._plan_copied.get(id(wrapper))
         if copied is not None:
             copied.synchronize()
-        rows = indptr(doc_lens)
+        rows = host(indptr(doc_lens), self.device)
         wrapper.plan(rows, rows, self.num_heads, self.num_kv_heads, self.head_dim, causal=False,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=True)
+                     q_data_type=self.dtype, kv_data_type=self.dtype, **self._split_kv)
         copied = self._plan_copied[id(wrapper)] = torch.cuda.Event()
         copied.record()
 

@@ -1,6 +1,6 @@
 """One unmasking step of many canvases at once: unmask.unmask_step's math over a packed step's
-gathered logits, in ~25 launches instead of ~25 per canvas (eager, the per-canvas loop was most
-of a graphed step's host time at 32 canvases).
+gathered logits, in ~25 launches instead of ~25 per canvas (at 32 canvases a per-canvas loop
+would be most of a graphed step's host time).
 
 Same operations in the same order as the per-canvas reference, each over all rows at once: the
 log-softmaxes and guidance extrapolation row by row (guided canvases' rows together), the code
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from chorus.omnivoice.knobs import UnmaskKnobs
+from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import gumbel
 
 
@@ -69,16 +70,24 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
         if it.knobs.position_temperature > 0:
             noise[:, s:s + t] = gumbel((c, t), it.generator).numpy()
     floats = torch.from_numpy(np.concatenate([scale, penalty, temperature]).astype(np.float32))
-    ints, floats, noise = (x.to(dev, non_blocking=True) for x in (ints, floats, torch.from_numpy(noise)))
+    ints, floats, noise = (to_device(x, dev) for x in (ints, floats, noise))
     g = len(rows_guided)
     rows_guided, uncond_rows, cond_rows, flat, counts = ints.split([g, g, n, c * n, len(items)])
     scale, penalty, temperature = floats.split([g, n, n])
 
-    lp = torch.log_softmax(logits[:, cond_rows], dim=-1)
+    # The engine's layout puts the cond rows first and the uncond rows after them, each in item
+    # order: slices then, no gathered copies of [C, rows, V] (the step's largest tensors).
+    contiguous = all(it.cond_column == s for it, s in zip(items, starts)) and \
+        all(items[i].uncond_column == n + sum(lens[j] for j in guided[:m]) for m, i in enumerate(guided))
+    lp = torch.log_softmax(logits[:, :n] if contiguous else logits[:, cond_rows], dim=-1)
     if g:
-        a = lp[:, rows_guided]
-        b = torch.log_softmax(logits[:, uncond_rows], dim=-1)
-        lp[:, rows_guided] = torch.log_softmax(a + scale[None, :, None] * (a - b), dim=-1)
+        a = lp if g == n else lp[:, rows_guided]
+        b = torch.log_softmax(logits[:, n:n + g] if contiguous else logits[:, uncond_rows], dim=-1)
+        extrapolated = torch.log_softmax(a + scale[None, :, None] * (a - b), dim=-1)
+        if g == n:
+            lp = extrapolated
+        else:
+            lp[:, rows_guided] = extrapolated
     lp[..., mask_id] = -math.inf
     codes = lp.argmax(dim=-1)
     score = lp.max(dim=-1).values

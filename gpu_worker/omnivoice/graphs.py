@@ -1,5 +1,7 @@
-"""The packed step's forward (embedding, body, final norm) replayed from a CUDA graph, one per
-(rows, documents) bucket (buckets.py).
+"""The packed step's forward (embedding, body, final norm) over the step padded to its (rows,
+documents) bucket (buckets.py), replayed from a CUDA graph per bucket, or (replay False: the
+worker's --no-cuda-graphs) run eagerly on the same buffers with the same kernels and plans, so
+graphed and eager steps give the same tokens and an eager run can tell a graph bug from rounding.
 
 Why: eager, the step is ~600 launches from Python plus one flashinfer plan, and at small batches
 the GPU waits for the host. The graph holds everything up to the final norm over the bucket's
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from gpu_worker.cuda_graphs import capture_graph
 from gpu_worker.omnivoice.buckets import Bucket, Buckets, filler_lens, padded_layout
+from gpu_worker.omnivoice.staging import to_device
 
 log = logging.getLogger("chorus.worker")
 
@@ -43,27 +46,29 @@ class _Inputs:
 @dataclass
 class _StepGraph:
     bucket: Bucket
-    graph: object       # torch.cuda.CUDAGraph
+    graph: object       # torch.cuda.CUDAGraph, None when not replaying
     wrapper: object     # its flashinfer wrapper (fixed document count)
     inputs: _Inputs
-    out: Tensor         # [R, hidden] final-norm hidden states
+    out: Tensor | None  # [R, hidden] final-norm hidden states (the graph's output)
 
 
-class GraphedSteps:
-    def __init__(self, model, attention, max_packed_rows: int, max_batch: int):
-        self.model, self.attention = model, attention
+class BucketedForward:
+    def __init__(self, model, attention, max_packed_rows: int, max_batch: int, replay: bool = True):
+        self.model, self.attention, self.replay = model, attention, replay
         self.cfg = model.cfg
         self.device = next(model.parameters()).device
         self.buckets = Buckets(max_packed_rows, max_batch)
         self.graphs: dict[Bucket, _StepGraph] = {}
         self.inputs: dict[int, _Inputs] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = torch.cuda.graph_pool_handle() if replay else None
         self.unusable: dict[Bucket, str] = {}
         self.disabled: str | None = None
-        self.replays = 0
+        self.runs = 0  # steps run in a bucket (replayed, or eagerly without replay)
 
     def capture_all(self) -> None:
-        """Every bucket ahead of serving, largest first."""
+        """Every bucket ahead of serving, largest first (without replay: nothing to capture)."""
+        if not self.replay:
+            return
         try:
             for b in self.buckets.all():
                 try:
@@ -102,23 +107,22 @@ class GraphedSteps:
         wrapper = self.attention.graph_wrapper(bucket.docs)
         # Planned with the bucket's all-filler layout: the first plan fixes the wrapper's rows.
         self._plan(wrapper, filler_lens(0, 0, bucket), bucket)
-        attend = self.attention.attend(wrapper)
-        model = self.model
-
-        def body() -> Tensor:
-            return model.hidden(inputs.ids, inputs.audio_mask, inputs.positions, attend)
-
-        with torch.inference_mode():
-            graph, out = capture_graph(body, self.mempool)
+        graph = out = None
+        if self.replay:
+            with torch.inference_mode():
+                graph, out = capture_graph(lambda: self._body(inputs, wrapper), self.mempool)
+            log.info("captured OmniVoice step graph for %d rows in %d documents", bucket.rows, bucket.docs)
         g = self.graphs[bucket] = _StepGraph(bucket, graph, wrapper, inputs, out)
-        log.info("captured OmniVoice step graph for %d rows in %d documents", bucket.rows, bucket.docs)
         return g
+
+    def _body(self, inputs: _Inputs, wrapper) -> Tensor:
+        return self.model.hidden(inputs.ids, inputs.audio_mask, inputs.positions, self.attention.attend(wrapper))
 
     def hidden(self, ids: Tensor, audio_mask: Tensor, positions: np.ndarray, doc_lens: list[int]) -> Tensor | None:
         """Final-norm hidden states [r, hidden] of the packed step (ids [C, r] and audio_mask [r] on
-        the device, positions [r] and doc_lens on the host) by replaying its bucket's graph, or None
-        when no graph holds it (the caller runs it eagerly). The result is a view of the graph's
-        output: use it before any graph of this engine replays again."""
+        the device, positions [r] and doc_lens on the host) run in its bucket (its graph replayed),
+        or None when no bucket holds it (the caller runs it unpadded). Replayed, the result is a
+        view of the graph's output: use it before any graph of this engine replays again."""
         if self.disabled:
             return None
         r = ids.shape[1]
@@ -132,12 +136,19 @@ class GraphedSteps:
         except BucketUnusable as e:
             log.warning("OmniVoice step graph for %d rows in %d documents left out: %s", bucket.rows, bucket.docs, e)
             return None
+        except Exception as e:  # noqa: BLE001 - a capture on first use failed: every step runs unpadded
+            log.exception("OmniVoice step graph capture failed; steps run eagerly")
+            self.disabled = f"capture failed: {e!r}"
+            self.graphs.clear()
+            return None
         inputs = g.inputs
         inputs.ids[:, :r].copy_(ids)
         inputs.ids[:, r:].fill_(self.cfg.audio_mask_id)
         inputs.audio_mask[:r].copy_(audio_mask)
         inputs.audio_mask[r:].fill_(True)
-        inputs.positions.copy_(torch.from_numpy(pos).to(self.device, non_blocking=True))
+        inputs.positions.copy_(to_device(pos, self.device))
+        self.runs += 1
+        if g.graph is None:
+            return self._body(inputs, g.wrapper)[:r]
         g.graph.replay()
-        self.replays += 1
         return g.out[:r]

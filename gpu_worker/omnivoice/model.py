@@ -8,14 +8,13 @@ Module names equal the checkpoint's tensor names, so it loads by name.
 Numerics follow the reference's Qwen3 (transformers) operation for operation, so a document's
 logits do not depend on the documents packed beside it and equal the reference's: RMSNorm
 statistics in fp32 (also for fp64 activations), RoPE angles and cos/sin in fp32 then cast, q/k
-norm before half-split RoPE, softmax attention per document. CPU GEMMs compute the last
+norm before half-split RoPE, softmax attention per document. On CUDA with triton, RMSNorm (and
+the residual add before the second norm), q/k norm + RoPE, and SiLU x mul run as
+gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the reference ops everywhere): the same math, with the
+norm's sum in the kernel's fixed order. CPU GEMMs compute the last
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
-
-On CUDA with Triton the elementwise work runs in gpu_worker/kernels.py's fused kernels (RMSNorm,
-residual add + RMSNorm, q/k norm + RoPE, SiLU x up): at a packed step of thousands of rows the
-separate torch ops cost more than the GEMMs. The torch ops stay the reference everywhere else.
 """
 
 from __future__ import annotations
@@ -28,12 +27,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from chorus.omnivoice.config import OmniVoiceConfig
+from chorus.triton_support import KERNEL_DTYPES
 from gpu_worker import kernels
 
 ROW_MULTIPLE = 4
+KERNELS = "auto"  # "auto": gpu_worker/kernels.py's fused kernels on CUDA when triton imports; "torch": never
 
 # One step's attention, planned for its documents: q [rows, H, d], k/v [rows, KV, d] -> [rows, H, d].
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def fused(x: Tensor) -> bool:
+    """Whether x's norms, RoPE and SiLU x mul run as Triton kernels: compiled ones only (the
+    interpreter the CPU tests turn on cannot run inside a CUDA graph)."""
+    return (KERNELS == "auto" and kernels.HAVE_TRITON and not kernels.INTERPRET and x.is_cuda
+            and x.dtype in KERNEL_DTYPES)
 
 
 def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
@@ -46,10 +54,6 @@ def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
 
 
-def _fused(x: Tensor) -> bool:
-    return x.is_cuda and kernels.HAVE_TRITON
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -57,8 +61,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if _fused(x):
-            return kernels.rms_norm(x, self.weight, self.eps)
+        if fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps, impl="auto")
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -114,13 +118,14 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(rows, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(rows, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
-        if _fused(x):  # one launch: q/k norm + RoPE, k and v stored contiguous (every row its own slot)
+        if fused(x):  # q/k norms and RoPE in one launch; k and v land in fresh [rows, KV, d] buffers
             half = self.head_dim // 2
-            keys, values = torch.empty_like(k), torch.empty_like(v)
+            k_out, v_out = torch.empty_like(k), torch.empty_like(v)
             q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
-                                           sin[:, :half], self.q_norm.eps, keys, values,
-                                           torch.arange(rows, device=x.device), rows_per_program=16)
-            o = attend(q, keys, values)
+                                           sin[:, :half], self.q_norm.eps, k_out, v_out,
+                                           torch.arange(rows, device=x.device), impl="auto",
+                                           rows_per_program=16)
+            o = attend(q, k_out, v_out)
         else:
             o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
         return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
@@ -134,9 +139,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if _fused(x):
-            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up, impl="auto") if fused(x) else F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -149,12 +153,13 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         a = self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        if _fused(x):  # the residual add and the next norm in one launch
-            x, h = kernels.add_rms_norm(a, x, self.post_attention_layernorm.weight,
-                                        self.post_attention_layernorm.eps)
-            return x + self.mlp(h)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if fused(x):  # the residual add and the next norm in one launch
+            norm = self.post_attention_layernorm
+            x, h = kernels.add_rms_norm(x, a, norm.weight, norm.eps, impl="auto")
+        else:
+            x = x + a
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 class Body(nn.Module):

@@ -48,10 +48,15 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
     engine = CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows,
                           attention=args.attention, cuda_graphs=args.cuda_graphs)
     if engine.device.type == "cuda":
+        if engine.attention.name == "torch":
+            log.warning("OmniVoice on %s in %s runs torch attention, unbucketed and without CUDA graphs: "
+                        "--dtype float16 (and flashinfer installed) for flashinfer and graphs",
+                        engine.device, args.dtype)
         seconds = engine.warm_up(capture=args.capture_graphs)
-        graphs = engine.graphs
+        b = engine.bucketed
         log.info("OmniVoice worker warm (%.1f s): attention %s, %s", seconds, engine.attention.name,
-                 "no CUDA graphs" if graphs is None else graphs.disabled or f"{len(graphs.graphs)} step graphs")
+                 "unbucketed" if b is None else b.disabled or (f"{len(b.graphs)} step graphs" if b.replay
+                                                               else "bucketed, eager (no CUDA graphs)"))
     return engine
 
 
