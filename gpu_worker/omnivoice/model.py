@@ -8,13 +8,15 @@ Module names equal the checkpoint's tensor names, so it loads by name.
 Numerics follow the reference's Qwen3 (transformers) operation for operation, so a document's
 logits do not depend on the documents packed beside it and equal the reference's: RMSNorm
 statistics in fp32 (also for fp64 activations), RoPE angles and cos/sin in fp32 then cast, q/k
-norm before half-split RoPE, softmax attention per document. On CUDA with triton, RMSNorm (and
-the residual add before the second norm), q/k norm + RoPE, and SiLU x mul run as
-gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the reference ops everywhere): the same math, with the
-norm's sum in the kernel's fixed order. CPU GEMMs compute the last
+norm before half-split RoPE, softmax attention per document. CPU GEMMs compute the last
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
+
+On CUDA with triton, RMSNorm (and the residual add before the second norm), q/k norm + RoPE and
+SiLU x mul run as gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the
+reference ops everywhere): the same math with the norm's sum in the kernel's fixed order. At a
+packed step of thousands of rows the separate torch ops cost more than the GEMMs.
 """
 
 from __future__ import annotations
