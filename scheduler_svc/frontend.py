@@ -1,8 +1,8 @@
 """A scheduler_svc frontend process: the public TextToSpeech gRPC API.
 
 Per Synthesize call for the MOSS model: validate → resolve voice references
-(codes, a stored voice from the voice store, or audio encoded by a vocoder replica) → build prompt
-rows → submit to the scheduler core → stream each generated row to a vocoder
+(codes, a voice of the voice store, or audio encoded by a vocoder replica) →
+build prompt rows → submit to the scheduler core → stream each generated row to a vocoder
 Decode stream and the PCM that comes back to the client, converted to the
 format it asked for. A call for an OmniVoice model takes its own path
 (scheduler_svc/omnivoice_frontend.py); `model` picks (scheduler_svc/served_models.py).
@@ -60,14 +60,14 @@ FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
-                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
-                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
-                 backlog: Backlog | None = None, keys: ApiKeys | None = None, voices: VoiceLibrary | None = None):
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo, voices: VoiceLibrary,
+                 first_chunk_frames_loaded: int = 0, models: ServedModels | None = None,
+                 omnivoice: OmniVoiceFrontend | None = None, backlog: Backlog | None = None,
+                 keys: ApiKeys | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
-        streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
-        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models; keys: the API
-        keys, whose owners own voices (None: no keys; every voice is everyone's); voices: the stored
-        voices."""
+        streams whose client leaves streaming.* unset. voices: the stored voices. models: every served
+        model (None: the MOSS model alone); omnivoice: the OmniVoice path, where models has OmniVoice
+        models; keys: the API keys, whose owners own voices (None: no keys; every voice is everyone's)."""
         self.core = core
         self.voices = voices
         self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
@@ -403,8 +403,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
                              interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog, keys, voices), server)
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, voices, args.first_chunk_frames_loaded,
+                             models, omnivoice, backlog, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)

@@ -1,9 +1,11 @@
 """chorus/voice_store.py: one suite that both stores pass, SQLite (always) and PostgreSQL (a real
 server this module starts from the Debian binaries, initdb + pg_ctl in a temporary directory, and
-stops after; skipped where they or psycopg are missing)."""
+stops after; skipped where they or psycopg are missing). Then what a frontend's client gets when the
+store refuses or fails."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import pwd
@@ -14,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -21,6 +24,8 @@ from chorus.launcher import free_port
 from chorus.voice_store import (StoreFull, StoredVoice, VoiceExists, VoiceStoreError, check_url, default_url,
                                 open_store, shown_url)
 from chorus.wire import rows_matrix
+from scheduler_svc.audio_relay import SynthesisFailed
+from scheduler_svc.voices import VoiceLibrary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,8 +191,8 @@ print(stored)
 
 
 def test_two_processes_write_one_store_and_the_limit_holds(url):
-    """Two frontend processes at once: every write lands, and the per-owner limit is never crossed."""
-    open_store(url).close()  # the schema exists before they race
+    """Two frontend processes at once, from a store not made yet: every write lands, and the per-owner
+    limit is never crossed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, url, name, "40"], env=env, stdout=subprocess.PIPE,
                               text=True) for name in ("a", "b")]
@@ -220,3 +225,23 @@ def test_a_newer_schema_is_refused(url):
         store._write("", lambda sql: sql.run("UPDATE chorus_schema SET version = 99 WHERE component = 'voices'"))
     with pytest.raises(VoiceStoreError, match="schema version 99"):
         open_store(url)
+
+
+def test_the_frontends_library_answers_each_failure_with_its_status(tmp_path):
+    """What a client gets: ALREADY_EXISTS, RESOURCE_EXHAUSTED naming the limit, and UNAVAILABLE (without
+    the store's address) when the database fails."""
+    library = VoiceLibrary(open_store(f"sqlite:///{tmp_path}/voices.sqlite3"), max_voices=1)
+
+    async def run():
+        await library.create(voice("a"))
+        for v, code, words in ((voice("a"), grpc.StatusCode.ALREADY_EXISTS, "DeleteVoice"),
+                               (voice("b"), grpc.StatusCode.RESOURCE_EXHAUSTED, "full (1 voices)")):
+            with pytest.raises(SynthesisFailed) as e:
+                await library.create(v)
+            assert e.value.code == code and words in str(e.value)
+        assert (await library.get_voice("a", "")).voice_id == "a" and await library.get_voice("b", "") is None
+        library.close()
+        with pytest.raises(SynthesisFailed) as e:
+            await library.list("")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and str(tmp_path) not in str(e.value)
+    asyncio.run(run())
