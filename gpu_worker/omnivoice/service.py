@@ -45,7 +45,14 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
 
     model = build_omnivoice(model_dir=args.model, preset=PRESETS.get(args.preset, "tiny"),
                             load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
-    return CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows)
+    engine = CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows,
+                          attention=args.attention, cuda_graphs=args.cuda_graphs)
+    if engine.device.type == "cuda":
+        seconds = engine.warm_up(capture=args.capture_graphs)
+        graphs = engine.graphs
+        log.info("OmniVoice worker warm (%.1f s): attention %s, %s", seconds, engine.attention.name,
+                 "no CUDA graphs" if graphs is None else graphs.disabled or f"{len(graphs.graphs)} step graphs")
+    return engine
 
 
 def hello(args: WorkerConfig, engine: CanvasEngine) -> worker_pb2.Hello:
