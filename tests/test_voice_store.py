@@ -1,12 +1,13 @@
 """chorus/voice_store.py: one suite that both stores pass, SQLite (always) and PostgreSQL (a real
 server this module starts from the Debian binaries, initdb + pg_ctl in a temporary directory, and
 stops after; skipped where they or psycopg are missing). Then what a frontend's client gets when the
-store refuses or fails."""
+store refuses or fails, and the service on PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import os
 import pwd
 import shutil
@@ -19,11 +20,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 
+from chorus.client import channel, synthesize
 from chorus.launcher import free_port
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from chorus.voice_store import (StoreFull, StoredVoice, VoiceExists, VoiceStoreError, check_url, default_url,
                                 open_store, shown_url)
 from chorus.wire import rows_matrix
+from helpers import make_cluster, seeded_request
 from scheduler_svc.audio_relay import SynthesisFailed
 from scheduler_svc.voices import VoiceLibrary
 
@@ -245,3 +250,26 @@ def test_the_frontends_library_answers_each_failure_with_its_status(tmp_path):
             await library.list("")
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and str(tmp_path) not in str(e.value)
     asyncio.run(run())
+
+
+def test_the_service_keeps_its_voices_in_postgresql(postgres):
+    """The service on a PostgreSQL store (CI without PostgreSQL skips it): a voice made through the API
+    is a row of the database, is used, and goes with DeleteVoice."""
+    import psycopg
+    with psycopg.connect(postgres, autocommit=True) as db:
+        db.execute("DROP TABLE IF EXISTS voices, chorus_schema")
+    buf = io.BytesIO()
+    sf.write(buf, np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1, 24000, format="WAV")
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
+                      scheduler_args=["--voice-store", postgres]) as cluster:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(cluster.address))
+        made = stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="pg", audio=common_pb2.AudioData(
+            data=buf.getvalue()), transcript="In the database."))
+        with open_store(postgres) as store:
+            assert store.get("", "pg").frames == made.frames
+        req = seeded_request(frames=3)
+        req.references.add(voice_id="pg")
+        assert synthesize(stub, req, timeout=120).summary.prompt_rows > made.frames
+        stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="pg"))
+        with open_store(postgres) as store:
+            assert store.count("") == 0
