@@ -12,6 +12,10 @@ norm before half-split RoPE, softmax attention per document. CPU GEMMs compute t
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
+
+On CUDA with Triton the elementwise work runs in gpu_worker/kernels.py's fused kernels (RMSNorm,
+residual add + RMSNorm, q/k norm + RoPE, SiLU x up): at a packed step of thousands of rows the
+separate torch ops cost more than the GEMMs. The torch ops stay the reference everywhere else.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from chorus.omnivoice.config import OmniVoiceConfig
+from gpu_worker import kernels
 
 ROW_MULTIPLE = 4
 
@@ -41,6 +46,10 @@ def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=dim)
 
 
+def _fused(x: Tensor) -> bool:
+    return x.is_cuda and kernels.HAVE_TRITON
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -48,6 +57,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if _fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -100,10 +111,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(rows, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(rows, self.n_kv, self.head_dim))
+        q = self.q_proj(x).view(rows, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
-        o = attend(rotate(q, cos, sin), rotate(k, cos, sin), v)
+        if _fused(x):  # one launch: q/k norm + RoPE, k and v stored contiguous (every row its own slot)
+            half = self.head_dim // 2
+            keys, values = torch.empty_like(k), torch.empty_like(v)
+            q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
+                                           sin[:, :half], self.q_norm.eps, keys, values,
+                                           torch.arange(rows, device=x.device), rows_per_program=16)
+            o = attend(q, keys, values)
+        else:
+            o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
         return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
 
 
@@ -115,6 +134,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if _fused(x):
+            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -127,7 +148,12 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        if _fused(x):  # the residual add and the next norm in one launch
+            x, h = kernels.add_rms_norm(a, x, self.post_attention_layernorm.weight,
+                                        self.post_attention_layernorm.eps)
+            return x + self.mlp(h)
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
