@@ -64,7 +64,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     if args.print_config:
         print(layout.toml(), end="")
         return
-    cluster = layout.cluster_launcher(die_with_parent=True)
+    cluster = layout.cluster_launcher(die_with_parent=True, temporary_voices=False)  # voices outlive the run
 
     def terminate(*_):  # SIGTERM (a supervisor, kill) stops the services as Ctrl-C does
         raise KeyboardInterrupt

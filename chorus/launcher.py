@@ -205,6 +205,9 @@ class Cluster:
     # CURVE on the worker links with a key pair made for this run (a worker or scheduler config that
     # names its own keys keeps them).
     curve: bool = False
+    # Voices in a file of this run's temporary directory unless the scheduler config names a
+    # voice_store (False: the per-user default file, so voices outlive the run: chorus up).
+    temporary_voices: bool = True
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
     _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
@@ -233,6 +236,8 @@ class Cluster:
         worker, vocoder, scheduler = self.configs()
         self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
         tmp = self._tmp.name
+        if self.temporary_voices and not scheduler.voice_store:
+            scheduler = dataclasses.replace(scheduler, voice_store=f"sqlite:///{tmp}/voices.sqlite3")
         decoder_dir = os.path.join(tmp, "decoder")
         attach: list[str | None] = [None for _ in self.vocoder_ports]  # each replica's decoder directory
         worker = dataclasses.replace(worker, bind=f"tcp://{self.host}:{self.worker_port}")

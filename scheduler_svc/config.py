@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from chorus.config import ConfigError, setting
+from chorus.voice_store import check_url
 from scheduler_svc.validation import MAX_CHUNK_FRAMES
 
 
@@ -65,8 +66,8 @@ class SchedulerConfig:
     max_references: int = setting(8, "voice references one request may give", minimum=1)
     max_reference_seconds: float = setting(60.0, "longest voice reference or stored voice in seconds",
                                            flag="--max-reference-s", metavar="S", minimum=1)
-    max_voices: int = setting(128, "voices the store keeps; CreateVoice of a new id beyond this is refused",
-                              minimum=1)
+    max_voices: int = setting(128, "voices each API key owner may keep; CreateVoice of a new id beyond this is "
+                              "refused", minimum=1)
     first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
@@ -102,12 +103,14 @@ class SchedulerConfig:
     continuation_seconds: float = setting(10.0, "seconds of the previous sentences' audio a MOSS sentence or piece "
                                           "continues (whole sentences; 0 = each starts from the voice)",
                                           flag="--continuation-s", metavar="S", minimum=0)
+    # ---- voices
+    voice_store: str = setting("", "where the frontends keep voices: sqlite:///PATH or postgresql://USER@HOST/DB "
+                               "(empty: chorus/voices.sqlite3 under $XDG_STATE_HOME or ~/.local/state)", metavar="URL")
 
     def link_message_bytes(self) -> int:
         """The largest message either end of the core-frontend link sends under these limits: a
-        request or voice of max_request_bytes, or a list of max_voices transcripts, plus room for a
-        step's rows."""
-        return self.max_request_bytes + self.max_voices * 4 * (self.max_text_chars + self.max_id_chars + 64) + (16 << 20)
+        request of max_request_bytes, plus room for a step's rows."""
+        return self.max_request_bytes + (16 << 20)
 
     def validate(self) -> None:
         if not self.vocoder:
@@ -115,6 +118,11 @@ class SchedulerConfig:
         if self.omnivoice_worker and not self.omnivoice_vocoder:
             raise ConfigError("scheduler.omnivoice_worker is set but scheduler.omnivoice_vocoder is empty: give the "
                               "address of at least one OmniVoice codec vocoder")
+        if self.voice_store:
+            try:
+                check_url(self.voice_store)
+            except ValueError as e:
+                raise ConfigError(f"scheduler.voice_store: {e}") from None
         if bool(self.curve_secret_key) != bool(self.worker_public_key):
             raise ConfigError("scheduler.curve_secret_key and scheduler.worker_public_key go together: give both "
                               "(CURVE on the worker links) or neither")

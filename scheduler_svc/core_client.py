@@ -4,8 +4,8 @@ What the Synthesize handler needs of the scheduler, over ZeroMQ: submit a
 prompt and get a Ticket whose `events` queue receives the request's
 FrameEvents and its FinishEvent / ErrorEvent (the same events the audio relay
 reads in-process), or submit an OmniVoice canvas and get a CanvasTicket whose
-`done` future receives its CanvasDone; abort either; and the voice store that
-all frontends share.
+`done` future receives its CanvasDone; abort either; and evict a deleted
+voice's prefix from the core's radix cache.
 """
 
 from __future__ import annotations
@@ -196,24 +196,10 @@ class CoreClient:
         self._send(frontend_pb2.FrontendMessage(report=frontend_pb2.CallReport(event=event, ttfa_s=ttfa_s,
                                                                              outcome=outcome)))
 
-    # ---- voices ---------------------------------------------------------------------------------
-    async def put_voice(self, voice: frontend_pb2.StoredVoice) -> bool:
-        """False: the store is full (it holds max_voices others)."""
-        return bool((await self._call(frontend_pb2.FrontendMessage(put_voice=voice))).voices.voices)
-
-    async def get_voice(self, voice_id: str, owner: str = "") -> frontend_pb2.StoredVoice | None:
-        """The voice_id of this owner (the caller's API key owner), or None."""
-        found = (await self._call(frontend_pb2.FrontendMessage(
-            get_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices
-        return found[0] if found else None
-
-    async def delete_voice(self, voice_id: str, owner: str = "") -> bool:
-        return bool((await self._call(frontend_pb2.FrontendMessage(
-            delete_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices)
-
-    async def list_voices(self, owner: str = "") -> list[frontend_pb2.StoredVoice]:
-        return list((await self._call(frontend_pb2.FrontendMessage(
-            list_voices=frontend_pb2.VoiceQuery(owner=owner)))).voices.voices)
+    def evict_prefix(self, rows: np.ndarray, shared_rows: int) -> None:
+        """A deleted voice's prompt prefix: the core frees the cached rows that start with it."""
+        self._send(frontend_pb2.FrontendMessage(evict_prefix=frontend_pb2.EvictPrefix(
+            rows=rows_matrix(rows), shared_rows=shared_rows)))
 
     @property
     def broken(self) -> str:

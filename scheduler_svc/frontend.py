@@ -1,8 +1,8 @@
 """A scheduler_svc frontend process: the public TextToSpeech gRPC API.
 
 Per Synthesize call for the MOSS model: validate → resolve voice references
-(codes, a stored voice, or audio encoded by a vocoder replica) → build prompt
-rows → submit to the scheduler core → stream each generated row to a vocoder
+(codes, a voice of the voice store, or audio encoded by a vocoder replica) →
+build prompt rows → submit to the scheduler core → stream each generated row to a vocoder
 Decode stream and the PCM that comes back to the client, converted to the
 format it asked for. A call for an OmniVoice model takes its own path
 (scheduler_svc/omnivoice_frontend.py); `model` picks (scheduler_svc/served_models.py).
@@ -35,6 +35,7 @@ from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_dur
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
+from chorus.voice_store import VoiceStoreError, open_store
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
@@ -51,6 +52,7 @@ from scheduler_svc.synthesize_stream import PieceLimits, TextStreams
 from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
                                       printable, shown, validate)
 from scheduler_svc.vocoder_client import VocoderPool
+from scheduler_svc.voices import VoiceLibrary
 
 log = logging.getLogger("chorus.scheduler")
 SERVICE_NAME = "chorus.v1.TextToSpeech"
@@ -59,14 +61,16 @@ FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
-                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
-                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
-                 backlog: Backlog | None = None, keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo, voices: VoiceLibrary,
+                 first_chunk_frames_loaded: int = 0, models: ServedModels | None = None,
+                 omnivoice: OmniVoiceFrontend | None = None, backlog: Backlog | None = None,
+                 keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
-        streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
-        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models; keys: the API
-        keys, whose owners own voices (None: no keys; every voice is everyone's)."""
+        streams whose client leaves streaming.* unset. voices: the stored voices. models: every served
+        model (None: the MOSS model alone); omnivoice: the OmniVoice path, where models has OmniVoice
+        models; keys: the API keys, whose owners own voices (None: no keys; every voice is everyone's)."""
         self.core = core
+        self.voices = voices
         self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
         self.omnivoice = omnivoice
         self.vocoders = vocoders
@@ -115,7 +119,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 raise InvalidRequest(f"{field}.codes values must be in [0, {self.cfg.audio_vocab_size})")
             return codes
         if kind == "voice_id":
-            voice = await self.core.get_voice(ref.voice_id, caller.get())
+            voice = await self.voices.get_voice(ref.voice_id, caller.get())
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
                                       f"{field}.voice_id {shown(ref.voice_id)} not found; create it with "
@@ -278,6 +282,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         return tts_pb2.ListModelsResponse(models=[self._model_info(m) for m in self.models.models])
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
+        owner = self._caller(context)
         rms = 0.0
         try:
             check_create_voice(request, self.limits)
@@ -286,31 +291,46 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 codes, rms = await self.omnivoice.encode(request.audio, "audio")
             else:
                 codes = await self._encode_audio(request.audio, "audio")
+            voice_id = request.voice_id or uuid.uuid4().hex[:12]
+            await self.voices.create(frontend_pb2.StoredVoice(
+                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
+                model=model.name, rms=rms, owner=owner))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
-        voice_id = request.voice_id or uuid.uuid4().hex[:12]
-        if not await self.core.put_voice(frontend_pb2.StoredVoice(
-                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
-                model=model.name, rms=rms, owner=self._caller(context))):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
-                                f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript,
                              model=model.name)
 
     async def ListVoices(self, request, context):
+        try:
+            voices = await self.voices.list(self._caller(context))
+        except SynthesisFailed as e:
+            await context.abort(e.code, str(e))
         return tts_pb2.ListVoicesResponse(voices=[
             tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name)
-            for v in await self.core.list_voices(self._caller(context))])
+            for v in voices])
 
     async def DeleteVoice(self, request, context):
         if len(request.voice_id) > self.limits.max_id_chars:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice_id has {len(request.voice_id)} "
                                 f"characters; the limit is {self.limits.max_id_chars}")
-        if not await self.core.delete_voice(request.voice_id, self._caller(context)):
+        try:
+            voice = await self.voices.delete(request.voice_id, self._caller(context))
+        except SynthesisFailed as e:
+            await context.abort(e.code, str(e))
+        if voice is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {shown(request.voice_id)} not found")
+        if voice.model in ("", self.cfg.name):  # the core's radix cache holds MOSS prompts only
+            self.core.evict_prefix(*await asyncio.to_thread(self._voice_prefix, _matrix(voice.codes)))
         return tts_pb2.DeleteVoiceResponse()
+
+    def _voice_prefix(self, codes: np.ndarray) -> tuple[np.ndarray, int]:
+        """The prompt rows every request cloning this voice starts with (its reference ends them), and
+        how many of them every cloning prompt starts with, whatever the voice."""
+        rows = build_prompt_rows(self.cfg, self.tokenizer, "", references=[codes])
+        code_rows = np.flatnonzero(rows[:, 0] == self.cfg.audio_user_slot_token_id)
+        return rows[:code_rows[-1] + 2], int(code_rows[0])  # through the reference's audio_end row
 
 
 # ---- process -----------------------------------------------------------------------
@@ -341,7 +361,7 @@ async def _serve_health(health_servicer, core: CoreClient, models: ServedModels)
 
 
 async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalConfig, limits: Limits,
-                     index: int) -> tuple[ServedModels, OmniVoiceFrontend | None]:
+                     index: int, voices: VoiceLibrary) -> tuple[ServedModels, OmniVoiceFrontend | None]:
     """The served models, and the OmniVoice path when the core schedules OmniVoice workers."""
     served = [ServedModel(cfg.name, MOSS)] + [ServedModel(h.model_name, OMNIVOICE) for h in core.hello.canvas_workers]
     try:
@@ -360,7 +380,8 @@ async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalC
         raise SystemExit(f"frontend {index}: the OmniVoice vocoder serves {info.codec} at {info.sample_rate} Hz, "
                          f"{info.channels} ch, {info.samples_per_frame} samples per frame; OmniVoice needs its "
                          f"codec (24000 Hz, 1 ch, 960)")
-    return models, OmniVoiceFrontend(core, clips, load_omnivoice_tokenizer(args.omnivoice_tokenizer), limits)
+    return models, OmniVoiceFrontend(core, clips, load_omnivoice_tokenizer(args.omnivoice_tokenizer), limits,
+                                     voices)
 
 
 async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
@@ -378,7 +399,14 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
-    models, omnivoice = await _omnivoice(args, core, cfg, limits, index)
+    try:
+        store = await asyncio.to_thread(open_store, args.voice_store)
+    except (ValueError, VoiceStoreError) as e:
+        raise SystemExit(f"frontend {index}: scheduler.voice_store: {e}") from None
+    if index == 0:
+        log.info("voices in %s", store.url)
+    voices = VoiceLibrary(store, args.max_voices)
+    models, omnivoice = await _omnivoice(args, core, cfg, limits, index, voices)
 
     try:
         keys = ApiKeys(args.api_keys) if args.api_keys else None
@@ -390,8 +418,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
                              interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog, keys,
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, voices, args.first_chunk_frames_loaded,
+                             models, omnivoice, backlog, keys,
                              PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)})),
         server)
     health_servicer = health.aio.HealthServicer()
@@ -425,6 +453,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if omnivoice is not None:
         await omnivoice.vocoders.close()
     core.close()
+    voices.close()
     if core_gone:
         raise SystemExit(1)
 

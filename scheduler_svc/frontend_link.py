@@ -1,6 +1,7 @@
 """The core's end of the link to its frontend processes (ROUTER; each frontend a DEALER).
 
-Frontends submit, abort and store voices here; the scheduler's events come
+Frontends submit and abort here, and evict a deleted voice's prefix from the radix cache
+(voices themselves live in the frontends' store); the scheduler's events come
 back through this sink: buffered per frontend while a journal is applied and
 sent as one Progress message per frontend at flush(), so a step of 256 frames
 costs each frontend one message, not 256. OmniVoice canvases go to the canvas
@@ -42,8 +43,7 @@ class _Outbox:
 
 
 class FrontendLink(EventSink, CanvasSink):
-    def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None,
-                 max_message_bytes: int = 0):
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None, max_message_bytes: int = 0):
         """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit)."""
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -53,8 +53,6 @@ class FrontendLink(EventSink, CanvasSink):
         self._sock.bind(endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler: Scheduler | None = None
-        self.voices: dict[tuple[str, str], frontend_pb2.StoredVoice] = {}  # (owner, voice_id): each key's own
-        self.max_voices = max_voices
         self.ready: set[bytes] = set()
         self.ready_changed = asyncio.Event()
         self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
@@ -217,22 +215,10 @@ class FrontendLink(EventSink, CanvasSink):
                 worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size,
                 canvas_workers=[c.hello for group in self.canvas_schedulers.values() for c in group],
                 default_model=self.default_model))
-        if kind == "put_voice":
-            v = msg.put_voice
-            if (v.owner, v.voice_id) not in self.voices and len(self.voices) >= self.max_voices:
-                return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList())  # full: not stored
-            self.voices[v.owner, v.voice_id] = v
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v]))
-        if kind in ("get_voice", "delete_voice"):
-            q = getattr(msg, kind)
-            key = (q.owner, q.voice_id)
-            v = self.voices.get(key) if kind == "get_voice" else self.voices.pop(key, None)
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v] if v is not None else []))
-        if kind == "list_voices":
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[
-                frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames, model=v.model,
-                                         rms=v.rms, owner=v.owner)
-                for v in self.voices.values() if v.owner == msg.list_voices.owner]))
+        if kind == "evict_prefix":
+            freed = self.scheduler.evict_prefix(matrix_array(msg.evict_prefix.rows), msg.evict_prefix.shared_rows)
+            log.info("a deleted voice's prefix: %d cached rows freed", freed)
+            return None
         raise ValueError(f"unknown frontend message {kind!r}")
 
     def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
@@ -33,6 +35,7 @@ from scheduler_svc.heartbeat import Heartbeat, is_new_worker
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
 from scheduler_svc.request import EventSink, Request, Unavailable
+from scheduler_svc.row_keys import prompt_row_keys
 from scheduler_svc.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("chorus.scheduler")
@@ -95,6 +98,15 @@ class Scheduler:
         self.policy.abort(req)
         self._publish()
         self._wakeup.set()  # its release rides on the next plan
+
+    def evict_prefix(self, rows: np.ndarray, shared_rows: int) -> int:
+        """A prefix no request will ask for again (a deleted voice's): free the radix cache's unlocked
+        rows of the sequences that start with it (RadixCache.drop_prefix). Returns the rows freed."""
+        if not self.config.radix_cache:
+            return 0
+        freed = self.policy.cache.drop_prefix(prompt_row_keys(rows), self.config.cache_key, shared_rows)
+        self._publish()
+        return freed
 
     def pause(self, req: Request, paused: bool) -> None:
         """Its client stopped reading (paused) or reads again: no decode steps meanwhile; its KV stays."""

@@ -2,7 +2,7 @@
 
 The core (this process) owns the Scheduler (queue, admission, KV, radix cache,
 lookahead, the ZeroMQ link to the gpu_worker), a CanvasScheduler per OmniVoice
-worker, the voice store and the one Prometheus endpoint. It starts --frontends
+worker and the one Prometheus endpoint (voices live in the frontends' store). It starts --frontends
 frontend processes (scheduler_svc/frontend.py) that all serve the gRPC port:
 validation, prompt building, the vocoder streams and the client's audio, the
 per-frame work that one Python process cannot carry at full GPU throughput. They reach the core
@@ -148,7 +148,7 @@ async def serve(args: SchedulerConfig) -> None:
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.model_config_json))
     cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
     with tempfile.TemporaryDirectory(prefix="chorus-scheduler-") as tmp:
-        link = FrontendLink(f"ipc://{tmp}/core", args.max_voices, max_message_bytes=args.link_message_bytes())
+        link = FrontendLink(f"ipc://{tmp}/core", max_message_bytes=args.link_message_bytes())
         scheduler = Scheduler(worker, hello, dataclasses.replace(args, cache_key=cache_key), sink=link)
         canvas_schedulers = await _canvas_schedulers(args, link)
         try:

@@ -212,7 +212,9 @@ def test_the_voice_store_is_bounded(stub):
         stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="one-too-many", audio=audio))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "voice store" in e.value.details()
     assert str(MAX_VOICES) in e.value.details() and len(e.value.details()) < 300
-    stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="v0", audio=audio))  # replacing one still works
+    with pytest.raises(grpc.RpcError) as e:  # an id in use is refused, full or not
+        stub.CreateVoice(tts_pb2.CreateVoiceRequest(voice_id="v0", audio=audio))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "DeleteVoice" in e.value.details()
     assert sorted(v.voice_id for v in stub.ListVoices(tts_pb2.ListVoicesRequest()).voices) == ["v0", "v1", "v2"]
     for i in range(MAX_VOICES):
         stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id=f"v{i}"))

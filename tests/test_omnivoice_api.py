@@ -178,7 +178,8 @@ class FakePiece:  # chorus.omnivoice.prompt.Piece's fields
 
 
 class FakeCore:
-    """Answers submit_canvas at once; a canvas is done when the test says (finish)."""
+    """Answers submit_canvas at once; a canvas is done when the test says (finish). Its voices stand in
+    for the voice library (get_voice)."""
 
     def __init__(self):
         self.hello = frontend_pb2.CoreHello(canvas_workers=[worker_pb2.Hello(model_name=MODEL,
@@ -234,7 +235,7 @@ class FakeClips:
 def frontend_with(monkeypatch, pieces):
     monkeypatch.setattr(omnivoice_frontend, "plan", lambda *a, **kw: pieces)
     core, clips = FakeCore(), FakeClips()
-    return OmniVoiceFrontend(core, clips, tokenizer=None, limits=LIMITS), core, clips
+    return OmniVoiceFrontend(core, clips, tokenizer=None, limits=LIMITS, voices=core), core, clips
 
 
 async def wait_for(core: FakeCore, n: int) -> None:
@@ -389,7 +390,7 @@ def test_the_real_planner_builds_the_canvases_and_its_errors_name_the_field():
 
     tok = load_omnivoice_tokenizer(None)
     core, clips = FakeCore(), FakeClips()
-    fe = OmniVoiceFrontend(core, clips, tok, LIMITS)
+    fe = OmniVoiceFrontend(core, clips, tok, LIMITS, voices=core)
     req = ovreq(text="Good morning.", language="English", instructions="female, low pitch",
                 references=[codes_ref(rows=40)])
 
