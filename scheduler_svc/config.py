@@ -91,8 +91,8 @@ class SchedulerConfig:
     vocoder_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the vocoders and whose tls.crt and "
                                           "tls.key are this service's client certificate; unset: plaintext",
                                           metavar="DIR")
-    curve_secret_key: str | None = setting(None, "this scheduler's CURVE key pair file (.key_secret) for the "
-                                           "worker links; unset: no CURVE", metavar="FILE")
+    curve_secret_key: str | None = setting(None, "this process's CURVE key pair file (.key_secret) for the "
+                                           "worker links and the frontend link; unset: no CURVE", metavar="FILE")
     worker_public_key: str | None = setting(None, "the workers' CURVE public key file (.key); needed with "
                                             "curve_secret_key", metavar="FILE")
     # ---- tiers
