@@ -121,9 +121,10 @@ class SchedulerConfig:
         return self.max_request_bytes + self.max_voices * 4 * (self.max_text_chars + self.max_id_chars + 64) + (16 << 20)
 
     def validate(self) -> None:
-        if not self.vocoder:
+        serves_api = self.frontends or self.engines  # an engine (frontends = 0) talks to no vocoder
+        if serves_api and not self.vocoder:
             raise ConfigError("scheduler.vocoder is empty: give at least one vocoder address")
-        if self.omnivoice_worker and not self.omnivoice_vocoder:
+        if serves_api and self.omnivoice_worker and not self.omnivoice_vocoder:
             raise ConfigError("scheduler.omnivoice_worker is set but scheduler.omnivoice_vocoder is empty: give the "
                               "address of at least one OmniVoice codec vocoder")
         if self.engines:

@@ -28,9 +28,13 @@ def run(args: SchedulerConfig) -> None:
     asyncio.run(frontend.serve(args, None, 0))
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, SchedulerConfig)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_svc.frontend_tier") -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(p, SchedulerConfig)
+    add_arguments(p)
     ns = p.parse_args(argv)
     try:
         config = parse(SchedulerConfig, ns)
