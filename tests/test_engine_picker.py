@@ -61,3 +61,28 @@ def test_without_a_key_the_least_loaded_serves():
 def test_no_live_engine():
     assert pick(b"k", {}) is None
     assert pick(None, {}) is None
+
+
+# ---- what the pool hands the picker ----------------------------------------------------------------
+
+def test_affinity_keys():
+    from chorus.v1 import common_pb2, tts_pb2
+    from scheduler_svc.engine_pool import affinity_key
+
+    def req(**ref):
+        r = tts_pb2.SynthesizeRequest(text="hi")
+        r.references.add(**ref)
+        return r
+
+    assert affinity_key(tts_pb2.SynthesizeRequest(text="hi")) is None  # no prefix to share: least loaded
+    assert affinity_key(req(voice_id="v")) == affinity_key(req(voice_id="v"))
+    assert affinity_key(req(voice_id="v"), "alice") != affinity_key(req(voice_id="v"), "bob")  # each owner's own
+    clip = common_pb2.AudioData(data=b"RIFF....")
+    assert affinity_key(req(audio=clip)) == affinity_key(req(audio=clip)) != affinity_key(req(voice_id="v"))
+
+
+def test_engines_resolve_by_dns():
+    from scheduler_svc.engine_pool import resolve
+
+    assert resolve("tcp://10.0.0.7:5570") == {"tcp://10.0.0.7:5570"}
+    assert "tcp://127.0.0.1:5570" in resolve("dns:///localhost:5570")
