@@ -1,9 +1,10 @@
 """The tiers as separate processes, wired as a Kubernetes cluster wires them: two engines (a worker
 and a scheduler core with frontends = 0 each, reached over TCP), two vocoders, and two frontend tier
-processes on one port. A voice stays on the engine the rendezvous ranking gives it (its radix hits
+processes on one port, every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
 show on that core's /metrics alone), other voices spread over both; a vocoder killed mid-stream
 changes no byte; an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 
+import asyncio
 import io
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb
 from chorus.wire import rows_matrix
 from helpers import seeded_request
 from scheduler_svc import engine_picker
+from scheduler_svc.core_client import CoreClient, CoreUnavailable
 from scheduler_svc.engine_pool import affinity_key
 
 N_VQ = 12  # the tiny preset's codebooks
@@ -27,8 +29,9 @@ N_VQ = 12  # the tiny preset's codebooks
 @pytest.fixture(scope="module")
 def tiers():
     metrics = [free_port(), free_port()]
+    # curve: CURVE on the worker links and the frontend links, as between pods
     c = Cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "8192"], engines=2,
-                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics)
+                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True)
     with c:
         c.engine_metrics = dict(zip((c.service(f"engine{i}").address for i in range(2)), metrics))
         yield c
@@ -64,6 +67,18 @@ def codes_request(seed: int) -> tts_pb2.SynthesizeRequest:
     codes = np.random.default_rng(seed).integers(0, 64, (24, N_VQ), dtype=np.int32)
     req.references.add(codes=rows_matrix(codes))
     return req
+
+
+def test_the_frontend_link_admits_only_the_frontends_key(tiers):
+    async def hello(endpoint):
+        client = CoreClient(endpoint)  # no CURVE keys: the handshake never completes
+        try:
+            await client.connect(timeout=2)
+        finally:
+            client.close()
+
+    with pytest.raises(CoreUnavailable):
+        asyncio.run(hello(tiers.service("engine0").address))
 
 
 def test_a_voice_stays_on_its_engine(tiers):
@@ -143,14 +158,14 @@ def test_a_killed_vocoder_changes_no_byte(tiers):
 
 def test_a_killed_engine_fails_only_its_own_streams(tiers):
     victim = tiers.service("engine0")
-    requests = [_frames_request(seed, 24) for seed in (31, 32, 33, 34)]
+    requests = [_frames_request(seed, 12) for seed in (31, 32, 33, 34)]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
     failed = [r for r in results if isinstance(r, grpc.RpcError)]
     assert failed and len(failed) < len(results), results  # both engines had streams
     assert {e.code() for e in failed} == {grpc.StatusCode.UNAVAILABLE}
-    assert all(r.summary.frames == 24 for r in results if not isinstance(r, grpc.RpcError))
+    assert all(r.summary.frames == 12 for r in results if not isinstance(r, grpc.RpcError))
     survivor = tiers.service("engine1").address
-    for seed in (41, 42, 43):  # new requests, any voice: the survivor
+    for seed in (41, 42):  # new requests, any voice: the survivor
         assert served_by(tiers, codes_request(seed)) == survivor
     health = health_pb2_grpc.HealthStub(channel(tiers.address))
     assert health.Check(health_pb2.HealthCheckRequest(service="chorus.v1.TextToSpeech"),
