@@ -10,6 +10,8 @@ format it asked for. A call for an OmniVoice model takes its own path
 Several frontends serve one port (SO_REUSEPORT: the kernel spreads client
 connections over them), so the per-frame relay work, which is most of the
 service's CPU, scales with processes while one core schedules every request.
+A frontend tier process (scheduler_svc/frontend_tier.py) runs this same API in
+front of many cores, one picked per request (scheduler_svc/engine_pool.py).
 """
 
 from __future__ import annotations
