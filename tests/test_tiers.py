@@ -137,7 +137,7 @@ def _run_all(c: Cluster, requests, on_started=None, min_chunks: int = 1):
 
 
 def test_a_killed_vocoder_changes_no_byte(tiers):
-    requests = [_frames_request(seed, 16) for seed in (21, 22)]
+    requests = [_frames_request(seed, 10) for seed in (21, 22)]
     clean = _run_all(tiers, requests)
     killed = []
 
@@ -153,7 +153,7 @@ def test_a_killed_vocoder_changes_no_byte(tiers):
     assert killed and killed[0] >= 1
     for a, b in zip(clean, faulted):
         assert isinstance(b, type(a)), b
-        assert a.audio_bytes == b.audio_bytes and a.summary.frames == 16
+        assert a.audio_bytes == b.audio_bytes and a.summary.frames == 10
 
 
 def test_a_killed_engine_fails_only_its_own_streams(tiers):
