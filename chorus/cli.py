@@ -120,21 +120,19 @@ def cmd_say(args: argparse.Namespace) -> None:
     import grpc
     import soundfile as sf
 
-    from chorus.client import channel, credentials, synthesize
-    from chorus.v1 import tts_pb2_grpc
+    from chorus.client import Client, Synthesis, add_response, credentials
 
     ca = getattr(args, "tls_ca", None)  # `chorus demo` runs its own loopback cluster: plaintext, no key
     creds = credentials(ca, args.tls_cert, args.tls_key) if ca else None
-    stub = tts_pb2_grpc.TextToSpeechStub(channel(args.server, creds))
-
-    def progress(s):
-        secs = sum(c.num_samples for c in s.chunks) / s.header.sample_rate
-        print(f"\r  {secs:6.2f} s of audio received", end="", file=sys.stderr, flush=True)
-
     t0 = time.monotonic()
+    result = Synthesis()
     try:
-        result = synthesize(stub, _say_request(args), timeout=args.timeout, on_chunk=progress,
-                            api_key=getattr(args, "api_key", None))
+        with Client(args.server, timeout=args.timeout, api_key=getattr(args, "api_key", None), creds=creds) as client:
+            for resp in _say_responses(client, args):
+                add_response(result, resp, t0)
+                if resp.WhichOneof("kind") == "audio":
+                    secs = sum(c.num_samples for c in result.chunks) / result.header.sample_rate
+                    print(f"\r  {secs:6.2f} s of audio received", end="", file=sys.stderr, flush=True)
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(2)
@@ -142,9 +140,29 @@ def cmd_say(args: argparse.Namespace) -> None:
     pcm = result.pcm()
     sf.write(args.output, pcm, result.header.sample_rate, subtype="PCM_16")
     s = result.summary
+    spoken = (f"{len(result.sentences)} sentences" if result.sentences else
+              f"{s.frames} frames ({tts_pb2_name(s.finish_reason)}), first audio {s.first_audio_ms:.0f} ms")
     print(f"\nwrote {args.output}: {pcm.shape[0] / result.header.sample_rate:.2f} s, "
-          f"{result.header.sample_rate} Hz, {result.header.channels} ch; {s.frames} frames "
-          f"({tts_pb2_name(s.finish_reason)}), first audio {s.first_audio_ms:.0f} ms, total {wall:.2f} s")
+          f"{result.header.sample_rate} Hz, {result.header.channels} ch; {spoken}, total {wall:.2f} s")
+
+
+def _say_responses(client, args: argparse.Namespace):
+    """Synthesize the text, or with text `-` SynthesizeStream stdin's text as it arrives."""
+    request = _say_request(args)
+    if args.text != "-":
+        return client.stream(request)
+    request.text = ""
+    return client.synthesize_stream(request, _stdin_pieces())
+
+
+def _stdin_pieces():
+    """stdin's text as it arrives (not line by line: an LLM writes words)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    while data := os.read(sys.stdin.fileno(), 4096):
+        yield decoder.decode(data)
+    yield decoder.decode(b"", final=True)
 
 
 def tts_pb2_name(reason: int) -> str:
@@ -247,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("say", help="synthesize text through a running scheduler into a WAV file")
-    p.add_argument("text", help="what to say")
+    p.add_argument("text", help="what to say; - reads it from stdin as it arrives and speaks it sentence by "
+                   "sentence (SynthesizeStream)")
     p.add_argument("--server", default="127.0.0.1:50051", help="scheduler address HOST:PORT")
     p.add_argument("--model", default="", help="model to speak with: a served model's name or architecture, e.g. "
                    "omnivoice (empty: the server's default)")

@@ -9,6 +9,12 @@ audio to a WAV or FLAC file as it streams:
     with Client(["10.0.0.1:50051", "10.0.0.2:50051"]) as client, AudioFile("out.flac") as out:
         for resp in client.stream(SynthesizeRequest(text="Hello.")):
             out.add(resp)
+
+`synthesize_stream(config, pieces)` is SynthesizeStream: text in as it is written (an LLM's
+tokens), audio out sentence by sentence:
+
+    for resp in client.synthesize_stream(SynthesizeRequest(), llm_tokens()):
+        out.add(resp)
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +40,8 @@ class Synthesis:
     header: tts_pb2.StreamHeader | None = None
     chunks: list[tts_pb2.AudioChunk] = field(default_factory=list)
     codes: list[np.ndarray] = field(default_factory=list)
-    summary: tts_pb2.SynthesisSummary | None = None
+    summary: tts_pb2.SynthesisSummary | None = None  # a SynthesizeStream's: its last sentence's
+    sentences: list[tts_pb2.SentenceMark] = field(default_factory=list)  # SynthesizeStream's
     first_chunk_s: float | None = None
 
     @property
@@ -79,13 +86,46 @@ def synthesize(stub: tts_pb2_grpc.TextToSpeechStub, request: tts_pb2.SynthesizeR
     out = Synthesis()
     t0 = time.monotonic()
     for resp in stub.Synthesize(request, timeout=timeout, metadata=auth_metadata(api_key)):
-        _add(out, resp, t0)
+        add_response(out, resp, t0)
         if on_chunk and resp.WhichOneof("kind") == "audio":
             on_chunk(out)
     return out
 
 
 # ---- the SDK ------------------------------------------------------------------------------------
+
+Piece = str | int  # SynthesizeStream input: text, or a tts_pb2.StreamSignal (FLUSH, END, CANCEL)
+
+
+def _stream_message(piece: Piece) -> tts_pb2.SynthesizeStreamRequest:
+    if isinstance(piece, str):
+        return tts_pb2.SynthesizeStreamRequest(text=piece)
+    return tts_pb2.SynthesizeStreamRequest(signal=piece)
+
+
+def stream_messages(config: tts_pb2.SynthesizeRequest, pieces: Iterable[Piece]) -> Iterator[
+        tts_pb2.SynthesizeStreamRequest]:
+    """SynthesizeStream's messages: the config, the pieces, then END (unless a piece was END or CANCEL)."""
+    yield tts_pb2.SynthesizeStreamRequest(config=config)
+    for piece in pieces:
+        yield _stream_message(piece)
+        if not isinstance(piece, str) and piece in (tts_pb2.END, tts_pb2.CANCEL):
+            return
+    yield tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.END)
+
+
+async def _async_stream_messages(config: tts_pb2.SynthesizeRequest, pieces: AsyncIterable[Piece] | Iterable[Piece]):
+    if not hasattr(pieces, "__aiter__"):
+        for message in stream_messages(config, pieces):
+            yield message
+        return
+    yield tts_pb2.SynthesizeStreamRequest(config=config)
+    async for piece in pieces:
+        yield _stream_message(piece)
+        if not isinstance(piece, str) and piece in (tts_pb2.END, tts_pb2.CANCEL):
+            return
+    yield tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.END)
+
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -158,6 +198,18 @@ class Client:
         """The whole answer of one call, collected."""
         return collect(self.stream(request))
 
+    def synthesize_stream(self, config: tts_pb2.SynthesizeRequest,
+                          pieces: Iterable[Piece]) -> Iterator[tts_pb2.SynthesizeResponse]:
+        """SynthesizeStream: config (a SynthesizeRequest without text), then each piece as it comes
+        (text, or FLUSH / END / CANCEL); END follows the last. Yields the header, then per sentence
+        its SentenceMark, audio and summary, as they come. Not retried: the pieces are read once."""
+        call = self._stub().SynthesizeStream(stream_messages(config, pieces), timeout=self.timeout,
+                                             metadata=self._metadata)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
     def _unary(self, name: str, request):
         for attempt in itertools.count():
             try:
@@ -227,11 +279,22 @@ class AsyncClient:
                 call.cancel()
             return
 
+    async def synthesize_stream(self, config: tts_pb2.SynthesizeRequest, pieces: AsyncIterable[Piece] |
+                                Iterable[Piece]) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        """Client.synthesize_stream's twin; pieces may be an async iterable (an LLM's stream)."""
+        call = self._stub().SynthesizeStream(_async_stream_messages(config, pieces), timeout=self.timeout,
+                                             metadata=self._metadata)
+        try:
+            while (resp := await call.read()) is not grpc.aio.EOF:
+                yield resp
+        finally:
+            call.cancel()
+
     async def synthesize(self, request: tts_pb2.SynthesizeRequest) -> Synthesis:
         out = Synthesis()
         t0 = time.monotonic()
         async for resp in self.stream(request):
-            _add(out, resp, t0)
+            add_response(out, resp, t0)
         return out
 
     async def _unary(self, name: str, request):
@@ -260,7 +323,8 @@ class AsyncClient:
         await self.close()
 
 
-def _add(out: Synthesis, resp: tts_pb2.SynthesizeResponse, t0: float) -> None:
+def add_response(out: Synthesis, resp: tts_pb2.SynthesizeResponse, t0: float) -> None:
+    """Adds one response to out; t0: when the call started (monotonic), for first_chunk_s."""
     kind = resp.WhichOneof("kind")
     if kind == "header":
         out.header = resp.header
@@ -273,6 +337,8 @@ def _add(out: Synthesis, resp: tts_pb2.SynthesizeResponse, t0: float) -> None:
         out.codes.append(np.frombuffer(m.data, dtype="<i4").reshape(m.rows, m.cols))
     elif kind == "summary":
         out.summary = resp.summary
+    elif kind == "sentence":
+        out.sentences.append(resp.sentence)
 
 
 def collect(responses) -> Synthesis:
@@ -280,7 +346,7 @@ def collect(responses) -> Synthesis:
     out = Synthesis()
     t0 = time.monotonic()
     for resp in responses:
-        _add(out, resp, t0)
+        add_response(out, resp, t0)
     return out
 
 

@@ -29,11 +29,7 @@ class GatewayConfig:
     drain_seconds: float = setting(5.0, "seconds open streams get to finish on SIGTERM", minimum=0)
     log_level: str = setting("warning", "uvicorn's log level",
                              choices=("critical", "error", "warning", "info", "debug"))
-    sentence_chars: int = setting(300, "speech stream: characters of text with no sentence end after which it is "
-                                  "cut at a comma or space", minimum=20)
-    continuation_seconds: float = setting(10.0, "speech stream: seconds of the previous sentences' audio a MOSS "
-                                          "sentence continues (whole sentences; 0 = each starts from the voice)",
-                                          flag="--continuation-s", metavar="S", minimum=0)
     scheduler_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the scheduler and whose tls.crt "
                                             "and tls.key (if present) are the gateway's client certificate; "
                                             "unset: plaintext", metavar="DIR")
+    aac_bitrate_kbps: int = setting(128, "bit rate of aac output per channel in kbit/s", minimum=16, maximum=256)

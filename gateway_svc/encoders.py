@@ -6,7 +6,8 @@ back to patch at close (FLAC's total length and checksum) are already sent and s
 written; those fields mean "unknown" there, and the stream decodes the same. mp3 is constant bit
 rate, so a decoder needs no tag frame to know its length: the blank frame LAME reserves for one is
 dropped (it would decode as a frame of silence before the speech). Ogg Opus pages are cut every
-50 ms instead of libsndfile's default second, so a chunk's audio leaves with the chunk.
+50 ms instead of libsndfile's default second, so a chunk's audio leaves with the chunk. aac is
+ADTS from PyAV (gateway_svc/aac.py), into the same sink, where PyAV is installed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import numpy as np
 import soundfile as sf
 
+from gateway_svc import aac
 from gateway_svc.errors import invalid
 
 # response_format -> (media type, libsndfile (format, subtype) or None: passed through)
@@ -23,10 +25,12 @@ FORMATS = {
     "mp3": ("audio/mpeg", ("MP3", "MPEG_LAYER_III")),
     "opus": ("audio/ogg", ("OGG", "OPUS")),
     "flac": ("audio/flac", ("FLAC", "PCM_16")),
+    "aac": ("audio/aac", ("ADTS", "AAC")),
     "wav": ("audio/wav", None),
     "pcm": ("audio/pcm", None),
 }
-NOT_OFFERED = {"aac": "this server has no AAC encoder; use mp3, opus, flac, wav or pcm"}
+NOT_OFFERED = {} if aac.available() else {
+    "aac": "this gateway has no AAC encoder (install PyAV: pip install av); use mp3, opus, flac, wav or pcm"}
 OGG_PAGE_MS = 50.0
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h; soundfile has no wrapper for it
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -43,7 +47,7 @@ def check_format(name: str) -> str:
 
 def check_rate(fmt: str, rate: int, param: str = "sample_rate") -> None:
     """A rate the format's encoder takes, else 400 (opus and mp3 have fixed sets)."""
-    allowed = OPUS_RATES if fmt == "opus" else MP3_RATES if fmt == "mp3" else None
+    allowed = {"opus": OPUS_RATES, "mp3": MP3_RATES, "aac": aac.RATES}.get(fmt)
     if allowed and rate not in allowed:
         raise invalid(param, f"{fmt} needs one of {', '.join(map(str, allowed))} Hz, not {rate}")
 
@@ -112,7 +116,8 @@ def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
 class Encoder:
     """PCM16 (interleaved, little-endian) in, the container's bytes out, chunk by chunk."""
 
-    def __init__(self, fmt: str, sample_rate: int, channels: int, mp3_kbps: int = 128):
+    def __init__(self, fmt: str, sample_rate: int, channels: int, mp3_kbps: int = 128, aac_kbps: int = 128):
+        """aac_kbps: per channel."""
         self.media_type, codec = FORMATS[fmt]
         self.channels = channels
         # encode runs in a worker thread; close may come from the event loop while one is in flight
@@ -127,7 +132,10 @@ class Encoder:
             if fmt == "mp3":
                 # libsndfile's compression level runs 0 (best, 320 kbit/s) .. 1 (smallest, 32 kbit/s)
                 extra = dict(bitrate_mode="CONSTANT", compression_level=(320 - mp3_kbps) / 288)
-            self._file = sf.SoundFile(self._sink, "w", sample_rate, channels, codec[1], format=codec[0], **extra)
+            if fmt == "aac":
+                self._file = aac.AacFile(self._sink, sample_rate, channels, aac_kbps)
+            else:
+                self._file = sf.SoundFile(self._sink, "w", sample_rate, channels, codec[1], format=codec[0], **extra)
             if fmt == "opus":
                 _set_ogg_page_latency(self._file, OGG_PAGE_MS)
 

@@ -55,7 +55,7 @@ def invalid(param: str, message: str) -> GatewayError:
 
 def param_of(details: str) -> str | None:
     """The HTTP field a scheduler's INVALID_ARGUMENT message is about (it starts with the gRPC field)."""
-    m = _FIELD.match(details or "")
+    m = _FIELD.match(re.sub(r"^config(\.|: )", "", details or ""))  # SynthesizeStream's config.*
     if not m:
         return None
     field = m.group(1)

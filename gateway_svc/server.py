@@ -114,14 +114,17 @@ class Gateway:
                 raise
             return parse_speech(body, await self.models(refresh=True))
 
-    async def open_synthesis(self, plan: SpeechPlan):
-        """The call and its stream header; a failure before the header is an HTTP error answer."""
+    async def open_synthesis(self, plan: SpeechPlan, stream: bool = False):
+        """The call (Synthesize, or SynthesizeStream with plan.request as its config) and its stream
+        header; a failure before the header is an HTTP error answer."""
         name = plan.request.references[0].voice_id if plan.voice_may_be_builtin else ""
         if name and self._not_stored.get((BEARER.get(), name), 0.0) > time.monotonic():
             self._use_model_voice(plan)
         while True:
-            call = self.stub.Synthesize(plan.request)
+            call = self.stub.SynthesizeStream() if stream else self.stub.Synthesize(plan.request)
             try:
+                if stream:
+                    await call.write(tts_pb2.SynthesizeStreamRequest(config=plan.request))
                 first = await call.read()
             except grpc.aio.AioRpcError as e:
                 if (e.code() == grpc.StatusCode.NOT_FOUND and plan.voice_may_be_builtin
@@ -211,7 +214,8 @@ def build_app(cfg: GatewayConfig) -> Starlette:
     async def speech(request: Request):
         plan = await gw.plan(await read_json(request, cfg.max_body_bytes))
         call, header = await gw.open_synthesis(plan)
-        encoder = Encoder(plan.response_format, header.sample_rate, header.channels, cfg.mp3_bitrate_kbps)
+        encoder = Encoder(plan.response_format, header.sample_rate, header.channels, cfg.mp3_bitrate_kbps,
+                          cfg.aac_bitrate_kbps)
         return AudioStream(call, encoder, plan.sse, {
             "X-Sample-Rate": str(header.sample_rate), "X-Channels": str(header.channels),
             "X-Request-Id": header.request_id, "X-Model": header.model, "Cache-Control": "no-store"},

@@ -200,46 +200,48 @@ if HAVE_TRITON:
     @triton.jit
     def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr,
                                    slot_ptr, q_sn, q_sh, k_sn, k_sh, v_sn, v_sh, qo_sn, qo_sh, kc_sn, kc_sh,
-                                   vc_sn, vc_sh, cs_sn, n_q_heads, HALF, inv_d, eps,
-                                   BLOCK_H: tl.constexpr, CUDA: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
+                                   vc_sn, vc_sh, cs_sn, n_q_heads, N, HALF, inv_d, eps,
+                                   BLOCK_H: tl.constexpr, ROWS: tl.constexpr, CUDA: tl.constexpr):
+        # A program takes one head of ROWS consecutive tokens; each token's sums stay within its
+        # own tile row, so a token's result does not depend on the tokens beside it.
+        n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         head = tl.program_id(1)
         i = tl.arange(0, BLOCK_H)
-        mask = i < HALF
+        mask = (n < N)[:, None] & (i < HALF)[None, :]
         # One grid covers the q heads then the k heads, so q and k cost one launch; a k-head
         # program also stores its k and v in the token's KV slot (no separate cache writes).
         if head < n_q_heads:
-            src = q_ptr + n * q_sn + head * q_sh
-            dst = qo_ptr + n * qo_sn + head * qo_sh
+            src = q_ptr + n[:, None] * q_sn + head * q_sh
+            dst = qo_ptr + n[:, None] * qo_sn + head * qo_sh
             w_ptr = qw_ptr
         else:
             kh = head - n_q_heads
-            slot = tl.load(slot_ptr + n).to(tl.int64)
-            src = k_ptr + n * k_sn + kh * k_sh
-            dst = kc_ptr + slot * kc_sn + kh * kc_sh
+            slot = tl.load(slot_ptr + n, mask=n < N, other=0).to(tl.int64)
+            src = k_ptr + n[:, None] * k_sn + kh * k_sh
+            dst = kc_ptr + slot[:, None] * kc_sn + kh * kc_sh
             w_ptr = kw_ptr
-            vsrc = v_ptr + n * v_sn + kh * v_sh
-            vdst = vc_ptr + slot * vc_sn + kh * vc_sh
-            tl.store(vdst + i, tl.load(vsrc + i, mask=mask), mask=mask)
-            tl.store(vdst + HALF + i, tl.load(vsrc + HALF + i, mask=mask), mask=mask)
-        x1 = tl.load(src + i, mask=mask, other=0.0)
-        x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
+            vsrc = v_ptr + n[:, None] * v_sn + kh * v_sh
+            vdst = vc_ptr + slot[:, None] * vc_sn + kh * vc_sh
+            tl.store(vdst + i[None, :], tl.load(vsrc + i[None, :], mask=mask), mask=mask)
+            tl.store(vdst + HALF + i[None, :], tl.load(vsrc + HALF + i[None, :], mask=mask), mask=mask)
+        x1 = tl.load(src + i[None, :], mask=mask, other=0.0)
+        x2 = tl.load(src + HALF + i[None, :], mask=mask, other=0.0)
         dt = x1.dtype
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        r = _rstd(tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0), 2 * HALF, inv_d, eps, CUDA)
+        r = _rstd(tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1), 2 * HALF, inv_d, eps, CUDA)[:, None]
         # RMSNorm: cast before the weight multiply, round the product (as torch's bf16 mul).
-        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
         n1 = _rnd(_rnd(f1 * r, dt, CUDA) * w1, dt, CUDA)
         n2 = _rnd(_rnd(f2 * r, dt, CUDA) * w2, dt, CUDA)
-        c = tl.load(cos_ptr + n * cs_sn + i, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + n * cs_sn + i, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + n[:, None] * cs_sn + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + n[:, None] * cs_sn + i[None, :], mask=mask, other=0.0).to(tl.float32)
         # torch evaluates x1*c - x2*s as three bf16 ops: round each product, then the difference.
         o1 = _rnd(n1 * c, dt, CUDA) - _rnd(n2 * s, dt, CUDA)
         o2 = _rnd(n2 * c, dt, CUDA) + _rnd(n1 * s, dt, CUDA)
-        tl.store(dst + i, _cast(o1, dt, CUDA), mask=mask)
-        tl.store(dst + HALF + i, _cast(o2, dt, CUDA), mask=mask)
+        tl.store(dst + i[None, :], _cast(o1, dt, CUDA), mask=mask)
+        tl.store(dst + HALF + i[None, :], _cast(o2, dt, CUDA), mask=mask)
 
     # ---- multi-channel row embedding ----------------------------------------------
     @triton.jit
@@ -366,13 +368,17 @@ def _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+                       v_cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto",
+                       rows_per_program: int = 1) -> torch.Tensor:
     """Qwen3Attention's QK-norm + half-split RoPE, and the paged KV store, in one launch:
     `k_cache[slots] = rotate_half_split(k_norm(k))`, `v_cache[slots] = v`; returns
     `rotate_half_split(q_norm(q))` (new, contiguous).
 
     q [N, Hq, d], k, v [N, Hk, d] (projection views), q_w/k_w [d], cos/sin [N, d/2]
-    in the activation dtype (Qwen3Backbone.rope), caches [slots, Hk, d], slots [N] int64."""
+    in the activation dtype (Qwen3Backbone.rope), caches [slots, Hk, d], slots [N] int64.
+    rows_per_program (a power of 2): tokens one program normalises; more suits thousands of rows.
+    A token's result is the same whatever its neighbours, but may differ by an ulp between values
+    of rows_per_program (the reduction's layout changes), so one model keeps to one value."""
     N, Hq, d = q.shape
     Hk = k.shape[1]
     dt = q.dtype
@@ -385,11 +391,12 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: t
     if not _use_kernel(impl, supported, q, k, v, q_w, k_w, cos, sin, k_cache, v_cache, slots):
         return _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, slots)
     qo = torch.empty((N, Hq, d), dtype=dt, device=q.device)
-    _qk_norm_rope_store_kernel[(N, Hq + Hk)](
+    _qk_norm_rope_store_kernel[(triton.cdiv(N, rows_per_program), Hq + Hk)](
         q, k, v, q_w, k_w, cos, sin, qo, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), qo.stride(0), qo.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0), Hq, d // 2,
-        _inv(d), eps, BLOCK_H=triton.next_power_of_2(d // 2), CUDA=q.is_cuda, **_launch_opts(1))
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0), Hq, N, d // 2,
+        _inv(d), eps, BLOCK_H=triton.next_power_of_2(d // 2), ROWS=rows_per_program, CUDA=q.is_cuda,
+        **_launch_opts(1 if rows_per_program == 1 else 4))
     return qo
 
 

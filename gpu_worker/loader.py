@@ -31,7 +31,6 @@ Loading policy
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from chorus.moss_config import PRESETS, MossTTSLocalConfig
 from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights, precompute_code_qkv
+from gpu_worker.safetensors_headers import CheckpointError, read_headers, read_tensors  # noqa: F401 (CheckpointError: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ _TEXT_HEAD = "text_lm_head.weight"
 _AUDIO_HEAD = re.compile(r"^audio_lm_heads\.(\d+)\.weight$")
 
 
-class CheckpointError(ValueError):
-    pass
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -65,31 +61,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[key]
-
-
-def _shard_map(model_dir: Path) -> dict[Path, set[str] | None]:
-    """Shard file → the tensor names the index puts there (None: single file, no index)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from e
-        shards: dict[Path, set[str] | None] = {}
-        for name, file in weight_map.items():
-            shards.setdefault(model_dir / file, set()).add(name)
-        absent = sorted(str(p.name) for p in shards if not p.is_file())
-        if absent:
-            raise CheckpointError(f"{index} lists shard file(s) that are not in {model_dir}: {absent}")
-        return dict(sorted(shards.items()))
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return {single: None}
-    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-
-
-def _shard_files(model_dir: Path) -> list[Path]:
-    return list(_shard_map(model_dir))
 
 
 def _classify(name: str, n_vq: int) -> str:
@@ -103,95 +74,49 @@ def _classify(name: str, n_vq: int) -> str:
     return "weight"
 
 
-def _fmt(names: list[str], limit: int = 20) -> str:
-    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
-
-
 def check_checkpoint(cfg: MossTTSLocalConfig, model_dir: str | Path) -> dict[str, Path]:
     """Read only the safetensors headers and compare them with the model `cfg`
     describes. Returns name → shard for every tensor to load (tied duplicates
     under their own names too). Raises CheckpointError naming every missing,
     unexpected or mis-shaped tensor."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
     with torch.device("meta"):
         expected = {n: tuple(t.shape) for n, t in MossTTSLocal(cfg).state_dict().items()}
-    where: dict[str, Path] = {}
-    unexpected, misplaced, bad_shape = [], [], []
-    for shard, listed in _shard_map(model_dir).items():
-        with safe_open(str(shard), framework="pt") as f:
-            names = list(f.keys())
-            if listed is not None:
-                misplaced += [f"{n} (index: {shard.name}, absent there)" for n in sorted(listed - set(names))]
-            for name in names:
-                kind = _classify(name, cfg.n_vq)
-                if kind == "ignored":
-                    continue
-                if name in where:
-                    raise CheckpointError(f"tensor {name} appears in both {where[name].name} and {shard.name}")
-                where[name] = shard
-                if kind == "tied":
-                    continue
-                if name not in expected:
-                    unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    hint = ""
-                    if name.endswith("mlp.fc_in.weight") and shape[1:] == expected[name][1:]:
-                        hint = (f" (gpt2_config n_inner is {cfg.local.n_inner}, 4*n_embd when unset; "
-                                f"the checkpoint's fc_in has {shape[0]} rows)")
-                    elif shape == expected[name][::-1] and len(shape) == 2:
-                        hint = " (transposed: HF-GPT2 Conv1D layout? upstream c_attn/c_proj are Linear [out, in])"
-                    bad_shape.append(f"{name}: checkpoint {shape}, model expects {expected[name]}{hint}")
-    missing = sorted(set(expected) - set(where))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_fmt(missing)}")
-    if unexpected:
-        hint = ""
-        if any(n.startswith("model.") for n in unexpected):
-            hint = " (names under 'model.' look like an sglang-omni export; upstream uses 'transformer.')"
-        elif "local_transformer.wpe.weight" in unexpected:
-            hint = " (a wpe table means position_embedding_type 'absolute', but the config says 'rope')"
-        problems.append(f"unexpected tensors: {_fmt(sorted(unexpected))}{hint}")
-    if misplaced:
-        problems.append(f"tensors the index maps to the wrong shard: {_fmt(misplaced)}")
-    if bad_shape:
-        problems.append("shape mismatches: " + "; ".join(bad_shape[:20]))
-    if problems:
-        raise CheckpointError(f"checkpoint {model_dir} does not match its config.json: " + " | ".join(problems))
-    return where
+    headers = read_headers(model_dir, skip=lambda name: _classify(name, cfg.n_vq) == "ignored")
+    for name, shape in headers.shapes.items():
+        if _classify(name, cfg.n_vq) == "tied":
+            continue
+        if name not in expected:
+            headers.unexpected.append(name)
+        elif shape != expected[name]:
+            hint = ""
+            if name.endswith("mlp.fc_in.weight") and shape[1:] == expected[name][1:]:
+                hint = (f" (gpt2_config n_inner is {cfg.local.n_inner}, 4*n_embd when unset; "
+                        f"the checkpoint's fc_in has {shape[0]} rows)")
+            elif shape == expected[name][::-1] and len(shape) == 2:
+                hint = " (transposed: HF-GPT2 Conv1D layout? upstream c_attn/c_proj are Linear [out, in])"
+            headers.bad_shape.append(f"{name}: checkpoint {shape}, model expects {expected[name]}{hint}")
+    hint = ""
+    if any(n.startswith("model.") for n in headers.unexpected):
+        hint = " (names under 'model.' look like an sglang-omni export; upstream uses 'transformer.')"
+    elif "local_transformer.wpe.weight" in headers.unexpected:
+        hint = " (a wpe table means position_embedding_type 'absolute', but the config says 'rope')"
+    return headers.check(set(expected), unexpected_hint=hint)
 
 
 def load_checkpoint(model: MossTTSLocal, model_dir: str | Path) -> None:
     """Copy tensors by name into an allocated model, one tensor at a time (no
     second full copy in host RAM), casting to the model's dtype. Fails naming
     missing/unexpected/mis-shaped tensors before copying anything."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    where = check_checkpoint(model.cfg, model_dir)
+    shards = check_checkpoint(model.cfg, Path(model_dir))
     params = model.state_dict(keep_vars=True)
-    by_shard: dict[Path, list[str]] = {}
-    for name, shard in where.items():
-        by_shard.setdefault(shard, []).append(name)
-    heads: list[tuple[str, Path]] = []
+    loaded = {n: s for n, s in shards.items() if _classify(n, model.cfg.n_vq) != "tied"}
+    heads = {n: s for n, s in shards.items() if _classify(n, model.cfg.n_vq) == "tied" and n != _TEXT_HEAD}
     with torch.no_grad():
-        for shard, names in by_shard.items():
-            with safe_open(str(shard), framework="pt") as f:
-                for name in names:
-                    if _classify(name, model.cfg.n_vq) == "tied":
-                        if name != _TEXT_HEAD:
-                            heads.append((name, shard))
-                        continue
-                    params[name].copy_(f.get_tensor(name))
-        for name, shard in heads:  # tied duplicates: compare, never load
+        for name, tensor in read_tensors(loaded):
+            params[name].copy_(tensor)
+        for name, head in read_tensors(heads):  # tied duplicates: compare, never load
             k = int(_AUDIO_HEAD.match(name).group(1))
             table = model.audio_embeddings[k].weight
-            with safe_open(str(shard), framework="pt") as f:
-                head = f.get_tensor(name)
             if tuple(head.shape) != tuple(table.shape) or not torch.equal(head.to(table), table):
                 log.warning("checkpoint tensor %s differs from audio_embeddings.%d.weight; the head is taken "
                             "from the embedding (upstream ties them)", name, k)

@@ -25,7 +25,7 @@ from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.canvas_policy import Canvas, CanvasPolicy
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.heartbeat import Heartbeat
+from scheduler_svc.heartbeat import Heartbeat, is_new_worker
 from scheduler_svc.request import Unavailable
 from scheduler_svc.worker_client import WorkerClient, WorkerUnavailable
 
@@ -216,19 +216,15 @@ class CanvasScheduler:
 
     # ---- worker restarts -------------------------------------------------------
     def _is_new_worker(self, incarnation: int) -> bool:
-        return bool(incarnation and self.hello.incarnation and incarnation != self.hello.incarnation)
+        return is_new_worker(self.hello.incarnation, incarnation)
 
     async def _worker_came_back(self, timeout: float) -> bool:
         """Is a new worker process answering hello within `timeout`? Then its running canvases fail
-        (_worker_restarted) and True; no answer or the same process: False."""
-        try:
-            hello = await self.worker.hello(timeout=timeout)
-        except Exception:  # noqa: BLE001 - no answer
+        (_worker_restarted) and True; else False."""
+        incarnation = await self.heartbeat.new_incarnation(self.hello.incarnation, timeout)
+        if incarnation is None:
             return False
-        self.heartbeat.mark(True)
-        if not self._is_new_worker(hello.incarnation):
-            return False
-        self._worker_restarted(hello.incarnation)
+        self._worker_restarted(incarnation)
         return True
 
     def _worker_restarted(self, incarnation: int, keep: set[int] = frozenset()) -> None:

@@ -95,6 +95,14 @@ class SchedulerConfig:
                                            "worker links and the frontend link; unset: no CURVE", metavar="FILE")
     worker_public_key: str | None = setting(None, "the workers' CURVE public key file (.key); needed with "
                                             "curve_secret_key", metavar="FILE")
+    # ---- text in pieces (long-form Synthesize, SynthesizeStream)
+    max_longform_chars: int = setting(50000, "longest text a MOSS Synthesize accepts: text over max_text_chars is "
+                                      "spoken in pieces, each continuing the last", minimum=1)
+    sentence_chars: int = setting(300, "characters of text with no sentence end after which it is cut at a comma "
+                                  "or space; a long-form piece groups sentences up to this", minimum=20)
+    continuation_seconds: float = setting(10.0, "seconds of the previous sentences' audio a MOSS sentence or piece "
+                                          "continues (whole sentences; 0 = each starts from the voice)",
+                                          flag="--continuation-s", metavar="S", minimum=0)
     # ---- tiers
     frontend_link: str = setting("", "ZeroMQ endpoint the core binds for frontends, e.g. tcp://0.0.0.0:5570 "
                                  "(empty: an ipc socket for its own frontends alone)", metavar="ENDPOINT")

@@ -50,6 +50,7 @@ from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: Inv
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
 from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
+from scheduler_svc.synthesize_stream import PieceLimits, TextStreams
 from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
                                       printable, shown, validate)
 from scheduler_svc.vocoder_client import VocoderPool
@@ -63,7 +64,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
     def __init__(self, core: EnginePool, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
                  limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
                  models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
-                 backlog: Backlog | None = None, keys: ApiKeys | None = None):
+                 backlog: Backlog | None = None, keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
         streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
         model alone); omnivoice: the OmniVoice path, where models has OmniVoice models; keys: the API
@@ -80,6 +81,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.relay = AudioRelay(vocoders, codec, cfg.n_vq, backlog=backlog, pause=core.pause)
         self.frame_rate = codec.sample_rate / codec.samples_per_frame
         self.keys = keys
+        self.streams = TextStreams(self, pieces or PieceLimits())  # SynthesizeStream, long-form Synthesize
 
     def _caller(self, context) -> str:
         """The owner of the call's API key ("" without keys); the interceptor has checked the key."""
@@ -167,11 +169,20 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
     # ---- Synthesize -------------------------------------------------------------
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
+        async for response in self._answer(lambda: self._synthesize(request, context), context):
+            yield response
+
+    async def SynthesizeStream(self, requests, context: grpc.aio.ServicerContext):
+        async for response in self._answer(lambda: self.streams.stream(requests, context), context):
+            yield response
+
+    async def _answer(self, responses, context: grpc.aio.ServicerContext):
+        """The call's responses (from responses()), its failures as statuses, reported to the core."""
         self._caller(context)
         self.core.report("start")
         outcome = ""
         try:
-            async for response in self._synthesize(request, context):
+            async for response in responses():
                 yield response
             outcome = "ok"
         except InvalidRequest as e:
@@ -191,6 +202,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                                   "later")
         if model.architecture == OMNIVOICE:
             async for response in self.omnivoice.synthesize(request, model.name):
+                yield response
+            return
+        if self.streams.is_longform(request, model):
+            async for response in self.streams.longform(request, context):
                 yield response
             return
         resolved = await asyncio.to_thread(validate, request, self.limits, None, self.frame_rate)
@@ -390,7 +405,9 @@ async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) ->
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
     add_text_to_speech(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog, keys), server)
+                             omnivoice, backlog, keys,
+                             PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)})),
+        server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)

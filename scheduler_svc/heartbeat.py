@@ -68,6 +68,16 @@ class Heartbeat:
             log.error("the %s worker at %s is gone: %s", self.name, self.worker.endpoint, why)
         self.changed(up)
 
+    async def new_incarnation(self, known: int, timeout: float) -> int | None:
+        """The incarnation of a new worker process answering hello within `timeout`, or None when
+        nothing answers or the process the driver knows (`known`) does (alive, busy or stuck)."""
+        try:
+            hello = await self.worker.hello(timeout=timeout)
+        except Exception:  # noqa: BLE001 - no answer
+            return None
+        self.mark(True)
+        return hello.incarnation if is_new_worker(known, hello.incarnation) else None
+
     async def _probe(self) -> None:
         while True:
             try:
@@ -98,3 +108,9 @@ class Heartbeat:
                     self._poke.set()
         finally:
             monitor.close()
+
+
+def is_new_worker(known: int, incarnation: int) -> bool:
+    """Does this incarnation (from a Hello or a Journal) belong to another worker process than the
+    known one? (0: a worker that does not say.)"""
+    return bool(incarnation and known and incarnation != known)

@@ -87,6 +87,7 @@ def deserializer(cls):
 
 
 def _guard(behavior, streaming: bool):
+    """Undecodable requests end INVALID_ARGUMENT (a client stream's are the servicer's to judge)."""
     if streaming:
         async def call(request, context):
             if isinstance(request, Undecodable):
@@ -108,8 +109,13 @@ def add_text_to_speech(servicer, server) -> None:
     for method in service.methods:
         request = getattr(tts_pb2, method.input_type.name)
         response = getattr(tts_pb2, method.output_type.name)
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(_guard(getattr(servicer, method.name), method.server_streaming),
+        if method.client_streaming:
+            make, behavior = grpc.stream_stream_rpc_method_handler, getattr(servicer, method.name)
+        else:
+            make = (grpc.unary_stream_rpc_method_handler if method.server_streaming else
+                    grpc.unary_unary_rpc_method_handler)
+            behavior = _guard(getattr(servicer, method.name), method.server_streaming)
+        handlers[method.name] = make(behavior,
                                      request_deserializer=deserializer(request),
                                      response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

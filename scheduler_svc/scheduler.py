@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.heartbeat import Heartbeat
+from scheduler_svc.heartbeat import Heartbeat, is_new_worker
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
 from scheduler_svc.request import EventSink, Request, Unavailable
@@ -250,23 +250,16 @@ class Scheduler:
 
     # ---- worker restarts -------------------------------------------------------
     def _is_new_worker(self, incarnation: int) -> bool:
-        """Does this incarnation (from a Hello or a Journal) belong to another worker process than the
-        one the scheduler knows? (0: a worker that does not say.)"""
-        return bool(incarnation and self.hello.incarnation and incarnation != self.hello.incarnation)
+        return is_new_worker(self.hello.incarnation, incarnation)
 
     async def _worker_came_back(self, timeout: float) -> bool:
         """Is a new worker process answering hello within `timeout` (the old one died and was restarted,
         e.g. by its stall watchdog or its supervisor)? Then every running request re-prefills on it
-        (_worker_restarted) and True. No answer, or the same process answering (alive, busy or stuck):
-        False, and nothing changes."""
-        try:
-            hello = await self.worker.hello(timeout=timeout)
-        except Exception:  # noqa: BLE001 - no answer
+        (_worker_restarted) and True; else nothing changes."""
+        incarnation = await self.heartbeat.new_incarnation(self.hello.incarnation, timeout)
+        if incarnation is None:
             return False
-        self.heartbeat.mark(True)
-        if not self._is_new_worker(hello.incarnation):
-            return False
-        self._worker_restarted(hello.incarnation)
+        self._worker_restarted(incarnation)
         return True
 
     def _worker_restarted(self, incarnation: int) -> None:

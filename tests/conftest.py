@@ -25,6 +25,19 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
+def omnivoice_cluster():
+    """The real services serving the tiny OmniVoice and its codec beside MOSS's (CPU), shared by the
+    OmniVoice serving and bench tests."""
+    from gpu_worker.config import WorkerConfig
+    from vocoder_svc.config import VocoderConfig
+
+    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
+                      omnivoice_worker=WorkerConfig(preset="omnivoice-tiny", dtype="float32"),
+                      omnivoice_vocoder=VocoderConfig(preset="higgs-tiny")) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
 def v2_64():
     """Tiny v2-shaped codec in float64 (the codec and session tests share it)."""
     return build_codec(tiny_v2(), seed=1, dtype=torch.float64)

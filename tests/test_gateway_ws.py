@@ -2,7 +2,7 @@
 model, CPU): its event sequence, each sentence continuing the previous one's audio as the gRPC API
 would, the same audio however the text is split into pieces, cancel freeing everything, and bad
 input answered with an error event naming the field and a close code. Then the sentence cutter
-on its own."""
+on its own (each sentence's request: tests/test_synthesize_stream.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import json
 import random
 import time
 
-import numpy as np
 import pytest
 
 from chorus.client import channel, synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
-from gateway_svc.sentences import SentenceCutter, split_sentences
+from chorus.sentences import SentenceCutter, split_sentences
 from helpers import metric, wait_until_idle
 from test_gateway import FRAMES, SAMPLES_PER_FRAME, stack  # noqa: F401 - the module's services
 
@@ -194,80 +193,6 @@ def test_bad_input_is_an_error_event_naming_the_field_and_a_close_code(ws_url, c
     err = s.events[-1]["error"]
     assert err["param"] == param and err["message"], err
     assert s.close_code == code
-
-
-# ---- each sentence's request, without services ----------------------------------------------
-
-class _Gateway:
-    """The Gateway surface a session uses, serving one model."""
-
-    def __init__(self, model: tts_pb2.ModelInfo, **cfg):
-        from gateway_svc.config import GatewayConfig
-        self.cfg, self.served = GatewayConfig(**cfg), {model.name: model}
-
-    async def models(self, refresh: bool = False):
-        return self.served
-
-    async def plan(self, body):
-        from gateway_svc.speech import parse_speech
-        return parse_speech(body, self.served)
-
-
-class _Socket:
-    def __init__(self):
-        self.sent: list[dict] = []
-
-    async def send_json(self, data):
-        self.sent.append(data)
-
-
-def _session(architecture: str, **cfg):
-    import asyncio
-
-    from gateway_svc.speech_stream import SpeechSession
-
-    model = tts_pb2.ModelInfo(name="m", architecture=architecture, sample_rate=24000, channels=1, frame_rate=12.5,
-                              is_default=True)
-    s = SpeechSession(_Socket(), _Gateway(model, **cfg))
-    asyncio.run(s._configure({"voice": "narrator", "seed": 5, "max_frames": 30}))
-    return s
-
-
-def _codes(frames: int) -> list[np.ndarray]:
-    return [np.arange(frames * 4, dtype=np.int32).reshape(frames, 4)]
-
-
-def _plan_request(s, index: int, text: str) -> tts_pb2.SynthesizeRequest:
-    return s._request(index, text).request
-
-
-def test_omnivoice_sentences_are_plain_requests_with_the_same_voice():
-    s = _session("omnivoice")
-    assert s.ws.sent == [{"type": "ready", "model": "m", "sample_rate": 24000, "channels": 1,
-                          "response_format": "pcm"}]
-    for i, text in enumerate(["One.", "Two.", "Three."]):
-        req = _plan_request(s, i, text)
-        assert [r.voice_id for r in req.references] == ["narrator"] and not req.HasField("continuation")
-        assert (req.text, req.sampling.seed, req.max_frames, req.return_codes) == (text, 5 + i, 30, False)
-        s._remember(text, _codes(8))
-
-
-def test_moss_sentences_continue_the_latest_whole_sentences_within_the_budget():
-    s = _session("moss_tts_local", continuation_seconds=1.0)  # 12 frames
-    first = _plan_request(s, 0, "Hello there.")
-    assert [r.voice_id for r in first.references] == ["narrator"] and first.return_codes
-    s._remember("Hello there.", _codes(5))
-    s._remember("你好。", _codes(6))
-    second = _plan_request(s, 2, "好的")
-    assert not second.references and second.return_codes and second.sampling.seed == 7
-    assert second.continuation.transcript == "Hello there.你好。"  # no space next to CJK text
-    assert (second.continuation.codes.rows, second.continuation.codes.cols) == (11, 4)
-    s._remember("好的", _codes(4))  # 15 frames: the oldest sentence drops out
-    third = _plan_request(s, 3, "Next.")
-    assert third.continuation.transcript == "你好。好的" and third.continuation.codes.rows == 10
-    s._remember("Next.", _codes(20))  # longer than the budget alone: back to the voice
-    fourth = _plan_request(s, 4, "Last.")
-    assert [r.voice_id for r in fourth.references] == ["narrator"] and not fourth.HasField("continuation")
 
 
 # ---- the sentence cutter ----------------------------------------------------------------------

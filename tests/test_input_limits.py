@@ -73,7 +73,7 @@ def with_bad_utf8(message_bytes: bytes, marker: bytes) -> bytes:
 # so bodies a client library would refuse to build (invalid UTF-8, corrupt) go the same way.
 CASES = {
     # Synthesize: every string's length
-    "text over the limit": ("Synthesize", synth(text="x" * 6000), INVALID, "text"),
+    "text over the long-form limit": ("Synthesize", synth(text="x" * 60_000), INVALID, "text"),
     "language over 64": ("Synthesize", synth(language="E" * 65), INVALID, "language"),
     "language 1 MB": ("Synthesize", synth(language="x" * BIG), INVALID, "language"),
     "instructions over 1000": ("Synthesize", synth(instructions="i" * 1001), INVALID, "instructions"),

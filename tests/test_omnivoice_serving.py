@@ -13,21 +13,15 @@ from chorus.omnivoice.knobs import UnmaskKnobs
 from chorus.omnivoice.prompt import plan_pieces
 from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 from chorus.v1 import tts_pb2, tts_pb2_grpc
-from gpu_worker.config import WorkerConfig
 from gpu_worker.omnivoice.engine import CanvasEngine, CanvasSpec
 from gpu_worker.omnivoice.loader import build_omnivoice
-from helpers import make_cluster
-from vocoder_svc.config import VocoderConfig
 
 MODEL = "omnivoice-tiny"
 
 
 @pytest.fixture(scope="module")
-def stub():
-    with make_cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "4096"],
-                      omnivoice_worker=WorkerConfig(preset="omnivoice-tiny", dtype="float32"),
-                      omnivoice_vocoder=VocoderConfig(preset="higgs-tiny")) as c:
-        yield tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+def stub(omnivoice_cluster):
+    return tts_pb2_grpc.TextToSpeechStub(channel(omnivoice_cluster.address))
 
 
 def request(text: str, seed: int, **knobs) -> tts_pb2.SynthesizeRequest:

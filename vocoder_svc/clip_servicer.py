@@ -31,7 +31,7 @@ from vocoder_svc.config import VocoderConfig
 from vocoder_svc.higgs_codec import PRESETS, CodecInputError, HiggsCodec, codec_dir
 from vocoder_svc.metrics import Metrics
 from vocoder_svc.servicer import VocoderServicer
-from vocoder_svc.stream_worker import resolve_future
+from vocoder_svc.batch_thread import BatchThread
 
 MAX_CLIP_FRAMES = 25 * 300  # 5 minutes of audio bounds one clip's memory
 MAX_EDGE_SECONDS = 10.0     # fade_seconds and pad_seconds
@@ -72,40 +72,31 @@ class _Clip:
     loop: asyncio.AbstractEventLoop
 
 
-class ClipDecoder:
+class ClipDecoder(BatchThread):
     """One thread: takes every queued clip (up to max_batch), decodes them in one codec call,
     post-processes each and hands back its PCM bytes."""
 
     def __init__(self, codec: HiggsCodec, metrics: Metrics, max_batch: int = 16):
         self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
-        self._cond = threading.Condition()
-        self._pending: list[_Clip] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="clip-decode", daemon=True)
-        self._thread.start()
+        super().__init__("clip-decode")
 
     def submit(self, codes: np.ndarray, request: vocoder_pb2.DecodeClipRequest) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("clip decoder is closed")
-            self._pending.append(_Clip(codes, request, fut, loop))
-            self._cond.notify()
+        self.queue(_Clip(codes, request, fut, loop))
         return fut
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
+    def choose(self, pending: list[_Clip]) -> list[_Clip]:
+        return pending[:self.max_batch]
 
-    def _take(self) -> list[_Clip] | None:
-        with self._cond:
-            while not self._pending and not self._closed:
-                self._cond.wait()
-            group, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
-            return group or None
+    def run(self, group: list[_Clip]) -> list[vocoder_pb2.DecodeClipResponse]:
+        t0 = time.perf_counter()
+        try:
+            waves = self.codec.decode([c.codes for c in group])
+            return [self._finish(w, c.request) for w, c in zip(waves, group)]
+        finally:
+            self.metrics.clip_decode_ms.observe((time.perf_counter() - t0) * 1000.0)
+            self.metrics.clips.inc(len(group))
 
     def _finish(self, wave: np.ndarray, r: vocoder_pb2.DecodeClipRequest) -> vocoder_pb2.DecodeClipResponse:
         pcm = omnivoice_audio.finish_piece(
@@ -115,22 +106,6 @@ class ClipDecoder:
         data = encode_pcm16(pcm) if r.pcm_encoding == vocoder_pb2.PCM_INT16 else pcm.astype("<f4").tobytes()
         self.metrics.audio_seconds.inc(len(pcm) / self.codec.sample_rate)
         return vocoder_pb2.DecodeClipResponse(pcm=data, num_samples=len(pcm), pcm_encoding=r.pcm_encoding)
-
-    def _run(self) -> None:
-        while (group := self._take()) is not None:
-            group = [c for c in group if not c.future.cancelled()]
-            if not group:
-                continue
-            t0 = time.perf_counter()
-            try:
-                waves = self.codec.decode([c.codes for c in group])
-                results = [(self._finish(w, c.request), None) for w, c in zip(waves, group)]
-            except BaseException as e:  # noqa: BLE001 - reported to every clip of the batch
-                results = [(None, e)] * len(group)
-            self.metrics.clip_decode_ms.observe((time.perf_counter() - t0) * 1000.0)
-            self.metrics.clips.inc(len(group))
-            for clip, (res, err) in zip(group, results):
-                clip.loop.call_soon_threadsafe(resolve_future, clip.future, res, err)
 
 
 def _parse_clip(r: vocoder_pb2.DecodeClipRequest, codec: HiggsCodec) -> np.ndarray:

@@ -19,7 +19,7 @@ from chorus.watchdog import StallWatchdog
 from vocoder_svc.metrics import StepReport
 from vocoder_svc.slot_decoder import SlotDecoder
 from vocoder_svc.slot_pcm import PendingPcm
-from vocoder_svc.stream_worker import resolve_future
+from vocoder_svc.batch_thread import resolve_future
 
 log = logging.getLogger("chorus.vocoder")
 

@@ -12,7 +12,7 @@ from chorus.layout import add_layout_flags
 
 # The settings a layout (benchmarks/layouts.toml) may set, by dest, with their defaults.
 DEFAULTS: dict[str, Any] = {
-    "workload": ["W1"], "frames": None, "voices": 8, "voice_frames": VOICE_FRAMES, "code_vocab": 1024,
+    "workload": ["W1"], "frames": None, "num_step": None, "voices": 8, "voice_frames": VOICE_FRAMES, "code_vocab": 1024,
     "seed": None, "language": "English", "sample_rate": 0, "first_chunk_frames": 0, "chunk_frames": 0,
     "concurrency": [1, 4, 16, 64, 256], "rate": None, "duration": 5.0, "requests": None, "warmup": 1.0,
     "timeout": 600.0, "channels": 4, "device_note": None, "server_logs": False,
@@ -106,10 +106,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", type=_workloads, default=unset, metavar="W[,W...]",
-                   help="W1 short, W2 clone, W3 long; a comma list runs each in turn (default W1)")
+                   help="W1 short, W2 clone, W3 long (MOSS); O1 short, O2 clone, O3 mixed knobs (OmniVoice); a "
+                        "comma list runs each in turn (default W1)")
     w.add_argument("--frames", type=int, default=unset, metavar="N",
-                   help="frames per request (min = max), overriding the workload's 75/375; for quick smoke runs")
-    w.add_argument("--voices", type=int, default=unset, metavar="N", help="W2: distinct voice references (default 8)")
+                   help="frames per request (min = max), overriding the workload's 75/375 (O*: 150 at 25 a second); "
+                        "for quick smoke runs")
+    w.add_argument("--num-step", type=int, default=unset, metavar="N",
+                   help="O*: unmasking steps of every request, overriding the workload's; for quick smoke runs")
+    w.add_argument("--voices", type=int, default=unset, metavar="N", help="W2: distinct voice references; O2: stored voices (default 8)")
     w.add_argument("--voice-frames", type=int, default=unset, metavar="N",
                    help=f"W2: frames per reference (default {VOICE_FRAMES} = 5 s)")
     w.add_argument("--code-vocab", type=int, default=unset, metavar="N",

@@ -2,7 +2,8 @@
 
 A layout is a table [NAME]: the services it launches (a profile from chorus/profiles/, and
 [cluster], [worker], [vocoder], [scheduler] keys on top of it) and the settings of the bench
-run on them (any key of chorus.bench.flags.DEFAULTS: workload, concurrency, duration, ...):
+run on them (any key of chorus.bench.flags.DEFAULTS: workload, concurrency, duration, ...);
+[omnivoice_worker] and [omnivoice_vocoder] keys set the OmniVoice services (cluster.omnivoice):
 
     [w1-2gpu]
     about = "two GPUs, W1 c1-c256"   # the line --list-layouts prints
@@ -27,10 +28,9 @@ from typing import Any
 
 from chorus.bench.flags import DEFAULTS, add_arguments
 from chorus.config import ConfigError, load_toml, merge, read_profile
-from chorus.layout import DEFAULT_PROFILE, Layout, build
+from chorus.layout import DEFAULT_PROFILE, TABLES, Layout, build
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "layouts.toml"
-TABLES = ("cluster", "worker", "vocoder", "scheduler")
 OWN_KEYS = ("about", "like", "profile")
 
 

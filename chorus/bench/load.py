@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chorus.bench.workloads import Workload, make_text
+from chorus.bench.workloads import OMNIVOICE_FRAME_RATE, WORKLOADS, Workload, make_text
+
+OMNIVOICE = "omnivoice"
 
 @dataclass
 class Level:
@@ -50,6 +52,8 @@ class Runner:
         self.stubs: list = []
         self.channels: list = []
         self.models: list[dict] = []
+        self.omnivoice_model: str | None = None
+        self.stored_voices: list[str] = []   # O2: voice ids created through CreateVoice
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
@@ -75,8 +79,42 @@ class Runner:
             codes = rng.integers(0, self.args.code_vocab, (self.args.voice_frames, n_vq)).astype("<i4")
             self.voices.append(tts_pb2.VoiceReference(codes=common_pb2.IntMatrix(
                 rows=codes.shape[0], cols=codes.shape[1], data=codes.tobytes())))
+        workloads = [WORKLOADS[w] for w in self.args.workload]
+        if any(w.omnivoice for w in workloads):
+            self.omnivoice_model = next((m["name"] for m in self.models if m["architecture"] == OMNIVOICE), None)
+            if self.omnivoice_model is None:
+                raise SystemExit(f"workloads {', '.join(w.name for w in workloads if w.omnivoice)} need an OmniVoice "
+                                 f"model; the server serves {[m['name'] for m in self.models]} (launch with "
+                                 "cluster.omnivoice, e.g. --layout o1-1gpu)")
+        if any(w.omnivoice and w.clone for w in workloads):
+            await self._store_voices()
+
+    async def _store_voices(self) -> None:
+        """--voices voices of 5 s of seeded noise, encoded by the OmniVoice model's codec and stored
+        under ids of this run (deleted again by close)."""
+        import numpy as np
+
+        from chorus.v1 import common_pb2, tts_pb2
+
+        rate = next(m["sample_rate"] for m in self.models if m["name"] == self.omnivoice_model)
+        for v in range(self.args.voices):
+            rng = np.random.default_rng([self.seed, 104729, v])
+            pcm = (rng.standard_normal(5 * rate) * 3000).clip(-32767, 32767).astype("<i2")
+            voice = await self.stubs[0].CreateVoice(tts_pb2.CreateVoiceRequest(
+                voice_id=f"bench-{self.seed}-{v}", model=self.omnivoice_model,
+                transcript="A stored voice the benchmark clones.",
+                audio=common_pb2.AudioData(data=pcm.tobytes(), encoding=common_pb2.AUDIO_ENCODING_PCM16,
+                                           sample_rate=rate, channels=1)), timeout=120)
+            self.stored_voices.append(voice.voice_id)
 
     async def close(self) -> None:
+        from chorus.v1 import tts_pb2
+
+        for voice_id in self.stored_voices:
+            try:
+                await self.stubs[0].DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id=voice_id), timeout=30)
+            except Exception:  # noqa: BLE001 - a voice left behind is harmless
+                pass
         for c in self.channels:
             await c.close()
 
@@ -84,6 +122,8 @@ class Runner:
         from chorus.v1 import tts_pb2
 
         rng = random.Random(f"{self.seed}/{k}")
+        if wl.omnivoice:
+            return self._omnivoice_request(wl, k, rng)
         frames = self.args.frames or wl.frames
         req = tts_pb2.SynthesizeRequest(
             text=make_text(rng, wl.words), language=self.args.language, min_frames=frames, max_frames=frames,
@@ -97,6 +137,25 @@ class Runner:
             req.references.append(self.voices[voice])
         return req, voice
 
+    def _omnivoice_request(self, wl: Workload, k: int, rng: random.Random):
+        """An OmniVoice request: its length as duration_seconds, its knobs drawn from the workload's."""
+        from chorus.v1 import tts_pb2
+
+        seconds = self.args.frames / OMNIVOICE_FRAME_RATE if self.args.frames else wl.seconds
+        req = tts_pb2.SynthesizeRequest(
+            text=make_text(rng, wl.words), model=self.omnivoice_model, language=self.args.language,
+            duration_seconds=seconds, format=tts_pb2.PCM16, sample_rate=self.args.sample_rate,
+            request_id=f"bench-{self.seed}-{k}")
+        req.sampling.seed = (self.seed + k) % (1 << 64)
+        req.omnivoice.num_step, req.omnivoice.guidance_scale = rng.choice(wl.knobs)
+        if self.args.num_step:
+            req.omnivoice.num_step = self.args.num_step
+        voice = None
+        if wl.clone and self.stored_voices:
+            voice = rng.randrange(len(self.stored_voices))
+            req.references.append(tts_pb2.VoiceReference(voice_id=self.stored_voices[voice]))
+        return req, voice
+
     async def one(self, level: Level, measured: bool) -> None:
         import grpc
 
@@ -108,7 +167,10 @@ class Runner:
             "concurrency": int(level.value) if level.mode == "closed" else None,
             "rate": level.value if level.mode == "open" else None,
             "index": k, "seed": req.sampling.seed, "voice": voice, "measured": measured,
-            "frames_requested": req.max_frames, "error": None,
+            "frames_requested": req.max_frames or round(req.duration_seconds * OMNIVOICE_FRAME_RATE),
+            "num_step": req.omnivoice.num_step if level.workload.omnivoice else None,
+            "guidance_scale": req.omnivoice.guidance_scale if level.workload.omnivoice else None,
+            "error": None,
         }
         chunks: list[tuple[float, int]] = []
         summary = header = None

@@ -3,6 +3,9 @@ through the worker's CanvasEngine, timed per step. Token generation only (no cod
 
     python -m chorus.bench.omnivoice_step --device cuda --batches 1,16,32 --out results.json
 
+On CUDA the engine is the worker's (flashinfer attention in buckets, CUDA graphs captured at its
+warm-up, batched unmasking); --attention torch --no-cuda-graphs gives the torch reference path.
+
 Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of
 generation, and the step's matrix FLOPs with the time they take at --peak-tflops (the floor).
 """
@@ -42,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--guidance-scale", type=float, default=2.0, help="classifier-free guidance (0 = off)")
     p.add_argument("--text", default=O1_TEXT, help="the text every canvas says")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
+    p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer"),
+                   help="attention backend (auto: flashinfer on CUDA in float16/bfloat16)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay the bucketed forward from CUDA graphs (flashinfer only)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense matrix rate for the floor")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -59,9 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model.cfg
     piece = plan_pieces(load_omnivoice_tokenizer(None), args.text, language="en")[0]
     knobs = UnmaskKnobs(num_step=args.num_step, guidance_scale=args.guidance_scale)
-    engine = CanvasEngine(model, max_batch=4096, max_packed_rows=1 << 30)
-    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     prefix, target = len(piece.text_ids), piece.target_frames
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = CanvasEngine(model, max_batch=max(batches), max_packed_rows=max(batches) * (prefix + 2 * target),
+                          attention=args.attention, cuda_graphs=args.cuda_graphs)
+    warm_s = engine.warm_up()
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
 
     def run(batch: int) -> float:
         for i in range(batch):
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         return (time.perf_counter() - t0) * 1000 / args.num_step
 
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in batches:
         run(batch)  # warm-up
         ms = min(run(batch) for _ in range(args.repeats))
         flops = batch * step_flops(cfg, prefix, target, args.guidance_scale != 0)
@@ -87,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out, {"bench": "omnivoice_step", "device": device_name(args.device), "preset": args.preset,
                           "dtype": str(next(model.parameters()).dtype), "num_step": args.num_step,
                           "guidance_scale": args.guidance_scale, "prefix_rows": prefix, "target_frames": target,
+                          "attention": engine.attention.name, "bucketed": engine.bucketed is not None,
+                          "cuda_graphs": engine.bucketed is not None and engine.bucketed.replay,
+                          "warm_up_s": round(warm_s, 1),
                           "peak_tflops": args.peak_tflops, "git": git_revision(), "results": rows})
 
 

@@ -1,4 +1,5 @@
-"""First-audio latency of the WebSocket speech stream, on the CPU tiny model.
+"""First-audio latency of streamed text in, over the WebSocket speech stream and over gRPC
+SynthesizeStream (which the WebSocket is a client of), on the CPU tiny model.
 
     python -m chorus.bench.speech_stream --sessions 20 --out benchmarks/results/speech_stream_cpu.json
 
@@ -10,6 +11,8 @@ first audio frame. Beside each session, the same first sentence as one POST /v1/
 Then the later sentences: each continues the previous audio, so it starts only when that one is
 generated; the stall figures are how long a player that starts at the first frame would wait for
 audio in all (0: no gap), at the sentences' starts and within them (the chunk policy's share).
+Each session is also run straight over SynthesizeStream (the SDK's Client.synthesize_stream),
+timed the same way.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import httpx
 from websockets.sync.client import connect
 
 from chorus.bench.common import write_json
+from chorus.client import Client
+from chorus.v1 import tts_pb2
 from chorus.launcher import Cluster, Service
-from gateway_svc.sentences import SentenceCutter
+from chorus.sentences import SentenceCutter
 
 TEXT = ("Hello, this is the first sentence of the answer. The second one follows it closely, "
         "a little longer than the first. And a third to end.")
@@ -86,6 +91,25 @@ def session(url: str, pieces: list[str], word_s: float, frames: int, seed: int) 
             "stall_within_ms": stall[False] * 1000, "sentences": len(starts)}
 
 
+def grpc_session(client: Client, pieces: list[str], word_s: float, frames: int, seed: int) -> float:
+    """ms from sending the piece that completes the first sentence to its first audio, over gRPC."""
+    sent: list[float] = []
+
+    def write():
+        for p in pieces:
+            sent.append(time.perf_counter())
+            yield p
+            time.sleep(word_s)
+
+    config = tts_pb2.SynthesizeRequest(min_frames=frames, max_frames=frames)
+    config.sampling.seed = seed
+    first = None
+    for resp in client.synthesize_stream(config, write()):
+        if first is None and resp.HasField("audio"):
+            first = time.perf_counter()
+    return (first - sent[completing_piece(pieces)]) * 1000
+
+
 def post_ttfa(client: httpx.Client, text: str, frames: int, seed: int) -> float:
     body = {"input": text, "response_format": "pcm", "seed": seed, "min_frames": frames, "max_frames": frames}
     t0 = time.perf_counter()
@@ -122,13 +146,15 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             gateway.wait_ready(120)
             url = f"ws://{gateway.address}"
-            with httpx.Client(base_url=f"http://{gateway.address}", timeout=120) as client:
+            with httpx.Client(base_url=f"http://{gateway.address}", timeout=120) as client, \
+                    Client(cluster.address, timeout=120) as grpc_client:
                 post_ttfa(client, first_sentence, args.frames, 0)  # warm both paths
                 session(url, pieces, args.word_ms / 1000, args.frames, 0)
-                runs, posts = [], []
+                runs, posts, grpcs = [], [], []
                 for i in range(args.sessions):
                     runs.append(session(url, pieces, args.word_ms / 1000, args.frames, i + 1))
                     posts.append(post_ttfa(client, first_sentence, args.frames, i + 1))
+                    grpcs.append(grpc_session(grpc_client, pieces, args.word_ms / 1000, args.frames, i + 1))
         finally:
             gateway.stop()
     ws_first = [r["first_sentence_ms"] for r in runs]
@@ -136,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "config": vars(args), "text": TEXT,
               "first_audio_from_first_sentence": summary(ws_first),
               "post_ttfa_same_sentence": summary(posts),
+              "grpc_first_audio_from_first_sentence": summary(grpcs),
               "paired_extra": summary([w - p for w, p in zip(ws_first, posts)]),
               "stall_between_sentences": summary([r["stall_between_ms"] for r in runs]),
               "stall_within_sentences": summary([r["stall_within_ms"] for r in runs]),

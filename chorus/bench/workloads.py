@@ -1,4 +1,5 @@
-"""chorus bench's workloads (W1 short, W2 clone, W3 long) and their request texts."""
+"""chorus bench's workloads (MOSS: W1 short, W2 clone, W3 long; OmniVoice: O1 short, O2 clone,
+O3 mixed knobs) and their request texts."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ class Workload:
     words: int
     clone: bool
     description: str
+    omnivoice: bool = False   # requests go to the served OmniVoice model, its length in seconds
+    seconds: float = 0.0      # OmniVoice: duration_seconds of each request
+    # OmniVoice: (num_step, guidance_scale) pairs, one drawn per request
+    knobs: tuple[tuple[int, float], ...] = ((32, 2.0),)
 
 
 WORKLOADS = {
     "W1": Workload("W1", 75, 25, False, "short: ~25 words, 75 frames (6 s), no reference"),
     "W2": Workload("W2", 75, 25, True, "clone: ~25 words, 75 frames, one of --voices 63-frame references"),
     "W3": Workload("W3", 375, 75, False, "long: ~75 words, 375 frames (30 s), no reference"),
+    "O1": Workload("O1", 150, 25, False, "OmniVoice short: ~25 words, 6 s, 32 steps, guidance 2", True, 6.0),
+    "O2": Workload("O2", 150, 25, True, "OmniVoice clone: as O1, cloning one of --voices stored voices", True, 6.0),
+    "O3": Workload("O3", 150, 25, False, "OmniVoice mixed: as O1, num_step 16/32/64 and guidance 0/2 drawn "
+                   "per request", True, 6.0, tuple((n, g) for n in (16, 32, 64) for g in (0.0, 2.0))),
 }
+OMNIVOICE_FRAME_RATE = 25  # OmniVoice frames per second (chorus.omnivoice.knobs.FRAME_RATE)
 
 # Clauses that are joined into texts. Each request draws its own, so prompts
 # differ after the shared header and the radix cache only reuses what a real

@@ -119,7 +119,7 @@ class VocoderConfig(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model", "tls_dir", "require_client_cert", "api_keys", "vocoder_tls_dir", "curve_secret_key", "worker_public_key", "frontend_link", "frontend_curve_clients", "engines", "engine_public_key", "engine_refresh", "engine_load_slack", "engine_load_margin")
+    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model", "tls_dir", "require_client_cert", "api_keys", "vocoder_tls_dir", "curve_secret_key", "worker_public_key", "max_longform_chars", "sentence_chars", "continuation_seconds", "frontend_link", "frontend_curve_clients", "engines", "engine_public_key", "engine_refresh", "engine_load_slack", "engine_load_margin")
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,9 @@ class SchedulerConfig(_message.Message):
     VOCODER_TLS_DIR_FIELD_NUMBER: _ClassVar[int]
     CURVE_SECRET_KEY_FIELD_NUMBER: _ClassVar[int]
     WORKER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    MAX_LONGFORM_CHARS_FIELD_NUMBER: _ClassVar[int]
+    SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_LINK_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_CURVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +226,9 @@ class SchedulerConfig(_message.Message):
     vocoder_tls_dir: str
     curve_secret_key: str
     worker_public_key: str
+    max_longform_chars: int
+    sentence_chars: int
+    continuation_seconds: float
     frontend_link: str
     frontend_curve_clients: str
     engines: _containers.RepeatedScalarFieldContainer[str]
@@ -230,10 +236,10 @@ class SchedulerConfig(_message.Message):
     engine_refresh: float
     engine_load_slack: float
     engine_load_margin: float
-    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., api_keys: _Optional[str] = ..., vocoder_tls_dir: _Optional[str] = ..., curve_secret_key: _Optional[str] = ..., worker_public_key: _Optional[str] = ..., frontend_link: _Optional[str] = ..., frontend_curve_clients: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., engine_public_key: _Optional[str] = ..., engine_refresh: _Optional[float] = ..., engine_load_slack: _Optional[float] = ..., engine_load_margin: _Optional[float] = ...) -> None: ...
+    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., api_keys: _Optional[str] = ..., vocoder_tls_dir: _Optional[str] = ..., curve_secret_key: _Optional[str] = ..., worker_public_key: _Optional[str] = ..., max_longform_chars: _Optional[int] = ..., sentence_chars: _Optional[int] = ..., continuation_seconds: _Optional[float] = ..., frontend_link: _Optional[str] = ..., frontend_curve_clients: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., engine_public_key: _Optional[str] = ..., engine_refresh: _Optional[float] = ..., engine_load_slack: _Optional[float] = ..., engine_load_margin: _Optional[float] = ...) -> None: ...
 
 class GatewayConfig(_message.Message):
-    __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "sentence_chars", "continuation_seconds", "scheduler_tls_dir")
+    __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "scheduler_tls_dir", "aac_bitrate_kbps")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -244,9 +250,8 @@ class GatewayConfig(_message.Message):
     VOICE_NAME_CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
-    SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
-    CONTINUATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_TLS_DIR_FIELD_NUMBER: _ClassVar[int]
+    AAC_BITRATE_KBPS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     scheduler: str
@@ -257,10 +262,9 @@ class GatewayConfig(_message.Message):
     voice_name_cache: float
     drain_seconds: float
     log_level: str
-    sentence_chars: int
-    continuation_seconds: float
     scheduler_tls_dir: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., scheduler: _Optional[str] = ..., channels: _Optional[int] = ..., max_body_bytes: _Optional[int] = ..., retry_after: _Optional[int] = ..., mp3_bitrate_kbps: _Optional[int] = ..., voice_name_cache: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., log_level: _Optional[str] = ..., sentence_chars: _Optional[int] = ..., continuation_seconds: _Optional[float] = ..., scheduler_tls_dir: _Optional[str] = ...) -> None: ...
+    aac_bitrate_kbps: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., scheduler: _Optional[str] = ..., channels: _Optional[int] = ..., max_body_bytes: _Optional[int] = ..., retry_after: _Optional[int] = ..., mp3_bitrate_kbps: _Optional[int] = ..., voice_name_cache: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., log_level: _Optional[str] = ..., scheduler_tls_dir: _Optional[str] = ..., aac_bitrate_kbps: _Optional[int] = ...) -> None: ...
 
 class WorkerProcessConfig(_message.Message):
     __slots__ = ("worker", "vocoder")

@@ -20,6 +20,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     STOP: _ClassVar[FinishReason]
     MAX_FRAMES: _ClassVar[FinishReason]
+
+class StreamSignal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_SIGNAL_UNSPECIFIED: _ClassVar[StreamSignal]
+    FLUSH: _ClassVar[StreamSignal]
+    END: _ClassVar[StreamSignal]
+    CANCEL: _ClassVar[StreamSignal]
 OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 PCM16: OutputFormat
 FLOAT32: OutputFormat
@@ -27,6 +34,10 @@ WAV: OutputFormat
 FINISH_REASON_UNSPECIFIED: FinishReason
 STOP: FinishReason
 MAX_FRAMES: FinishReason
+STREAM_SIGNAL_UNSPECIFIED: StreamSignal
+FLUSH: StreamSignal
+END: StreamSignal
+CANCEL: StreamSignal
 
 class VoiceReference(_message.Message):
     __slots__ = ("audio", "codes", "voice_id", "transcript")
@@ -201,16 +212,38 @@ class SynthesisSummary(_message.Message):
     def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., queue_ms: _Optional[float] = ..., first_audio_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prompt_rows: _Optional[int] = ..., cached_prompt_rows: _Optional[int] = ..., first_frame_ms: _Optional[float] = ..., first_chunk_frames_ms: _Optional[float] = ..., last_frame_ms: _Optional[float] = ..., max_audio_lag_ms: _Optional[float] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
-    __slots__ = ("header", "audio", "codes", "summary")
+    __slots__ = ("header", "audio", "codes", "summary", "sentence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    SENTENCE_FIELD_NUMBER: _ClassVar[int]
     header: StreamHeader
     audio: AudioChunk
     codes: CodesChunk
     summary: SynthesisSummary
-    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., codes: _Optional[_Union[CodesChunk, _Mapping]] = ..., summary: _Optional[_Union[SynthesisSummary, _Mapping]] = ...) -> None: ...
+    sentence: SentenceMark
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., codes: _Optional[_Union[CodesChunk, _Mapping]] = ..., summary: _Optional[_Union[SynthesisSummary, _Mapping]] = ..., sentence: _Optional[_Union[SentenceMark, _Mapping]] = ...) -> None: ...
+
+class SynthesizeStreamRequest(_message.Message):
+    __slots__ = ("config", "text", "signal")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    config: SynthesizeRequest
+    text: str
+    signal: StreamSignal
+    def __init__(self, config: _Optional[_Union[SynthesizeRequest, _Mapping]] = ..., text: _Optional[str] = ..., signal: _Optional[_Union[StreamSignal, str]] = ...) -> None: ...
+
+class SentenceMark(_message.Message):
+    __slots__ = ("index", "text", "first_sample")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    first_sample: int
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., first_sample: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,11 @@ class TextToSpeechStub:
                 request_serializer=chorus_dot_v1_dot_tts__pb2.SynthesizeRequest.SerializeToString,
                 response_deserializer=chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
                 _registered_method=True)
+        self.SynthesizeStream = channel.stream_stream(
+                '/chorus.v1.TextToSpeech/SynthesizeStream',
+                request_serializer=chorus_dot_v1_dot_tts__pb2.SynthesizeStreamRequest.SerializeToString,
+                response_deserializer=chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/chorus.v1.TextToSpeech/ListModels',
                 request_serializer=chorus_dot_v1_dot_tts__pb2.ListModelsRequest.SerializeToString,
@@ -69,6 +74,22 @@ class TextToSpeechServicer:
     def Synthesize(self, request, context):
         """One header, then audio chunks (and code chunks when return_codes), then
         one summary. Cancel the call to stop generation and free its resources.
+        On a MOSS model, text longer than the server's max_text_chars (up to its
+        max_longform_chars) is spoken in pieces, each continuing the previous
+        one's audio in the same voice, as one stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SynthesizeStream(self, request_iterator, context):
+        """Text in as it is written (an LLM's output), audio out sentence by sentence.
+        The client sends a config first, then text pieces and signals; the server
+        speaks each sentence once it is complete, each continuing the previous
+        one's audio (MOSS), and answers one header, then per sentence a
+        SentenceMark, its audio chunks (and codes when return_codes) and its
+        summary. The stream ends after END once everything is spoken, or at once
+        on CANCEL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +126,11 @@ def add_TextToSpeechServicer_to_server(servicer, server):
             'Synthesize': grpc.unary_stream_rpc_method_handler(
                     servicer.Synthesize,
                     request_deserializer=chorus_dot_v1_dot_tts__pb2.SynthesizeRequest.FromString,
+                    response_serializer=chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.SerializeToString,
+            ),
+            'SynthesizeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SynthesizeStream,
+                    request_deserializer=chorus_dot_v1_dot_tts__pb2.SynthesizeStreamRequest.FromString,
                     response_serializer=chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -155,6 +181,33 @@ class TextToSpeech:
             target,
             '/chorus.v1.TextToSpeech/Synthesize',
             chorus_dot_v1_dot_tts__pb2.SynthesizeRequest.SerializeToString,
+            chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SynthesizeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chorus.v1.TextToSpeech/SynthesizeStream',
+            chorus_dot_v1_dot_tts__pb2.SynthesizeStreamRequest.SerializeToString,
             chorus_dot_v1_dot_tts__pb2.SynthesizeResponse.FromString,
             options,
             channel_credentials,

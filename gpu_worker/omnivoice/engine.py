@@ -6,10 +6,17 @@ A request's tokens depend only on its own inputs, knobs and seed: documents neve
 each other, positions restart per document, and its noise comes from its own (seed, step)
 generator. A canvas is dropped once its last step has run (its codes go out in that outcome);
 release() drops one earlier and is a no-op for a canvas no longer held.
+
+On CUDA the forward's attention is flashinfer's ragged prefill (attention.py), over the step
+padded to its bucket, and with cuda_graphs the forward up to the final norm replays from the
+bucket's CUDA graph (graphs.py; without, it runs eagerly in the same bucket, with the same
+kernels); the audio head and the unmasking (batched_unmask.py) run eagerly after it. The only
+device-to-host copy of a step is a finished canvas's codes.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -17,8 +24,11 @@ import torch
 from torch import Tensor
 
 from chorus.omnivoice.knobs import RANGES, UnmaskKnobs, in_range, packed_rows, range_text
+from gpu_worker.omnivoice.attention import make_document_attention
+from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
 from gpu_worker.omnivoice.model import OmniVoiceModel
 from gpu_worker.omnivoice.packing import Document, layout
+from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import reveal_counts, step_generator, unmask_step
 
 
@@ -62,12 +72,26 @@ class Canvas:
 
 
 class CanvasEngine:
-    def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576):
+    def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576,
+                 attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None):
+        """attention: auto, torch or flashinfer (attention.make_document_attention); cuda_graphs:
+        replay the bucketed forward from CUDA graphs (flashinfer on CUDA; without, it runs eagerly
+        in the same buckets);
+        batched_unmask: unmask a step's canvases together (batched_unmask.py; None: on CUDA),
+        else one by one with the reference (unmask.py)."""
         self.model = model
         self.cfg = model.cfg
-        self.device = next(model.parameters()).device
+        p = next(model.parameters())
+        self.device = p.device
         self.max_batch = max_batch
         self.max_packed_rows = max_packed_rows
+        self.attention = make_document_attention(attention, self.cfg, p.dtype, self.device)
+        self.batched_unmask = self.device.type == "cuda" if batched_unmask is None else batched_unmask
+        self.bucketed = None  # the forward in (rows, documents) buckets: flashinfer on CUDA
+        if self.device.type == "cuda" and self.attention.bucketed:
+            from gpu_worker.omnivoice.graphs import BucketedForward
+
+            self.bucketed = BucketedForward(model, self.attention, max_packed_rows, max_batch, replay=cuda_graphs)
         self.canvases: dict[int, Canvas] = {}
         self.steps = 0
 
@@ -119,16 +143,18 @@ class CanvasEngine:
         scored = [(c, k) for c, k in running if c.counts[k] > 0]
         if scored:
             self._unmask(scored)
-        outcomes = []
         for c, k in running:
             c.steps_done = k + 1
-            finished = c.steps_done == c.spec.knobs.num_step
-            codes = c.ids[:, -c.target:].T.cpu().numpy().copy() if finished else None
-            if finished:
+        finished = [c for c, _ in running if c.steps_done == c.spec.knobs.num_step]
+        codes = {}
+        if finished:  # one device-to-host copy for every canvas this step finishes
+            done = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.cpu().numpy()
+            for c, block in zip(finished, np.split(done, np.cumsum([c.target for c in finished])[:-1])):
+                codes[c.spec.request_id] = block.copy()
                 del self.canvases[c.spec.request_id]
-            outcomes.append(CanvasOutcome(c.spec.request_id, k, finished, codes))
         self.steps += 1
-        return outcomes
+        return [CanvasOutcome(c.spec.request_id, k, c.spec.request_id in codes, codes.get(c.spec.request_id))
+                for c, k in running]
 
     def _check(self, items: list[tuple[int, int]]) -> list[tuple[Canvas, int]]:
         if len(items) > self.max_batch:
@@ -160,13 +186,61 @@ class CanvasEngine:
             if c.document.guided:  # the uncond document: the canvas alone
                 ids.append(c.ids[:, -c.target:])
                 mask.append(c.audio_mask[-c.target:])
-        logits = self.model(torch.cat(ids, dim=1), torch.cat(mask), lay.positions.to(self.device), lay.doc_lens,
-                            lay.gather.to(self.device))
+        logits = self._logits(torch.cat(ids, dim=1), torch.cat(mask), lay)
+        together: list[tuple[Canvas, Item]] = []
         for (c, k), col, ucol in zip(scored, lay.cond_column, lay.uncond_column):
             knobs = c.spec.knobs
+            if self.batched_unmask and knobs.class_temperature <= 0:
+                generator = step_generator(c.spec.seed, k) if knobs.position_temperature > 0 else None
+                together.append((c, Item(c.ids[:, -c.target:], col, ucol, knobs, c.counts[k], generator)))
+                continue
             cond = logits[:, col:col + c.target]
             uncond = None if ucol is None else logits[:, ucol:ucol + c.target]
             noisy = knobs.position_temperature > 0 or knobs.class_temperature > 0
             generator = step_generator(c.spec.seed, k) if noisy else None
             c.ids[:, -c.target:] = unmask_step(c.ids[:, -c.target:], cond, uncond, knobs, c.counts[k],
                                                self.cfg.audio_mask_id, generator)
+        if together:
+            revealed = unmask_batch(logits, [item for _, item in together], self.cfg.audio_mask_id)
+            for (c, _), canvas in zip(together, revealed):
+                c.ids[:, -c.target:] = canvas
+
+    def _logits(self, ids: Tensor, mask: Tensor, lay) -> Tensor:
+        """fp32 logits [C, n, V] at the layout's gathered rows: graphed when a graph holds the step."""
+        gather = to_device(lay.gather, self.device)
+        if self.bucketed is not None:
+            h = self.bucketed.hidden(ids, mask, lay.positions.numpy(), lay.doc_lens)
+            if h is not None:
+                return self.model.head(h, gather)
+        return self.model(ids, mask, to_device(lay.positions, self.device), lay.doc_lens, gather, self.attention)
+
+    def warm_up(self, capture: bool = True) -> float:
+        """Run a step of a guided and an unguided canvas unpadded (flashinfer JIT-compiles its kernels
+        on first use, which must not land on a user's request), then capture every graph (capture:
+        else each on first use) and run the step in its bucket; forget the canvases. Returns seconds."""
+        t0 = time.perf_counter()
+        bucketed, self.bucketed = self.bucketed, None
+        ids = ((1 << 62), (1 << 62) + 1)[:min(2, self.max_batch)]
+        text = np.arange(100, 120, dtype=np.int64)
+        frames = max(1, min(50, (self.max_packed_rows - 2 * text.size) // 3))
+        try:
+            for in_buckets in (False, True):
+                if in_buckets:
+                    if bucketed is None:
+                        break
+                    self.bucketed = bucketed
+                    if capture:
+                        bucketed.capture_all()
+                for i, guidance in zip(ids, (2.0, 0.0)):
+                    self.start(CanvasSpec(i, text, None, frames, UnmaskKnobs(num_step=2, guidance_scale=guidance), 0))
+                self.step([(i, 0) for i in ids])
+                for i in ids:
+                    self.release(i)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.bucketed = bucketed
+            for i in ids:
+                self.release(i)
+        self.steps = 0
+        return time.perf_counter() - t0

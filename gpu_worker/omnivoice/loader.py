@@ -18,17 +18,14 @@ from pathlib import Path
 import torch
 
 from chorus.omnivoice.config import PRESETS, OmniVoiceConfig
-from gpu_worker.loader import CheckpointError, _shard_map, resolve_dtype
+from gpu_worker.loader import resolve_dtype
+from gpu_worker.safetensors_headers import CheckpointError, read_headers, read_tensors
 from gpu_worker.model import init_random_weights
 from gpu_worker.omnivoice.model import OmniVoiceModel
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 OFFSETS = "codebook_layer_offsets"
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.(original_)?inv_freq$")
-
-
-def _list(names: list[str], limit: int = 20) -> str:
-    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def expected_shapes(cfg: OmniVoiceConfig) -> dict[str, tuple[int, ...]]:
@@ -39,70 +36,34 @@ def expected_shapes(cfg: OmniVoiceConfig) -> dict[str, tuple[int, ...]]:
 def check_checkpoint(cfg: OmniVoiceConfig, model_dir: str | Path) -> dict[str, Path]:
     """Compare the safetensors headers with the model cfg describes; name -> shard of every tensor
     to load. Raises CheckpointError naming each missing, unexpected or mis-shaped tensor."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
     expected = expected_shapes(cfg)
-    where: dict[str, Path] = {}
-    unexpected, misplaced, bad_shape = [], [], []
-    for shard, listed in _shard_map(model_dir).items():
-        with safe_open(str(shard), framework="pt") as f:
-            names = list(f.keys())
-            if listed is not None:
-                misplaced += [f"{n} (index: {shard.name}, absent there)" for n in sorted(listed - set(names))]
-            for name in names:
-                if _IGNORED.search(name):
-                    continue
-                if name in where:
-                    raise CheckpointError(f"tensor {name} appears in both {where[name].name} and {shard.name}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if name == OFFSETS:
-                    want = (cfg.num_codebooks,)
-                elif name in expected:
-                    want = expected[name]
-                else:
-                    unexpected.append(name)
-                    continue
-                where[name] = shard
-                if shape != want:
-                    bad_shape.append(f"{name}: checkpoint {shape}, config.json implies {want}")
-    missing = sorted(set(expected) - set(where))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_list(sorted(unexpected))}")
-    if misplaced:
-        problems.append(f"tensors the index maps to the wrong shard: {_list(misplaced)}")
-    if bad_shape:
-        problems.append("shape mismatches: " + "; ".join(bad_shape[:20]))
-    if problems:
-        raise CheckpointError(f"checkpoint {model_dir} does not match its config.json: " + " | ".join(problems))
-    return where
+    headers = read_headers(model_dir, skip=lambda name: bool(_IGNORED.search(name)))
+    for name, shape in headers.shapes.items():
+        if name == OFFSETS:
+            want = (cfg.num_codebooks,)
+        elif name in expected:
+            want = expected[name]
+        else:
+            headers.unexpected.append(name)
+            continue
+        if shape != want:
+            headers.bad_shape.append(f"{name}: checkpoint {shape}, config.json implies {want}")
+    return headers.check(set(expected))
 
 
 def load_checkpoint(model: OmniVoiceModel, model_dir: str | Path) -> None:
     """Copy the checkpoint's tensors into an allocated model by name, casting to its dtype."""
-    from safetensors import safe_open
-
-    where = check_checkpoint(model.cfg, model_dir)
     params = model.state_dict(keep_vars=True)
-    by_shard: dict[Path, list[str]] = {}
-    for name, shard in where.items():
-        by_shard.setdefault(shard, []).append(name)
     with torch.no_grad():
-        for shard, names in by_shard.items():
-            with safe_open(str(shard), framework="pt") as f:
-                for name in names:
-                    tensor = f.get_tensor(name)
-                    if name == OFFSETS:
-                        want = torch.arange(model.cfg.num_codebooks) * model.cfg.audio_vocab_size
-                        if not torch.equal(tensor.to(torch.int64), want):
-                            raise CheckpointError(f"checkpoint tensor {OFFSETS} = {tensor.tolist()}: audio rows are "
-                                                  f"laid out as codebook * {model.cfg.audio_vocab_size}, "
-                                                  f"i.e. {want.tolist()}")
-                        continue
-                    params[name].copy_(tensor)
+        for name, tensor in read_tensors(check_checkpoint(model.cfg, model_dir)):
+            if name == OFFSETS:
+                want = torch.arange(model.cfg.num_codebooks) * model.cfg.audio_vocab_size
+                if not torch.equal(tensor.to(torch.int64), want):
+                    raise CheckpointError(f"checkpoint tensor {OFFSETS} = {tensor.tolist()}: audio rows are "
+                                          f"laid out as codebook * {model.cfg.audio_vocab_size}, "
+                                          f"i.e. {want.tolist()}")
+                continue
+            params[name].copy_(tensor)
 
 
 def default_dtype(device: str) -> str:

@@ -12,17 +12,38 @@ norm before half-split RoPE, softmax attention per document. CPU GEMMs compute t
 (rows mod 4) rows of a batch with another kernel whose bits differ, so a step's rows, and the rows
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
+
+On CUDA with triton, RMSNorm (and the residual add before the second norm), q/k norm + RoPE and
+SiLU x mul run as gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the
+reference ops everywhere): the same math with the norm's sum in the kernel's fixed order. At a
+packed step of thousands of rows the separate torch ops cost more than the GEMMs.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from chorus.omnivoice.config import OmniVoiceConfig
+from chorus.triton_support import KERNEL_DTYPES
+from gpu_worker import kernels
 
 ROW_MULTIPLE = 4
+KERNELS = "auto"  # "auto": gpu_worker/kernels.py's fused kernels on CUDA when triton imports; "torch": never
+
+# One step's attention, planned for its documents: q [rows, H, d], k/v [rows, KV, d] -> [rows, H, d].
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def fused(x: Tensor) -> bool:
+    """Whether x's norms, RoPE and SiLU x mul run as Triton kernels: compiled ones only (the
+    interpreter the CPU tests turn on cannot run inside a CUDA graph)."""
+    return (KERNELS == "auto" and kernels.HAVE_TRITON and not kernels.INTERPRET and x.is_cuda
+            and x.dtype in KERNEL_DTYPES)
 
 
 def _pad_rows(x: Tensor, multiple: int, dim: int, fill) -> Tensor:
@@ -42,15 +63,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps, impl="auto")
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
+@lru_cache(maxsize=8)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    """RoPE frequencies, computed on the CPU as the reference does, then kept on `device` (a CUDA
+    graph may not copy from the host)."""
+    return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))).to(device)
+
+
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [rows, head_dim] of half-split RoPE: angles in fp32, then cast to the activation dtype."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)
+    angles = positions.to(torch.float32)[:, None] * _inv_freq(head_dim, theta, positions.device)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -86,12 +115,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: list[int]) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         rows = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(rows, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(rows, self.n_kv, self.head_dim))
+        q = self.q_proj(x).view(rows, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
-        o = document_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, doc_lens)
+        if fused(x):  # q/k norms and RoPE in one launch; k and v land in fresh [rows, KV, d] buffers
+            half = self.head_dim // 2
+            k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+            q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
+                                           sin[:, :half], self.q_norm.eps, k_out, v_out,
+                                           torch.arange(rows, device=x.device), impl="auto",
+                                           rows_per_program=16)
+            o = attend(q, k_out, v_out)
+        else:
+            o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
         return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
 
 
@@ -103,7 +141,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up, impl="auto") if fused(x) else F.silu(gate) * up)
 
 
 class Layer(nn.Module):
@@ -114,9 +153,15 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_lens: list[int]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, doc_lens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        if fused(x):  # the residual add and the next norm in one launch
+            norm = self.post_attention_layernorm
+            x, h = kernels.add_rms_norm(x, a, norm.weight, norm.eps, impl="auto")
+        else:
+            x = x + a
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 class Body(nn.Module):
@@ -129,10 +174,10 @@ class Body(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, doc_lens: list[int]) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, doc_lens)
+            x = layer(x, cos, sin, attend)
         return self.norm(x)
 
 
@@ -147,24 +192,36 @@ class OmniVoiceModel(nn.Module):
 
     def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
         """ids int64 [C, rows] (a text row repeats its id in every codebook), audio_mask bool [rows]
-        -> [rows, hidden]: a text row's token embedding, or the sum over codebooks of code rows."""
-        x = self.llm.embed_tokens(torch.where(audio_mask, 0, ids[0]))
+        -> [rows, hidden]: a text row's token embedding, or the sum over codebooks of code rows.
+        Both are looked up for every row and one is kept: no data-dependent shapes (CUDA graphs)."""
+        text = self.llm.embed_tokens(torch.where(audio_mask, 0, ids[0]))
         offsets = torch.arange(self.cfg.num_codebooks, device=ids.device)[:, None] * self.cfg.audio_vocab_size
-        x[audio_mask] = self.audio_embeddings(ids[:, audio_mask] + offsets).sum(dim=0)
-        return x
+        audio = self.audio_embeddings(torch.where(audio_mask, ids, 0) + offsets).sum(dim=0)
+        return torch.where(audio_mask[:, None], audio, text)
+
+    def hidden(self, ids: Tensor, audio_mask: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """Final-norm hidden states [rows, hidden] of a packed step (what a CUDA graph holds)."""
+        return self.llm(self.embed(ids, audio_mask), positions, attend)
+
+    def head(self, h: Tensor, gather: Tensor) -> Tensor:
+        """fp32 logits [C, n, V] of the rows `gather` [n] of h."""
+        n = gather.shape[0]
+        logits = self.audio_heads(h[_pad_rows(gather, ROW_MULTIPLE, 0, 0)])[:n]
+        return logits.view(n, self.cfg.num_codebooks, self.cfg.audio_vocab_size).transpose(0, 1).float()
 
     def forward(self, ids: Tensor, audio_mask: Tensor, positions: Tensor, doc_lens: list[int],
-                gather: Tensor) -> Tensor:
+                gather: Tensor, attention=None) -> Tensor:
         """One packed step: ids [C, rows], audio_mask [rows], positions [rows] restarting per
         document, doc_lens summing to rows, gather [n] the rows to score -> fp32 logits [C, n, V].
-        Filler rows (a MASK document of their own) round the pack up to ROW_MULTIPLE rows."""
-        rows, n = ids.shape[1], gather.shape[0]
+        Filler rows (a MASK document of their own) round the pack up to ROW_MULTIPLE rows.
+        `attention`: a backend of gpu_worker.omnivoice.attention (None: the torch reference)."""
+        rows = ids.shape[1]
         fill = -rows % ROW_MULTIPLE
         if fill:
             ids = _pad_rows(ids, ROW_MULTIPLE, 1, self.cfg.audio_mask_id)
             audio_mask = _pad_rows(audio_mask, ROW_MULTIPLE, 0, True)
             positions = torch.cat([positions, torch.arange(fill, device=positions.device)])
             doc_lens = [*doc_lens, fill]
-        h = self.llm(self.embed(ids, audio_mask), positions, doc_lens)
-        logits = self.audio_heads(h[_pad_rows(gather, ROW_MULTIPLE, 0, 0)])[:n]
-        return logits.view(n, self.cfg.num_codebooks, self.cfg.audio_vocab_size).transpose(0, 1).float()
+        attend = attention.plan(doc_lens) if attention is not None else \
+            (lambda q, k, v: document_attention(q, k, v, doc_lens))
+        return self.head(self.hidden(ids, audio_mask, positions, attend), gather)

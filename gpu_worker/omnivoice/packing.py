@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,27 +37,39 @@ class Layout:
         return sum(self.doc_lens)
 
 
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The concatenation of range(s, s + n) for each (s, n), int64."""
+    total = int(lens.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
 def layout(requests: list[Document]) -> Layout:
     doc_lens: list[int] = []
-    cond_rows: list[Tensor] = []
-    uncond_rows: list[Tensor] = []
+    cond_at, uncond_at = [], []  # packed row where each request's cond / uncond target starts
     start = 0
     for r in requests:
         cond = r.prefix + r.target
         doc_lens.append(cond)
-        cond_rows.append(torch.arange(start + r.prefix, start + cond))
+        cond_at.append(start + r.prefix)
         start += cond
         if r.guided:
             doc_lens.append(r.target)
-            uncond_rows.append(torch.arange(start, start + r.target))
+            uncond_at.append(start)
             start += r.target
-    positions = torch.cat([torch.arange(n) for n in doc_lens]) if doc_lens else torch.zeros(0, dtype=torch.int64)
-    gather = torch.cat(cond_rows + uncond_rows) if requests else torch.zeros(0, dtype=torch.int64)
+    lens = np.asarray(doc_lens, dtype=np.int64)
+    positions = _ranges(np.zeros(len(lens), np.int64), lens)
+    targets = np.asarray([r.target for r in requests], dtype=np.int64)
+    guided = np.asarray([r.guided for r in requests], dtype=bool)
+    gather = np.concatenate([_ranges(np.asarray(cond_at, np.int64), targets),
+                             _ranges(np.asarray(uncond_at, np.int64), targets[guided])]) if requests else \
+        np.zeros(0, np.int64)
     cond_column, uncond_column = [], []
-    cond_at, uncond_at = 0, sum(r.target for r in requests)
+    cond_col, uncond_col = 0, int(targets.sum())
     for r in requests:
-        cond_column.append(cond_at)
-        cond_at += r.target
-        uncond_column.append(uncond_at if r.guided else None)
-        uncond_at += r.target if r.guided else 0
-    return Layout(doc_lens, positions, gather, cond_column, uncond_column)
+        cond_column.append(cond_col)
+        cond_col += r.target
+        uncond_column.append(uncond_col if r.guided else None)
+        uncond_col += r.target if r.guided else 0
+    return Layout(doc_lens, torch.from_numpy(positions), torch.from_numpy(gather), cond_column, uncond_column)

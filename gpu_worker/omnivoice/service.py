@@ -45,7 +45,19 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
 
     model = build_omnivoice(model_dir=args.model, preset=PRESETS.get(args.preset, "tiny"),
                             load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
-    return CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows)
+    engine = CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows,
+                          attention=args.attention, cuda_graphs=args.cuda_graphs)
+    if engine.device.type == "cuda":
+        if engine.attention.name == "torch":
+            log.warning("OmniVoice on %s in %s runs torch attention, unbucketed and without CUDA graphs: "
+                        "--dtype float16 (and flashinfer installed) for flashinfer and graphs",
+                        engine.device, args.dtype)
+        seconds = engine.warm_up(capture=args.capture_graphs)
+        b = engine.bucketed
+        log.info("OmniVoice worker warm (%.1f s): attention %s, %s", seconds, engine.attention.name,
+                 "unbucketed" if b is None else b.disabled or (f"{len(b.graphs)} step graphs" if b.replay
+                                                               else "bucketed, eager (no CUDA graphs)"))
+    return engine
 
 
 def hello(args: WorkerConfig, engine: CanvasEngine) -> worker_pb2.Hello:

@@ -1,0 +1,34 @@
+"""chorus bench's OmniVoice workloads (O1 short, O2 clone of stored voices, O3 mixed knobs) through
+the real services on the CPU (tiny OmniVoice and codec), and their named GPU layouts."""
+
+import json
+
+from chorus import bench
+from chorus.bench import layouts
+
+
+def test_o_workloads_run_end_to_end(omnivoice_cluster, tmp_path):
+    out = tmp_path / "o.json"
+    args = bench.parse_args(["--server", omnivoice_cluster.address, "--warmup", "0", "--no-progress", "--seed", "3",
+                             "--workload", "O1,O2,O3", "--concurrency", "2", "--requests", "2", "--frames", "10",
+                             "--num-step", "4", "--voices", "2", "--out", str(out)])
+    bench.run_bench(args)
+    data = json.loads(out.read_text())
+    assert [lv["workload"] for lv in data["levels"]] == ["O1", "O2", "O3"]
+    assert all(lv["errors"] == 0 and lv["completed"] == 2 for lv in data["levels"]), \
+        [lv["first_error"] for lv in data["levels"]]
+    assert all(lv["audio_s_per_s"] > 0 and lv["server_last_frame_ms"]["p50"] > 0 for lv in data["levels"])
+    records = [r for r in data["records"] if r["measured"]]
+    assert {r["voice"] is not None for r in records if r["workload"] == "O2"} == {True}
+    assert {(r["num_step"], r["guidance_scale"]) for r in records if r["workload"] == "O1"} == {(4, 2.0)}
+    assert all(r["frames"] == 10 for r in records)
+    assert data["server"]["models"] and any(m["architecture"] == "omnivoice" for m in data["server"]["models"])
+
+
+def test_the_omnivoice_layouts_put_omnivoice_on_the_gpu():
+    one = layouts.resolve("o1-1gpu").services()
+    assert (one.omnivoice_worker.device, one.omnivoice_worker.dtype, one.omnivoice_worker.preset) == \
+        ("cuda:0", "float16", "omnivoice-full")
+    assert one.omnivoice_vocoder.preset == "higgs-full" and one.worker.device == "cpu"
+    assert layouts.resolve("o3-1gpu").settings["workload"] == ["O3"]
+    assert layouts.resolve("o1-1gpu-eager").services().omnivoice_worker.cuda_graphs is False
