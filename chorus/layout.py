@@ -70,12 +70,19 @@ class ClusterConfig:
     quiet: bool = setting(False, "do not relay the services' logs")
     curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
                          "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
+    engines: int = setting(0, "engines, each a worker and a scheduler core (frontends = 0), behind a frontend tier; "
+                           "they serve MOSS alone (0 = one scheduler with its own frontends)", metavar="N", minimum=0)
+    gateways: int = setting(1, "with engines: frontend tier processes (`chorus frontend`) sharing the public port",
+                            metavar="N", minimum=1)
 
     @property
     def serves_omnivoice(self) -> bool:
-        return self.omnivoice or self.omnivoice_model is not None
+        return not self.engines and (self.omnivoice or self.omnivoice_model is not None)
 
     def validate(self) -> None:
+        if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder or self.omnivoice_model):
+            raise ConfigError("cluster.engines: engines use vocoder replicas of their own and serve MOSS alone: "
+                              "leave colocate_vocoder, shared_vocoder_decoder and omnivoice_model unset")
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
             raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
                               "colocated decoder is the worker's; a shared one is a process of its own)")
@@ -106,11 +113,13 @@ class Layout:
                        omnivoice_vocoder=self.omnivoice_vocoder,
                        omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
                        curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
-                                                            and not is_loopback(self.cluster.host)), **kw)
+                                                            and not is_loopback(self.cluster.host)),
+                       engines=self.cluster.engines, frontend_tier=self.cluster.gateways, **kw)
 
 
 def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
-                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve"),
+                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve", "engines",
+                                     "gateways"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""
@@ -179,7 +188,8 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
             table.setdefault("dtype", "float32" if device == "cpu" else "bfloat16")
     scheduler.update(service_flags.get("scheduler", {}))
     configs = {name: cls(**values[name]) for name, cls in SERVICES.items()}
-    colocate, configs["vocoder"] = colocation(cluster.colocate_vocoder, configs["worker"].device,
+    choice = "off" if cluster.engines else cluster.colocate_vocoder  # an engine's vocoders are their own
+    colocate, configs["vocoder"] = colocation(choice, configs["worker"].device,
                                               cluster.vocoder_device, cluster.vocoders, configs["vocoder"],
                                               given=set(vocoder))
     for config in configs.values():

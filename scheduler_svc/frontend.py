@@ -10,6 +10,8 @@ format it asked for. A call for an OmniVoice model takes its own path
 Several frontends serve one port (SO_REUSEPORT: the kernel spreads client
 connections over them), so the per-frame relay work, which is most of the
 service's CPU, scales with processes while one core schedules every request.
+A frontend tier process (scheduler_svc/frontend_tier.py) runs this same API in
+front of many cores, one picked per request (scheduler_svc/engine_pool.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from chorus.voice_store import VoiceStoreError, open_store
 from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
 from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core_client import CoreClient
+from scheduler_svc.core_client import CoreUnavailable
+from scheduler_svc.engine_pool import EnginePool, affinity_key
 from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
@@ -60,7 +63,7 @@ FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
-    def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
+    def __init__(self, core: EnginePool, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
                  limits: Limits, codec: vocoder_pb2.VocoderInfo, voices: VoiceLibrary,
                  first_chunk_frames_loaded: int = 0, models: ServedModels | None = None,
                  omnivoice: OmniVoiceFrontend | None = None, backlog: Backlog | None = None,
@@ -220,7 +223,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             raise InvalidRequest(f"the prompt ({rows.shape[0]} rows) does not fit the worker's KV cache "
                                  f"({worker.kv_slots} rows); shorten the text or the references")
         try:
-            req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
+            req = await self.core.submit(rows, resolved.sampling, resolved.max_frames,
+                                         key=affinity_key(request, caller.get()))
         except QueueFull as e:
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except Unavailable as e:
@@ -334,7 +338,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
 
 
 # ---- process -----------------------------------------------------------------------
-async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
+async def _watch_core(stop: asyncio.Event, core: EnginePool) -> None:
     """The core started this process: when it is gone (even by SIGKILL), or the link to it fails, so is
     this one, with a non-zero exit (serve raises SystemExit) so that its supervisor restarts the service."""
     parent = os.getppid()
@@ -345,7 +349,7 @@ async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
     stop.set()
 
 
-async def _serve_health(health_servicer, core: CoreClient, models: ServedModels) -> None:
+async def _serve_health(health_servicer, core: EnginePool, models: ServedModels) -> None:
     """grpc health as the core sees the workers: a model none of whose workers answers is NOT_SERVING
     under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model."""
     while True:
@@ -360,7 +364,7 @@ async def _serve_health(health_servicer, core: CoreClient, models: ServedModels)
         await core.health_changed.wait()
 
 
-async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalConfig, limits: Limits,
+async def _omnivoice(args: SchedulerConfig, core: EnginePool, cfg: MossTTSLocalConfig, limits: Limits,
                      index: int, voices: VoiceLibrary) -> tuple[ServedModels, OmniVoiceFrontend | None]:
     """The served models, and the OmniVoice path when the core schedules OmniVoice workers."""
     served = [ServedModel(cfg.name, MOSS)] + [ServedModel(h.model_name, OMNIVOICE) for h in core.hello.canvas_workers]
@@ -384,9 +388,19 @@ async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalC
                                      voices)
 
 
-async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
-    core = CoreClient(core_endpoint, max_message_bytes=args.link_message_bytes())
-    hello = await core.connect(timeout=600)
+async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) -> None:
+    """Serve the API from the core at core_endpoint (this process's parent), or with None as a frontend
+    tier process, from the engines args.engines names."""
+    if core_endpoint:
+        core = EnginePool([core_endpoint], args.link_message_bytes())
+    else:
+        core = EnginePool(args.engines, args.link_message_bytes(), (args.curve_secret_key, args.engine_public_key)
+                          if args.engine_public_key else None, args.engine_refresh, args.engine_load_slack,
+                          args.engine_load_margin)
+    try:
+        hello = await core.connect(timeout=600)
+    except CoreUnavailable as e:
+        raise SystemExit(f"frontend {index}: {e}") from None
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.worker.model_config_json))
     vocoders = VocoderPool(args.vocoder, tls_dir=args.vocoder_tls_dir)
     if index == 0:
@@ -441,7 +455,12 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, keys.reload if keys else lambda: None)  # the core relays its SIGHUP
-    watcher = loop.create_task(_watch_core(stop, core))
+    if core_endpoint:
+        watcher = loop.create_task(_watch_core(stop, core))
+    else:
+        watcher = loop.create_task(asyncio.sleep(float("inf")))
+        print(f"frontend ready on {args.host}:{bound} engines={','.join(core.specs)} "
+              f"vocoders={','.join(args.vocoder)}", flush=True)
     await stop.wait()
     core_gone = watcher.done()
     watcher.cancel()

@@ -43,14 +43,24 @@ class _Outbox:
 
 
 class FrontendLink(EventSink, CanvasSink):
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None, max_message_bytes: int = 0):
-        """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit)."""
-        self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None,
+                 max_message_bytes: int = 0, curve_keys: tuple[str, str] | None = None):
+        """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit);
+        curve_keys: (the core's secret key file, the directory of allowed frontends' public keys)
+        to serve CURVE only; CurveError when they cannot be used."""
+        ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         curve.limit_size(self._sock, max_message_bytes)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds the HWM: never drop frames
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # a frontend on another host that goes silent is dropped after 3 s (ZMTP heartbeats)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # the authenticator must share the socket's C context (ZAP is per context)
+        self._auth = curve.serve(zmq.Context.shadow(ctx.underlying), self._sock, *curve_keys) if curve_keys else None
         self._sock.bind(endpoint)
+        self.known: set[bytes] = set()   # frontends that said hello: they get the load every second
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler: Scheduler | None = None
         self.ready: set[bytes] = set()
@@ -77,7 +87,9 @@ class FrontendLink(EventSink, CanvasSink):
         self.served = {scheduler.hello.model_name: scheduler.hello.architecture,
                        **{name: OMNIVOICE for name in self.canvas_schedulers}}
         self.default_model = resolve_model(default_model, self.served)
-        self._task = asyncio.get_running_loop().create_task(self._serve())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._serve())
+        self._load_task = loop.create_task(self._send_load())
 
     @property
     def broken(self) -> str:
@@ -89,7 +101,10 @@ class FrontendLink(EventSink, CanvasSink):
     def close(self) -> None:
         if self._task:
             self._task.cancel()
+            self._load_task.cancel()
         self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
 
     # ---- the scheduler's sink ---------------------------------------------------------------
     def emit(self, req: Request, event: FrameEvent | FinishEvent | ErrorEvent) -> None:
@@ -147,15 +162,28 @@ class FrontendLink(EventSink, CanvasSink):
 
     def worker_health(self, model: str, up: bool) -> None:
         msg = self._health()
-        for frontend in self.ready:
+        for frontend in self.ready | self.known:
             self._send(frontend, msg)
 
+    async def _send_load(self) -> None:
+        """The health and load to every frontend that said hello, each second: frontend tiers weigh
+        engines by it."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.known:
+                msg = self._health()
+                for frontend in self.known:
+                    self._send(frontend, msg)
+
     def _health(self) -> frontend_pb2.CoreMessage:
-        """The models none of whose workers answers."""
+        """The models none of whose workers answers, and the MOSS scheduler's load."""
         down = [name for name, group in self.canvas_schedulers.items() if not any(s.heartbeat.up for s in group)]
-        if self.scheduler is not None and not self.scheduler.heartbeat.up:
-            down.insert(0, self.scheduler.hello.model_name)
-        return frontend_pb2.CoreMessage(health=frontend_pb2.WorkerHealth(down=down))
+        health = frontend_pb2.WorkerHealth(down=down)
+        if self.scheduler is not None:
+            if not self.scheduler.heartbeat.up:
+                health.down.insert(0, self.scheduler.hello.model_name)
+            health.queued, health.running = len(self.scheduler.policy.waiting), len(self.scheduler.policy.running)
+        return frontend_pb2.CoreMessage(health=health)
 
     def _forget(self, req: Request) -> None:
         origin = self._origin.pop(req.id, None)
@@ -209,6 +237,7 @@ class FrontendLink(EventSink, CanvasSink):
             self._report(frontend, msg.report)
             return None
         if kind == "hello":
+            self.known.add(frontend)
             self._late.append((frontend, self._health()))
             s = self.scheduler
             return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(

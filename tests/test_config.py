@@ -69,7 +69,7 @@ def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
     ("[worker]\nkv_slot = 5\n", "[worker] has no key 'kv_slot' (did you mean 'kv_slots'?)"),
     ("[worker]\nkv_slots = \"many\"\n", "[worker] kv_slots = 'many': expected an integer"),
     ("[vocoder]\nengine = \"session\"\n", "[vocoder] engine = 'session': choose one of auto, slots, stream"),
-    ("[scheduler]\nfrontends = 0\n", "[scheduler] frontends = 0: must be >= 1"),
+    ("[scheduler]\nfrontends = -1\n", "[scheduler] frontends = -1: must be >= 0"),
     ("[worker\n", "not valid TOML"),
 ])
 def test_a_bad_file_names_the_key_and_what_to_fix(tmp_path, text, needle):

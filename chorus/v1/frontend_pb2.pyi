@@ -101,10 +101,14 @@ class Finished(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("down",)
+    __slots__ = ("down", "queued", "running")
     DOWN_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     down: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, down: _Optional[_Iterable[str]] = ...) -> None: ...
+    queued: int
+    running: int
+    def __init__(self, down: _Optional[_Iterable[str]] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
 
 class Pause(_message.Message):
     __slots__ = ("ticket", "paused")
