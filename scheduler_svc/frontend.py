@@ -42,6 +42,7 @@ from scheduler_svc.core_client import CoreClient
 from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
+from chorus.retry_hint import set_retry_hint
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
@@ -203,6 +204,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         try:
             req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
         except QueueFull as e:
+            if e.retry_after > 0:
+                set_retry_hint(context, e.retry_after)
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
