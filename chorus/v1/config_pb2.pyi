@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes")
+    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes", "memory_fraction")
     BIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerConfig(_message.Message):
     CURVE_SECRET_KEY_FIELD_NUMBER: _ClassVar[int]
     CURVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     bind: str
     model: str
     preset: str
@@ -52,10 +53,11 @@ class WorkerConfig(_message.Message):
     curve_secret_key: str
     curve_clients: str
     max_message_bytes: int
-    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    memory_fraction: float
+    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ...) -> None: ...
 
 class VocoderConfig(_message.Message):
-    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace", "tls_dir", "require_client_cert")
+    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace", "tls_dir", "require_client_cert", "memory_fraction")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +88,7 @@ class VocoderConfig(_message.Message):
     GRACE_FIELD_NUMBER: _ClassVar[int]
     TLS_DIR_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     metrics_port: int
@@ -116,7 +119,8 @@ class VocoderConfig(_message.Message):
     grace: float
     tls_dir: str
     require_client_cert: bool
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ...) -> None: ...
+    memory_fraction: float
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., memory_fraction: _Optional[float] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
     __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model", "tls_dir", "require_client_cert", "api_keys", "vocoder_tls_dir", "curve_secret_key", "worker_public_key", "ttfa_objective_ms", "max_expected_wait_s")
