@@ -82,8 +82,9 @@ def size_worker(free_bytes: int, total_bytes: int, fraction: float, model: Model
     reasons.append(f"{left / GiB:.1f} GiB after {model.weight_bytes / GiB:.1f} GiB of weights and "
                    f"{WORKSPACE_BYTES / GiB:.0f} GiB of workspace")
     if codec is not None:
-        left -= codec.weight_bytes
-        reasons.append(f"{left / GiB:.1f} GiB after the hosted decoder's {codec.weight_bytes / GiB:.1f} GiB of weights")
+        left -= codec.weight_bytes + VOCODER_WORKSPACE_BYTES
+        reasons.append(f"{left / GiB:.1f} GiB after the hosted decoder's {codec.weight_bytes / GiB:.1f} GiB of weights "
+                       f"and {VOCODER_WORKSPACE_BYTES / GiB:.0f} GiB of workspace")
     row = model.kv_row_bytes
     planned = min(max_context, PLANNED_ROWS)
 

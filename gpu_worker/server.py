@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from chorus.config import ConfigError, add_config_flags, parse
-from chorus.sizing import CPU_KV_SLOTS, CPU_MAX_BATCH, CPU_VOCODER_SLOTS, CodecFootprint, ModelFootprint, Sizing, size_worker
+from chorus.sizing import (CPU_KV_SLOTS, CPU_MAX_BATCH, CPU_VOCODER_SLOTS, CodecFootprint, ModelFootprint, Sizing,
+                           size_worker)
 from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig

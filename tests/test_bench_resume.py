@@ -41,7 +41,8 @@ def test_the_one_gpu_defaults_layout_leaves_sizing_to_the_gpu():
     services = layout.services()
     assert layout.settings["concurrency"] == [1, 16, 64, 128, 256]
     assert (layout.settings["duration"], layout.settings["warmup"]) == (15.0, 5.0)
-    assert services.colocate and (services.worker.max_batch, services.worker.kv_slots, services.vocoder.slots) == (0, 0, 0)
+    assert services.colocate
+    assert (services.worker.max_batch, services.worker.kv_slots, services.vocoder.slots) == (0, 0, 0)
 
 
 def test_readme_rows():

@@ -106,7 +106,8 @@ def table_row(lv: dict) -> str:
 
 def readme_rows(levels: list[dict]) -> str:
     """The levels as rows of benchmarks/README.md's one-table-per-layout form."""
-    out = ["| workload | concurrency | audio s/s | TTFA p50 / p99 (ms) | requests | errors |", "|---|---|---|---|---|---|"]
+    out = ["| workload | concurrency | audio s/s | TTFA p50 / p99 (ms) | requests | errors |",
+           "|---|---|---|---|---|---|"]
     for lv in levels:
         label = str(lv["concurrency"]) if lv["mode"] == "closed" else f"rate {lv['rate']:g}/s"
         out.append(f"| {lv['workload']} | {label} | {_fmt(lv['audio_s_per_s'], ',.1f')} | "
