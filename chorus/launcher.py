@@ -125,7 +125,7 @@ class Service:
             self.proc.wait()
 
 
-def _same_device(a: str, b: str) -> bool:
+def same_device(a: str, b: str) -> bool:
     norm = lambda d: d + ":0" if d == "cuda" else d  # noqa: E731 - the current device, as the services pick it
     return norm(a) == norm(b)
 
@@ -141,11 +141,11 @@ def colocation(choice: str, device: str, vocoder_device: str | None, replicas: i
     runs in first-chunk-sized steps: new streams' first chunks then share steps with the steady ones
     instead of waiting."""
     vdev = vocoder_device or device
-    shared = _same_device(device, vdev)
+    shared = same_device(device, vdev)
     on = choice == "on" or (choice == "auto" and device.startswith("cuda") and replicas == 1 and shared)
     vocoder = dataclasses.replace(vocoder)
     if (shared or on) and "launch_ahead_streams" not in given:
-        vocoder.launch_ahead_streams = max(1, vocoder.slots // 2)
+        vocoder.launch_ahead_streams = max(1, vocoder.slots // 2) if vocoder.slots else 0  # 0: half the sized slots
     if on and "step_frames" not in given:
         vocoder.step_frames = vocoder.first_chunk_frames
     return on, vocoder

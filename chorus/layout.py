@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 from chorus.config import (ConfigError, add_flags, check, given_fields, markdown, merge, profile_names, profile_text,
                            read_profile, read_toml, setting, table_values, to_toml)
-from chorus.launcher import Cluster, colocation
+from chorus.launcher import Cluster, colocation, same_device
+from chorus.sizing import VOCODER_SHARE, WORKER_SHARE
 from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
 from chorus.tls import is_loopback
@@ -186,12 +187,16 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
             table["dtype"] = cluster.dtype
         else:
             table.setdefault("dtype", "float32" if device == "cpu" else "bfloat16")
+        if device.startswith("cuda"):  # 0: sized from the GPU's memory at start-up (chorus/sizing.py)
+            for key in (("max_batch", "kv_slots") if table is worker else ("slots",)):
+                table.setdefault(key, 0)
     scheduler.update(service_flags.get("scheduler", {}))
     configs = {name: cls(**values[name]) for name, cls in SERVICES.items()}
     choice = "off" if cluster.engines else cluster.colocate_vocoder  # an engine's vocoders are their own
     colocate, configs["vocoder"] = colocation(choice, configs["worker"].device,
                                               cluster.vocoder_device, cluster.vocoders, configs["vocoder"],
                                               given=set(vocoder))
+    share_memory(configs["worker"], configs["vocoder"], colocate, cluster.vocoders, set(worker), set(vocoder))
     for config in configs.values():
         check(config)
     if colocate and cluster.vocoders != 1:
@@ -200,6 +205,20 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
     if cluster.serves_omnivoice:
         layout.omnivoice_worker, layout.omnivoice_vocoder = _omnivoice_services(cluster, layout, tables, where)
     return layout
+
+
+def share_memory(worker: WorkerConfig, vocoder: VocoderConfig, colocate: bool, replicas: int,
+                 worker_given: set[str], vocoder_given: set[str]) -> None:
+    """Vocoder processes on the worker's CUDA device: sizing (chorus/sizing.py) gives the worker
+    WORKER_SHARE of its memory and the replicas VOCODER_SHARE between them (a replica's slots take
+    more than the worker's KV for a batch as large), unless a table or flag sets memory_fraction.
+    (Colocated, the worker sizes the decoder it hosts within its own share.)"""
+    if colocate or not worker.device.startswith("cuda") or not same_device(worker.device, vocoder.device):
+        return
+    if "memory_fraction" not in worker_given:
+        worker.memory_fraction = WORKER_SHARE
+    if "memory_fraction" not in vocoder_given:
+        vocoder.memory_fraction = VOCODER_SHARE / max(1, replicas)
 
 
 def _omnivoice_services(cluster: ClusterConfig, layout: Layout, tables: dict[str, Any],

@@ -125,6 +125,13 @@ class SchedulerConfig:
                                        minimum=0)
     engine_load_margin: float = setting(2.0, "frontend tier: requests an engine may carry over (1 + slack) * the "
                                         "mean load and still take its voices", minimum=0)
+    # ---- admission
+    ttfa_objective_ms: float = setting(1000.0, "time to first audio a request is admitted within; a request "
+                                       "expected later is queued, beyond max_expected_wait_s refused (0 = none)",
+                                       metavar="MS", minimum=0)
+    max_expected_wait_s: float = setting(5.0, "a request whose expected queue wait passes this many seconds gets "
+                                         "RESOURCE_EXHAUSTED with a retry hint (0 = only max_queue refuses)",
+                                         metavar="S", minimum=0)
 
     def link_message_bytes(self) -> int:
         """The largest message either end of the core-frontend link sends under these limits: a

@@ -243,7 +243,9 @@ class CoreClient:
         """QueueFull or Unavailable when the core did not take the request."""
         if answer.queue_full or answer.unavailable:
             self._open.pop(t.ticket, None)
-            raise QueueFull(answer.queue_full) if answer.queue_full else Unavailable(answer.unavailable)
+            if answer.queue_full:
+                raise QueueFull(answer.queue_full, answer.retry_after_s)
+            raise Unavailable(answer.unavailable)
 
     def pause(self, t: Ticket, paused: bool) -> None:
         """Its client is not reading (paused): the core stops planning the request until resumed."""

@@ -46,6 +46,7 @@ from scheduler_svc.engine_pool import EnginePool, affinity_key
 from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
+from chorus.retry_hint import set_retry_hint
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
@@ -226,6 +227,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             req = await self.core.submit(rows, resolved.sampling, resolved.max_frames,
                                          key=affinity_key(request, caller.get()))
         except QueueFull as e:
+            if e.retry_after > 0:
+                set_retry_hint(context, e.retry_after)
             raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e

@@ -255,7 +255,8 @@ class FrontendLink(EventSink, CanvasSink):
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
-            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e),
+                                                                             retry_after_s=e.retry_after))
         except Unavailable as e:
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=str(e)))
         self._origin[req.id] = (frontend, sub.ticket)

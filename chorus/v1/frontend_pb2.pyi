@@ -63,18 +63,20 @@ class CanvasDone(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., error: _Optional[str] = ..., queue_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
 
 class Submitted(_message.Message):
-    __slots__ = ("ticket", "request_id", "queue_full", "loaded", "unavailable")
+    __slots__ = ("ticket", "request_id", "queue_full", "loaded", "unavailable", "retry_after_s")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     request_id: int
     queue_full: str
     loaded: bool
     unavailable: str
-    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ..., unavailable: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ..., unavailable: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("ticket",)
