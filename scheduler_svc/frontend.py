@@ -32,6 +32,7 @@ from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.request_decoding import add_service
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
@@ -45,7 +46,6 @@ from scheduler_svc.request import QueueFull, Unavailable
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
-from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
 from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
                                       printable, shown, validate)
@@ -374,9 +374,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
                                       ("grpc.so_reuseport", 1)],
                              interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
-    add_text_to_speech(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog, keys), server)
+    add_service(TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded,
+                                     models, omnivoice, backlog, keys), server, tts_pb2, "TextToSpeech")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
