@@ -554,7 +554,7 @@ def test_the_voice_store_is_bounded(stub):
 def test_the_request_decoder_never_raises_on_mutated_bytes():
     """Whatever the bytes, the servicer gets a message or an Undecodable naming what is wrong (an
     exception in the deserializer would reach the client as UNKNOWN)."""
-    from scheduler_svc.request_decoding import Undecodable, deserializer
+    from chorus.request_decoding import Undecodable, deserializer
     decode = deserializer(tts_pb2.SynthesizeRequest)
     valid = bytearray(raw(synth(language="English", references=[ref(voice_id="v", transcript="hello")],
                                 continuation=ref(codes=codes(2), transcript="said"))))
