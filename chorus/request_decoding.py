@@ -4,6 +4,8 @@ field, where gRPC's own handling would end them UNKNOWN with no word on what is 
 
 from __future__ import annotations
 
+import inspect
+
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
@@ -94,7 +96,7 @@ def _guard(behavior, client_streaming: bool, server_streaming: bool):
             await undecodable(request, context)
             yield request
 
-    if server_streaming:
+    if server_streaming and inspect.isasyncgenfunction(behavior):
         async def call(request, context):
             if client_streaming:
                 request = checked(request, context)
@@ -102,7 +104,7 @@ def _guard(behavior, client_streaming: bool, server_streaming: bool):
                 await undecodable(request, context)
             async for response in behavior(request, context):
                 yield response
-    else:
+    else:  # unary, or a streaming handler written as a coroutine (context.write, or only an abort)
         async def call(request, context):
             if client_streaming:
                 request = checked(request, context)

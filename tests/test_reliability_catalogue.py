@@ -338,6 +338,7 @@ def _vocoder_rows() -> list[Row]:
         Row("clip fade_seconds nan", K, clip(fade_seconds=math.nan), INVALID, "fade_seconds"),
         Row("clip pad_seconds 11", K, clip(pad_seconds=11), INVALID, "pad_seconds"),
         Row("clip on the MOSS codec", "Vocoder.DecodeClip", clip(), UNIMPLEMENTED, "DecodeClip"),
+        Row("decode on the OmniVoice codec", "ClipVocoder.Decode", [start()], UNIMPLEMENTED, "Decode"),
     ]
 
 
