@@ -192,7 +192,7 @@ class VocoderPool:
         """Whether a replica of the pool's codec is healthy (as the last call or probe found it)."""
         return any(r.healthy and not r.incompatible for r in self.replicas)
 
-    async def check(self, timeout: float = 2.0) -> bool:
+    async def check(self, timeout: float = 5.0) -> bool:
         """Probe every replica and say whether one serves: for health, which must see a replica die while
         the pool carries no traffic (calls find it only when they fail)."""
         if self.replicas:
