@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 DEFAULT_TEXT = ("Chorus streams speech as it is generated: the scheduler batches requests, "
@@ -81,10 +82,8 @@ def cmd_up(args: argparse.Namespace) -> None:
               f"Try: chorus say \"Hello there.\" --server {cluster.address} -o hello.wav\n"
               "Ctrl-C stops all three.", flush=True)
         try:
-            while all(s.proc.poll() is None for s in cluster.services):
-                time.sleep(0.5)
-            dead = [s.name for s in cluster.services if s.proc.poll() is not None]
-            print(f"{', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+            dead = cluster.supervise(threading.Event())  # restarts the scheduler; returns when another dies
+            print(f"{dead} exited; stopping the rest", file=sys.stderr)
             sys.exit(1)
         except KeyboardInterrupt:
             print("\nstopping ...", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -218,6 +219,8 @@ class Cluster:
     _tmp: tempfile.TemporaryDirectory | None = None
     _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
     _reservation: socket.socket | None = None      # holds the frontend tier's shared port
+    _scheduler: SchedulerConfig | None = None  # the scheduler's config as written for it
+    restarts: int = 0  # scheduler restarts by supervise()
 
     @property
     def address(self) -> str:
@@ -279,6 +282,7 @@ class Cluster:
             if omnivoice:
                 scheduler = dataclasses.replace(scheduler, omnivoice_worker=[omnivoice[0].address],
                                                 omnivoice_vocoder=[v.address for v in omnivoice[1:]])
+            self._scheduler = scheduler
             self.services.append(Service("scheduler", py + [
                 "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))]))
             self.services[-1].start(self.echo, env, self.die_with_parent)
@@ -406,6 +410,43 @@ class Cluster:
             out.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
                                            write_proto(replica, os.path.join(tmp, f"{name}.pb"))]))
         return out
+
+    def restart_scheduler(self, timeout: float = 300.0) -> Service:
+        """Start the scheduler again, on the port it served (the workers and vocoders it used go on)."""
+        old = self.service("scheduler")
+        old.stop()
+        port = int(old.address.rpartition(":")[2])
+        argv = old.argv[:-1] + [write_proto(dataclasses.replace(self._scheduler, port=port), old.argv[-1])]
+        new = Service("scheduler", argv)
+        self.services[self.services.index(old)] = new
+        new.start(self.echo, dict(os.environ, PYTHONUNBUFFERED="1"), self.die_with_parent)
+        new.wait_ready(timeout)
+        return new
+
+    def supervise(self, stop: threading.Event, max_delay: float = 30.0, healthy_after: float = 60.0) -> str | None:
+        """Watch the services until `stop` is set (None) or one other than the scheduler exits (its
+        name). A scheduler that exits (a frontend or its core died) is started again on its port, after
+        a delay that doubles from 1 s up to max_delay while it keeps failing within healthy_after s."""
+        failures, last = 0, -math.inf
+        while not stop.wait(0.5):
+            dead = [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+            if any(s.name != "scheduler" for s in dead):
+                return next(s.name for s in dead if s.name != "scheduler")
+            if not dead:
+                continue
+            failures = 1 if time.monotonic() - last > healthy_after else failures + 1
+            delay = min(max_delay, 2.0 ** (failures - 1))
+            self.restarts += 1
+            print(f"scheduler exited with code {dead[0].proc.returncode}; restart {self.restarts} in {delay:g} s",
+                  flush=True)
+            if stop.wait(delay):
+                return None
+            try:
+                self.restart_scheduler()
+            except LaunchError as e:
+                print(f"scheduler restart {self.restarts} failed: {e}", flush=True)
+            last = time.monotonic()
+        return None
 
     def stop(self) -> None:
         for s in reversed(self.services):

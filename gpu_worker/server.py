@@ -174,6 +174,9 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
                 continue
             flush()
             if kind == "hello":
+                if cmd.hello.release_all:
+                    for request_id in list(engine.pool.requests):
+                        engine.pool.release(request_id)
                 reply.hello.CopyFrom(hello)
             elif kind == "stats":
                 reply.stats.active_requests = len(engine.pool)

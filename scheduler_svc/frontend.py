@@ -34,11 +34,13 @@ from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.request_decoding import add_service
+from chorus.retry_hint import set_retry_hint
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from chorus.voice_store import VoiceStoreError, open_store
-from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
+from scheduler_svc.audio_relay import QUEUE_FULL_RETRY_S, AudioRelay, SynthesisFailed
 from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core_client import CoreUnavailable
@@ -46,11 +48,9 @@ from scheduler_svc.engine_pool import EnginePool, affinity_key
 from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
-from chorus.retry_hint import set_retry_hint
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
-from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
 from scheduler_svc.synthesize_stream import PieceLimits, TextStreams
 from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
@@ -61,6 +61,7 @@ from scheduler_svc.voices import VoiceLibrary
 log = logging.getLogger("chorus.scheduler")
 SERVICE_NAME = "chorus.v1.TextToSpeech"
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
+VOCODER_CHECK_S = 1.0  # how often health probes the vocoder replicas
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
@@ -195,6 +196,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             outcome = "failed"
+            if e.retry_after is not None:
+                set_retry_hint(context, e.retry_after)
             await context.abort(e.code, str(e))
         finally:
             self.core.report("end", outcome=outcome)
@@ -227,9 +230,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             req = await self.core.submit(rows, resolved.sampling, resolved.max_frames,
                                          key=affinity_key(request, caller.get()))
         except QueueFull as e:
-            if e.retry_after > 0:
-                set_retry_hint(context, e.retry_after)
-            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                  e.retry_after if e.retry_after > 0 else QUEUE_FULL_RETRY_S) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         log.info("request %s (#%d): %d prompt rows, max_frames %d", printable(request_id), req.id, rows.shape[0],
@@ -352,19 +354,28 @@ async def _watch_core(stop: asyncio.Event, core: EnginePool) -> None:
     stop.set()
 
 
-async def _serve_health(health_servicer, core: EnginePool, models: ServedModels) -> None:
-    """grpc health as the core sees the workers: a model none of whose workers answers is NOT_SERVING
-    under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model."""
+async def _serve_health(health_servicer, core: EnginePool, models: ServedModels,
+                        pools: dict[str, VocoderPool]) -> None:
+    """grpc health as the core sees the workers and this frontend its vocoders (pools: each model's,
+    probed every VOCODER_CHECK_S): a model none of whose workers answers, or whose pool has no live
+    replica, is NOT_SERVING under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it
+    is the default model."""
+    statuses: dict[str, int] = {}
     while True:
-        for m in models.models:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down else \
-                health_pb2.HealthCheckResponse.SERVING
-            await health_servicer.set(f"{SERVICE_NAME}/{m.name}", status)
-            if m == models.default:
-                for name in ("", SERVICE_NAME):
-                    await health_servicer.set(name, status)
         core.health_changed.clear()
-        await core.health_changed.wait()
+        live = {id(pool): await pool.check() for pool in {id(p): p for p in pools.values()}.values()}
+        without_vocoder = {name for name, pool in pools.items() if not live[id(pool)]}
+        for m in models.models:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down or \
+                m.name in without_vocoder else health_pb2.HealthCheckResponse.SERVING
+            for name in (f"{SERVICE_NAME}/{m.name}", *(("", SERVICE_NAME) if m == models.default else ())):
+                if statuses.get(name) != status:
+                    await health_servicer.set(name, status)
+                    statuses[name] = status
+        try:
+            await asyncio.wait_for(core.health_changed.wait(), VOCODER_CHECK_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def _omnivoice(args: SchedulerConfig, core: EnginePool, cfg: MossTTSLocalConfig, limits: Limits,
@@ -434,11 +445,11 @@ async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) ->
                                       ("grpc.so_reuseport", 1)],
                              interceptors=[ApiKeyInterceptor(keys, (SERVICE_NAME,))] if keys else None)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
-    add_text_to_speech(
+    add_service(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, voices, args.first_chunk_frames_loaded,
                              models, omnivoice, backlog, keys,
                              PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)})),
-        server)
+        server, tts_pb2, "TextToSpeech")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
@@ -451,7 +462,8 @@ async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) ->
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     loop = asyncio.get_running_loop()
-    health_task = loop.create_task(_serve_health(health_servicer, core, models))
+    pools = {m.name: omnivoice.vocoders if m.architecture == OMNIVOICE else vocoders for m in models.models}
+    health_task = loop.create_task(_serve_health(health_servicer, core, models, pools))
     core.report("ready")
 
     stop = asyncio.Event()

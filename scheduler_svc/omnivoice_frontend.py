@@ -28,7 +28,7 @@ from chorus.omnivoice import knobs as ov
 from chorus.omnivoice.prompt import Piece, PromptError, plan_pieces
 from chorus.v1 import common_pb2, tts_pb2, vocoder_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
-from scheduler_svc.audio_relay import SynthesisFailed
+from scheduler_svc.audio_relay import QUEUE_FULL_RETRY_S, SynthesisFailed
 from scheduler_svc.canvas_scheduler import UNAVAILABLE as WORKER_UNAVAILABLE
 from scheduler_svc.clip_vocoders import FADE_SECONDS, PAD_SECONDS, ClipVocoders, pcm_samples
 from scheduler_svc.core_client import CanvasTicket, CoreClient
@@ -230,7 +230,7 @@ class _PieceRun:
         try:
             return await self.core.submit_canvas(self.model, canvas)
         except QueueFull as e:
-            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), QUEUE_FULL_RETRY_S) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
 

@@ -131,7 +131,7 @@ async def _hello(endpoint: str, architecture: str, args: SchedulerConfig) -> tup
     except CurveError as e:
         raise SystemExit(f"scheduler: {e}") from None
     log.info("waiting for the %s worker at %s", architecture, endpoint)
-    hello: worker_pb2.Hello = await worker.hello(timeout=600)
+    hello: worker_pb2.Hello = await worker.hello(timeout=600, release_all=True)  # a previous core's requests
     if hello.architecture != architecture:
         key = "omnivoice_worker" if hello.architecture == OMNIVOICE else "worker"
         raise SystemExit(f"the worker at {endpoint} serves {hello.model_name!r} ({hello.architecture}), not "

@@ -534,22 +534,6 @@ def test_clones_by_audio_and_by_stored_voice(stub):
     stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="ov-voice"))
 
 
-@pytest.mark.parametrize("name", list(BAD))
-def test_a_bad_omnivoice_request_is_refused_by_the_service(stub, name):
-    req, field = BAD[name]
-    with pytest.raises(grpc.RpcError) as e:
-        synthesize(stub, req, timeout=60)
-    assert e.value.code() == INVALID and field in e.value.details(), e.value.details()
-
-
-def test_omnivoice_knobs_on_a_moss_request_are_refused_by_the_service(stub):
-    req = tts_pb2.SynthesizeRequest(text="Hi.", max_frames=4)
-    req.omnivoice.speed = 1.5
-    with pytest.raises(grpc.RpcError) as e:
-        synthesize(stub, req, timeout=60)
-    assert e.value.code() == INVALID and e.value.details().startswith("omnivoice")
-
-
 CANVAS_GAUGES = ("chorus_canvas_queue_depth", "chorus_canvas_running", "chorus_canvas_rows_used")
 
 

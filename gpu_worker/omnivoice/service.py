@@ -130,6 +130,9 @@ def run(args: WorkerConfig) -> None:
                 reply.journal.CopyFrom(execute(engine, cmd.step))
                 reply.journal.incarnation = greeting.incarnation
             elif kind == "hello":
+                if cmd.hello.release_all:
+                    for request_id in list(engine.canvases):
+                        engine.release(request_id)
                 reply.hello.CopyFrom(greeting)
             elif kind == "stats":
                 reply.stats.active_requests = len(engine)
