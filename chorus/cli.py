@@ -4,7 +4,7 @@
                               (--model omnivoice: the same with OmniVoice's tiny preset)
   chorus up                   start all three services locally until Ctrl-C (--profile NAME, --config FILE)
   chorus say "text" -o a.wav  synthesize through a running scheduler (--model omnivoice for OmniVoice)
-  chorus worker|scheduler|vocoder|gateway   run one service (what a Kubernetes pod runs)
+  chorus worker|scheduler|vocoder|frontend|gateway   run one service (what a Kubernetes pod runs)
   chorus bench                load generator over the gRPC API (throughput, time to first audio)
   chorus bench worker         in-process worker microbenchmark (step time against batch and context)
 
@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 DEFAULT_TEXT = ("Chorus streams speech as it is generated: the scheduler batches requests, "
@@ -28,6 +29,8 @@ SERVICES = {"worker": ("chorus.colocate", "run a gpu_worker: the model behind a 
             "scheduler": ("scheduler_svc.server",
                           "run the scheduler: the public gRPC API, batching, request lifecycle"),
             "vocoder": ("vocoder_svc.server", "run a vocoder replica: codes to waveform, reference audio to codes"),
+            "frontend": ("scheduler_svc.frontend_tier", "run a frontend tier process: the public gRPC API in front "
+                                                       "of many engines (--engines), one picked per request"),
             "gateway": ("gateway_svc.server", "run the HTTP gateway: the OpenAI-style speech API and the playground, "
                                               "in front of a scheduler")}
 
@@ -64,7 +67,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     if args.print_config:
         print(layout.toml(), end="")
         return
-    cluster = layout.cluster_launcher(die_with_parent=True)
+    cluster = layout.cluster_launcher(die_with_parent=True, temporary_voices=False)  # voices outlive the run
 
     def terminate(*_):  # SIGTERM (a supervisor, kill) stops the services as Ctrl-C does
         raise KeyboardInterrupt
@@ -72,16 +75,15 @@ def cmd_up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, terminate)
     print("starting worker, vocoder and scheduler ...", flush=True)
     with cluster:
-        vocoders = ", ".join(s.address for s in cluster.services if s.name.startswith("vocoder"))
-        print(f"\nChorus is up. API: {cluster.address}  (worker {cluster.service('worker').address}, "
-              f"vocoder {vocoders})\n"
+        named = lambda prefix: ", ".join(s.address for s in cluster.services if s.name.startswith(prefix))  # noqa: E731
+        engines = f"engine links {named('engine')}, " if cluster.engines else ""
+        print(f"\nChorus is up. API: {cluster.address}  (worker {named('worker')}, {engines}"
+              f"vocoder {named('vocoder')})\n"
               f"Try: chorus say \"Hello there.\" --server {cluster.address} -o hello.wav\n"
               "Ctrl-C stops all three.", flush=True)
         try:
-            while all(s.proc.poll() is None for s in cluster.services):
-                time.sleep(0.5)
-            dead = [s.name for s in cluster.services if s.proc.poll() is not None]
-            print(f"{', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+            dead = cluster.supervise(threading.Event())  # restarts the scheduler; returns when another dies
+            print(f"{dead} exited; stopping the rest", file=sys.stderr)
             sys.exit(1)
         except KeyboardInterrupt:
             # leaving the block drains the services one tier after another; a second signal must not cut it

@@ -9,6 +9,7 @@ never import each other: this module puts the two together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from chorus.config import ConfigError, from_proto, parse
@@ -17,6 +18,7 @@ from gpu_worker import server as worker
 from gpu_worker.config import WorkerConfig
 from vocoder_svc.config import VocoderConfig
 from vocoder_svc.decode_process import host_in_thread
+from vocoder_svc.footprint import footprint
 
 
 def load(args: argparse.Namespace) -> tuple[WorkerConfig, VocoderConfig | None]:
@@ -44,8 +46,13 @@ def main(argv: list[str] | None = None, prog: str = "chorus worker") -> None:
         config, hosted = load(p.parse_args(argv))
     except ConfigError as e:
         p.error(str(e))
-    worker.run(config, None if hosted is None else
-               lambda device: host_in_thread(config.host_vocoder_decoder, hosted, device))
+    if hosted is None:
+        worker.run(config)
+        return
+    # slots 0: the worker sizes the decoder's slots with its own batch and KV (chorus/sizing.py)
+    worker.run(config, lambda device, slots: host_in_thread(config.host_vocoder_decoder,
+                                                            dataclasses.replace(hosted, slots=slots), device),
+               hosted=footprint(hosted), hosted_slots=hosted.slots)
 
 
 if __name__ == "__main__":

@@ -72,12 +72,13 @@ def router(ctx: zmq.Context, secret_key_file: str | None, clients_dir: str | Non
     return sock, auth
 
 
-def warn_if_open(endpoint: str, auth) -> None:
+def warn_if_open(endpoint: str, auth, link: str = "worker link",
+                 keys: str = "curve_secret_key and curve_clients") -> None:
     """Logs that a non-loopback endpoint without CURVE takes commands from anyone who reaches it."""
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if auth is None and endpoint.startswith("tcp://") and host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("the worker link %s has no CURVE: anyone who reaches it can run and stop this worker; "
-                    "give curve_secret_key and curve_clients", endpoint)
+        log.warning("the %s %s has no CURVE: anyone who reaches it can use and stop this service; give %s",
+                    link, endpoint, keys)
 
 
 def connect_as(sock: zmq.Socket, secret_key_file: str, server_public_file: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -128,7 +129,7 @@ class Service:
             self.proc.wait()
 
 
-def _same_device(a: str, b: str) -> bool:
+def same_device(a: str, b: str) -> bool:
     norm = lambda d: d + ":0" if d == "cuda" else d  # noqa: E731 - the current device, as the services pick it
     return norm(a) == norm(b)
 
@@ -144,11 +145,11 @@ def colocation(choice: str, device: str, vocoder_device: str | None, replicas: i
     runs in first-chunk-sized steps: new streams' first chunks then share steps with the steady ones
     instead of waiting."""
     vdev = vocoder_device or device
-    shared = _same_device(device, vdev)
+    shared = same_device(device, vdev)
     on = choice == "on" or (choice == "auto" and device.startswith("cuda") and replicas == 1 and shared)
     vocoder = dataclasses.replace(vocoder)
     if (shared or on) and "launch_ahead_streams" not in given:
-        vocoder.launch_ahead_streams = max(1, vocoder.slots // 2)
+        vocoder.launch_ahead_streams = max(1, vocoder.slots // 2) if vocoder.slots else 0  # 0: half the sized slots
     if on and "step_frames" not in given:
         vocoder.step_frames = vocoder.first_chunk_frames
     return on, vocoder
@@ -208,9 +209,21 @@ class Cluster:
     # CURVE on the worker links with a key pair made for this run (a worker or scheduler config that
     # names its own keys keeps them).
     curve: bool = False
+    # Voices in a file of this run's temporary directory unless the scheduler config names a
+    # voice_store (False: the per-user default file, so voices outlive the run: chorus up).
+    temporary_voices: bool = True
+    # The tiers as a cluster runs them: `engines` engines (a worker and a scheduler core with frontends = 0
+    # each, the core's frontend link on TCP) behind `frontend_tier` frontend tier processes sharing the
+    # public port (SO_REUSEPORT); 0: one scheduler with its own frontends.
+    engines: int = 0
+    frontend_tier: int = 1
+    engine_metrics_ports: list[int] | None = None  # Prometheus port of each engine's core (None: none)
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
     _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
+    _reservation: socket.socket | None = None      # holds the frontend tier's shared port
+    _scheduler: SchedulerConfig | None = None  # the scheduler's config as written for it
+    restarts: int = 0  # scheduler restarts by supervise()
 
     @property
     def address(self) -> str:
@@ -233,9 +246,13 @@ class Cluster:
                               "worker's; a shared one is a process of its own")
         if self.colocate_vocoder and len(self.vocoder_ports) != 1:
             raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+        if self.engines:
+            return self._start_tiers(env, timeout)
         worker, vocoder, scheduler = self.configs()
         self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
         tmp = self._tmp.name
+        if self.temporary_voices and not scheduler.voice_store:
+            scheduler = dataclasses.replace(scheduler, voice_store=f"sqlite:///{tmp}/voices.sqlite3")
         decoder_dir = os.path.join(tmp, "decoder")
         attach: list[str | None] = [None for _ in self.vocoder_ports]  # each replica's decoder directory
         worker = dataclasses.replace(worker, bind=f"tcp://{self.host}:{self.worker_port}")
@@ -253,15 +270,7 @@ class Cluster:
         worker_file = write_worker_proto(worker, vocoder if self.colocate_vocoder else None,
                                          os.path.join(tmp, "worker.pb"))
         self.services = [Service("worker", py + ["chorus.colocate", "--config-proto", worker_file]), *services]
-        metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
-        vocoders = []
-        for i, (port, mport, attached) in enumerate(zip(self.vocoder_ports, metrics, attach)):
-            name = f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder"
-            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport,
-                                          attach_decoder=attached)
-            vocoders.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
-                                                write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
-                                    drain=replica.grace + DRAIN_MARGIN_S))
+        vocoders = self._vocoder_services(vocoder, attach)
         self.services += vocoders
         omnivoice = self._omnivoice_services(tmp)
         self.services += omnivoice
@@ -276,6 +285,7 @@ class Cluster:
             if omnivoice:
                 scheduler = dataclasses.replace(scheduler, omnivoice_worker=[omnivoice[0].address],
                                                 omnivoice_vocoder=[v.address for v in omnivoice[1:]])
+            self._scheduler = scheduler
             # the core drains, then waits for its frontends to relay the last audio (scheduler_svc.server)
             self.services.append(Service("scheduler", py + [
                 "scheduler_svc.server", "--config-proto", write_proto(scheduler, os.path.join(tmp, "scheduler.pb"))],
@@ -286,6 +296,90 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _vocoder_services(self, vocoder: VocoderConfig, attach: list[str | None]) -> list[Service]:
+        metrics = self.vocoder_metrics_ports or [0] * len(self.vocoder_ports)
+        out = []
+        for i, (port, mport, attached) in enumerate(zip(self.vocoder_ports, metrics, attach)):
+            name = f"vocoder{i}" if len(self.vocoder_ports) > 1 else "vocoder"
+            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport,
+                                          attach_decoder=attached)
+            out.append(Service(name, [sys.executable, "-m", "vocoder_svc.server", "--config-proto",
+                                      write_proto(replica, os.path.join(self._tmp.name, f"{name}.pb"))],
+                               drain=replica.grace + DRAIN_MARGIN_S))
+        return out
+
+    def _start_tiers(self, env: dict[str, str], timeout: float) -> "Cluster":
+        """workers and vocoders, then an engine core per worker, then the frontend tier on one port."""
+        if self.colocate_vocoder or self.shared_decoder or self.omnivoice_worker is not None:
+            raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder, and "
+                              "no OmniVoice")
+        worker, vocoder, scheduler = self.configs()
+        self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
+        tmp = self._tmp.name
+        if self.temporary_voices and not scheduler.voice_store:
+            scheduler = dataclasses.replace(scheduler, voice_store=f"sqlite:///{tmp}/voices.sqlite3")
+        tier = scheduler  # the frontend tier's settings: the voice library is theirs
+        if self.curve:
+            worker, scheduler = self._curve_keys(tmp, worker, scheduler)
+            tier, scheduler = self._frontend_curve_keys(tmp, scheduler)
+        py = [sys.executable, "-m"]
+        workers = []
+        for i in range(self.engines):
+            # "cuda": a GPU per engine
+            own = dataclasses.replace(worker, bind=f"tcp://{self.host}:0",
+                                      device=f"cuda:{i}" if worker.device == "cuda" else worker.device)
+            workers.append(Service(f"worker{i}", py + ["chorus.colocate", "--config-proto", write_worker_proto(
+                own, None, os.path.join(tmp, f"worker{i}.pb"))]))
+        vocoders = self._vocoder_services(vocoder, [None] * len(self.vocoder_ports))
+        self.services = [*workers, *vocoders]
+        metrics = self.engine_metrics_ports or [0] * self.engines
+        try:
+            self._start_all(self.services, env, timeout)
+            engines = []
+            for i, (w, mport) in enumerate(zip(workers, metrics)):
+                core = dataclasses.replace(scheduler, host=self.host, port=0, metrics_port=mport, worker=w.address,
+                                           vocoder=[v.address for v in vocoders], frontends=0,
+                                           frontend_link=f"tcp://{self.host}:0")
+                engines.append(Service(f"engine{i}", py + ["scheduler_svc.server", "--config-proto", write_proto(
+                    core, os.path.join(tmp, f"engine{i}.pb"))]))
+            self.services += engines
+            self._start_all(engines, env, timeout)
+            from scheduler_svc.server import _reserve_port  # noqa: PLC0415 - the cores' own way to share a port
+            self._reservation, port = _reserve_port(self.host, self.scheduler_port)
+            front = dataclasses.replace(tier, host=self.host, port=port, engines=[e.address for e in engines],
+                                        vocoder=[v.address for v in vocoders])
+            fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
+                front, os.path.join(tmp, "frontend.pb"))]) for i in range(self.frontend_tier)]
+            self.services += fronts
+            self._start_all(fronts, env, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_all(self, services: list[Service], env: dict[str, str], timeout: float) -> None:
+        for s in services:
+            s.start(self.echo, env, self.die_with_parent)
+        deadline = time.monotonic() + timeout
+        for s in services:
+            s.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def _frontend_curve_keys(self, tmp: str, core: SchedulerConfig) -> tuple[SchedulerConfig, SchedulerConfig]:
+        """(the frontend tier's config, the cores') with CURVE on the frontend link: a pair for the tier,
+        whose public key the cores admit; the cores keep their worker-link pair."""
+        from chorus.curve import generate
+        keys = os.path.join(tmp, "curve")
+        allowed = os.path.join(keys, "frontends")
+        public, secret = generate(keys, "frontend")
+        os.makedirs(allowed)
+        os.replace(public, os.path.join(allowed, "frontend.key"))
+        core_public = os.path.join(keys, "core.key")
+        with open(core_public, "w") as f:  # the public half of the cores' pair
+            import zmq.auth
+            f.write(_public_key_file(zmq.auth.load_certificate(core.curve_secret_key)[0]))
+        tier = dataclasses.replace(core, curve_secret_key=secret, engine_public_key=core_public)
+        return tier, dataclasses.replace(core, frontend_curve_clients=allowed)
 
     def _curve_keys(self, tmp: str, worker: WorkerConfig, scheduler: SchedulerConfig):
         """worker and scheduler (and the OmniVoice worker) with a throwaway CURVE pair each, under tmp."""
@@ -324,11 +418,51 @@ class Cluster:
                                drain=replica.grace + DRAIN_MARGIN_S))
         return out
 
+    def restart_scheduler(self, timeout: float = 300.0) -> Service:
+        """Start the scheduler again, on the port it served (the workers and vocoders it used go on)."""
+        old = self.service("scheduler")
+        old.stop()
+        port = int(old.address.rpartition(":")[2])
+        argv = old.argv[:-1] + [write_proto(dataclasses.replace(self._scheduler, port=port), old.argv[-1])]
+        new = Service("scheduler", argv)
+        self.services[self.services.index(old)] = new
+        new.start(self.echo, dict(os.environ, PYTHONUNBUFFERED="1"), self.die_with_parent)
+        new.wait_ready(timeout)
+        return new
+
+    def supervise(self, stop: threading.Event, max_delay: float = 30.0, healthy_after: float = 60.0) -> str | None:
+        """Watch the services until `stop` is set (None) or one other than the scheduler exits (its
+        name). A scheduler that exits (a frontend or its core died) is started again on its port, after
+        a delay that doubles from 1 s up to max_delay while it keeps failing within healthy_after s."""
+        failures, last = 0, -math.inf
+        while not stop.wait(0.5):
+            dead = [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+            if any(s.name != "scheduler" for s in dead):
+                return next(s.name for s in dead if s.name != "scheduler")
+            if not dead:
+                continue
+            failures = 1 if time.monotonic() - last > healthy_after else failures + 1
+            delay = min(max_delay, 2.0 ** (failures - 1))
+            self.restarts += 1
+            print(f"scheduler exited with code {dead[0].proc.returncode}; restart {self.restarts} in {delay:g} s",
+                  flush=True)
+            if stop.wait(delay):
+                return None
+            try:
+                self.restart_scheduler()
+            except LaunchError as e:
+                print(f"scheduler restart {self.restarts} failed: {e}", flush=True)
+            last = time.monotonic()
+        return None
+
     def stop(self) -> None:
         """SIGTERM each service, each drained before the next: the scheduler (frontends, then core),
         the vocoders, the workers (the reverse of the start order)."""
         for s in reversed(self.services):
             s.stop()
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -338,6 +472,11 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _public_key_file(public: bytes) -> str:
+    """A zmq.auth public key file's text for a z85 public key."""
+    return f"curve\n    public-key = \"{public.decode()}\"\n"
 
 
 def write_worker_proto(worker: WorkerConfig, hosted: VocoderConfig | None, path: str) -> str:

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 from chorus.config import (ConfigError, add_flags, check, given_fields, markdown, merge, profile_names, profile_text,
                            read_profile, read_toml, setting, table_values, to_toml)
-from chorus.launcher import Cluster, colocation
+from chorus.launcher import Cluster, colocation, same_device
+from chorus.sizing import VOCODER_SHARE, WORKER_SHARE
 from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
 from chorus.tls import is_loopback
@@ -70,12 +71,19 @@ class ClusterConfig:
     quiet: bool = setting(False, "do not relay the services' logs")
     curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
                          "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
+    engines: int = setting(0, "engines, each a worker and a scheduler core (frontends = 0), behind a frontend tier; "
+                           "they serve MOSS alone (0 = one scheduler with its own frontends)", metavar="N", minimum=0)
+    gateways: int = setting(1, "with engines: frontend tier processes (`chorus frontend`) sharing the public port",
+                            metavar="N", minimum=1)
 
     @property
     def serves_omnivoice(self) -> bool:
-        return self.omnivoice or self.omnivoice_model is not None
+        return not self.engines and (self.omnivoice or self.omnivoice_model is not None)
 
     def validate(self) -> None:
+        if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder or self.omnivoice_model):
+            raise ConfigError("cluster.engines: engines use vocoder replicas of their own and serve MOSS alone: "
+                              "leave colocate_vocoder, shared_vocoder_decoder and omnivoice_model unset")
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
             raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
                               "colocated decoder is the worker's; a shared one is a process of its own)")
@@ -106,11 +114,13 @@ class Layout:
                        omnivoice_vocoder=self.omnivoice_vocoder,
                        omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
                        curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
-                                                            and not is_loopback(self.cluster.host)), **kw)
+                                                            and not is_loopback(self.cluster.host)),
+                       engines=self.cluster.engines, frontend_tier=self.cluster.gateways, **kw)
 
 
 def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
-                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve"),
+                                     "omnivoice", "omnivoice_model", "omnivoice_codec", "curve", "engines",
+                                     "gateways"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""
@@ -177,11 +187,16 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
             table["dtype"] = cluster.dtype
         else:
             table.setdefault("dtype", "float32" if device == "cpu" else "bfloat16")
+        if device.startswith("cuda"):  # 0: sized from the GPU's memory at start-up (chorus/sizing.py)
+            for key in (("max_batch", "kv_slots") if table is worker else ("slots",)):
+                table.setdefault(key, 0)
     scheduler.update(service_flags.get("scheduler", {}))
     configs = {name: cls(**values[name]) for name, cls in SERVICES.items()}
-    colocate, configs["vocoder"] = colocation(cluster.colocate_vocoder, configs["worker"].device,
+    choice = "off" if cluster.engines else cluster.colocate_vocoder  # an engine's vocoders are their own
+    colocate, configs["vocoder"] = colocation(choice, configs["worker"].device,
                                               cluster.vocoder_device, cluster.vocoders, configs["vocoder"],
                                               given=set(vocoder))
+    share_memory(configs["worker"], configs["vocoder"], colocate, cluster.vocoders, set(worker), set(vocoder))
     for config in configs.values():
         check(config)
     if colocate and cluster.vocoders != 1:
@@ -190,6 +205,20 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
     if cluster.serves_omnivoice:
         layout.omnivoice_worker, layout.omnivoice_vocoder = _omnivoice_services(cluster, layout, tables, where)
     return layout
+
+
+def share_memory(worker: WorkerConfig, vocoder: VocoderConfig, colocate: bool, replicas: int,
+                 worker_given: set[str], vocoder_given: set[str]) -> None:
+    """Vocoder processes on the worker's CUDA device: sizing (chorus/sizing.py) gives the worker
+    WORKER_SHARE of its memory and the replicas VOCODER_SHARE between them (a replica's slots take
+    more than the worker's KV for a batch as large), unless a table or flag sets memory_fraction.
+    (Colocated, the worker sizes the decoder it hosts within its own share.)"""
+    if colocate or not worker.device.startswith("cuda") or not same_device(worker.device, vocoder.device):
+        return
+    if "memory_fraction" not in worker_given:
+        worker.memory_fraction = WORKER_SHARE
+    if "memory_fraction" not in vocoder_given:
+        vocoder.memory_fraction = VOCODER_SHARE / max(1, replicas)
 
 
 def _omnivoice_services(cluster: ClusterConfig, layout: Layout, tables: dict[str, Any],

@@ -50,8 +50,13 @@ class GatewayError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+SHOWN_CHARS = 32  # the most of a field name the client made up that an answer repeats
+
+
 def invalid(param: str, message: str) -> GatewayError:
     """400 for a body field the gateway itself rejects; the message starts with the field's name."""
+    if len(param) > SHOWN_CHARS:
+        param = param[:SHOWN_CHARS] + "..."
     return GatewayError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 

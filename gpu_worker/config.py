@@ -28,12 +28,14 @@ class WorkerConfig:
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = setting("float32", "compute dtype (bfloat16 on GPU; float64 for exact CPU parity tests)",
                          choices=DTYPES)
-    kv_slots: int = setting(32768, "KV cache capacity in rows (tokens), shared by all requests", minimum=1)
+    kv_slots: int = setting(32768, "KV cache capacity in rows (tokens), shared by all requests (0 = sized from "
+                            "the device's memory: chorus/sizing.py; 32768 on the CPU)", minimum=0)
     page_size: int = setting(16, "KV rows per page; the scheduler allocates whole pages", minimum=1)
     decode_split_kv: bool = setting(True, "flashinfer decode splits long contexts over several thread blocks")
     decode_kernel: str = setting("auto", "decode attention on CUDA: auto = Triton for large batches, "
                                  "flashinfer for small ones", choices=("auto", "flashinfer", "triton"))
-    max_batch: int = setting(64, "requests holding decode state at once", minimum=1)
+    max_batch: int = setting(64, "requests holding decode state at once (0 = sized from the device's memory: "
+                             "chorus/sizing.py; 64 on the CPU)", minimum=0)
     max_context: int = setting(8192, "rows (prompt + frames) per request", minimum=1)
     seed: int = setting(0, "seed of the random preset weights")
     attention: str = setting("auto", "attention backend: auto = flashinfer on CUDA when installed, else torch",
@@ -54,6 +56,8 @@ class WorkerConfig:
                                         "the scheduler's", metavar="DIR")
     max_message_bytes: int = setting(256 << 20, "a peer sending a larger ZeroMQ message is disconnected",
                                      minimum=1024)
+    memory_fraction: float = setting(0.9, "share of the device's memory that settings left at 0 are sized to "
+                                     "fill (weights, KV, workspace, a hosted decoder)", minimum=0.05, maximum=1.0)
     drain_seconds: float = setting(30.0, "seconds after SIGTERM the worker keeps serving its connected schedulers "
                                    "(it exits as soon as none is connected)", minimum=0)
 

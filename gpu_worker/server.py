@@ -11,6 +11,7 @@ with `error` set, and the worker keeps serving.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import secrets
@@ -21,6 +22,8 @@ from typing import Callable
 import torch
 
 from chorus.config import ConfigError, add_config_flags, parse
+from chorus.sizing import (CPU_KV_SLOTS, CPU_MAX_BATCH, CPU_VOCODER_SLOTS, CodecFootprint, ModelFootprint, Sizing,
+                           size_worker)
 from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig
@@ -37,9 +40,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 
-def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. sidecar(device): starts the vocoder decoder this process hosts
-    (args.host_vocoder_decoder; chorus.colocate passes it), once the worker is warm."""
+def size(args: WorkerConfig, model, free: tuple[int, int] | None, hosted: CodecFootprint | None,
+         hosted_slots: int) -> Sizing:
+    """max_batch, kv_slots and the hosted decoder's slots, for those left at 0: from the device's memory
+    (free: (free, total) bytes before the model was loaded; None on the CPU, where they take the CPU
+    defaults)."""
+    if free is None:
+        return Sizing(args.max_batch or CPU_MAX_BATCH, args.kv_slots or CPU_KV_SLOTS,
+                      hosted_slots or (CPU_VOCODER_SLOTS if hosted else 0), ["the CPU's defaults"])
+    bb = model.cfg.backbone
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    footprint = ModelFootprint(bb.num_hidden_layers, bb.num_key_value_heads, bb.head_dim,
+                               torch.empty((), dtype=getattr(torch, args.dtype)).element_size(), weights)
+    return size_worker(free[0], free[1], args.memory_fraction, footprint, args.max_context, hosted,
+                       args.max_batch, args.kv_slots, hosted_slots)
+
+
+def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, hosted: CodecFootprint | None = None,
+        hosted_slots: int = 0) -> None:
+    """Serve until SIGINT/SIGTERM. sidecar(device, slots): starts the vocoder decoder this process hosts
+    (args.host_vocoder_decoder; chorus.colocate passes it, with its footprint `hosted` and its slots,
+    0 = sized here), once the worker is warm."""
     if omnivoice.serves_omnivoice(args):
         if args.host_vocoder_decoder:
             raise SystemExit("worker.host_vocoder_decoder: an OmniVoice worker hosts no vocoder decoder (its codec "
@@ -55,8 +76,19 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
         # Steps run on a high-priority stream: where the hosted decoder's steady steps (low priority)
         # and a step both wait for SMs, the step's blocks go first. Set before anything is queued.
         torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device), priority=-100))
+    auto = not (args.max_batch and args.kv_slots and (hosted is None or hosted_slots))
+    free = torch.cuda.mem_get_info(torch.device(args.device)) if auto and torch.device(args.device).type == "cuda" \
+        else None
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
                         dtype=args.dtype, device=args.device, seed=args.seed)
+    sizing = size(args, model, free, hosted, hosted_slots)
+    if auto:
+        print(f"sized: max_batch {sizing.max_batch}, kv_slots {sizing.kv_slots}"
+              + (f", vocoder slots {sizing.vocoder_slots}" if hosted else "") + f" ({sizing.explain()})", flush=True)
+    if sizing.kv_slots < 2 * args.page_size:
+        raise SystemExit(f"worker: {sizing.kv_slots} KV slots fit on {args.device} ({sizing.explain()}); free memory "
+                         f"on the device, or give --max-batch, --kv-slots or --memory-fraction")
+    args = dataclasses.replace(args, max_batch=sizing.max_batch, kv_slots=sizing.kv_slots)
     engine = Engine(model, num_kv_slots=args.kv_slots, max_batch=args.max_batch, max_context=args.max_context,
                     attention=args.attention, cuda_graphs=args.cuda_graphs, page_size=args.page_size,
                     decode_split_kv=args.decode_split_kv, decode_kernel=args.decode_kernel)
@@ -72,7 +104,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
         print(f"warmed up every step kind in {engine.warm_up():.1f}s (kernel compiles)", flush=True)
     if sidecar is not None:
         t0 = time.perf_counter()
-        sidecar(args.device)
+        sidecar(args.device, sizing.vocoder_slots)
         # The decoder's threads and this loop share the GIL: hand it over within 0.5 ms, not 5.
         sys.setswitchinterval(0.0005)
         print(f"hosting the vocoder's decoder under {args.host_vocoder_decoder} "
@@ -142,6 +174,9 @@ def run(args: WorkerConfig, sidecar: Callable[[str], None] | None = None) -> Non
                 continue
             flush()
             if kind == "hello":
+                if cmd.hello.release_all:
+                    for request_id in list(engine.pool.requests):
+                        engine.pool.release(request_id)
                 reply.hello.CopyFrom(hello)
             elif kind == "stats":
                 reply.stats.active_requests = len(engine.pool)

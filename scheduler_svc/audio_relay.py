@@ -42,9 +42,15 @@ log = logging.getLogger("chorus.scheduler")
 
 
 class SynthesisFailed(RuntimeError):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    """retry_after: seconds the client should wait before trying again (chorus/retry_hint.py); None: no hint."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after
+
+
+QUEUE_FULL_RETRY_S = 1.0  # a full queue's hint: about the time a short request takes to free a place
 
 
 class _StreamBroke(Exception):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from chorus.config import ConfigError, setting
+from chorus.voice_store import check_url
 from scheduler_svc.validation import MAX_CHUNK_FRAMES
 
 
@@ -65,12 +66,13 @@ class SchedulerConfig:
     max_references: int = setting(8, "voice references one request may give", minimum=1)
     max_reference_seconds: float = setting(60.0, "longest voice reference or stored voice in seconds",
                                            flag="--max-reference-s", metavar="S", minimum=1)
-    max_voices: int = setting(128, "voices the store keeps; CreateVoice of a new id beyond this is refused",
-                              minimum=1)
+    max_voices: int = setting(128, "voices each API key owner may keep; CreateVoice of a new id beyond this is "
+                              "refused", minimum=1)
     first_chunk_frames_loaded: int = setting(0, "while loaded_batch or more requests run, frames in a new "
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
-    frontends: int = setting(1, "frontend processes serving the gRPC port", minimum=1)
+    frontends: int = setting(1, "frontend processes serving the gRPC port (0 = an engine: frontend tier processes "
+                             "reach it on frontend_link; the port serves grpc health only)", minimum=0)
     drain_seconds: float = setting(25.0, "seconds the running and queued requests get to finish on SIGTERM (below "
                                    "terminationGracePeriodSeconds)", minimum=0)
     omnivoice_worker: list[str] = setting([], "ZeroMQ endpoint of an OmniVoice gpu_worker; repeat the flag for "
@@ -91,8 +93,8 @@ class SchedulerConfig:
     vocoder_tls_dir: str | None = setting(None, "directory whose ca.crt verifies the vocoders and whose tls.crt and "
                                           "tls.key are this service's client certificate; unset: plaintext",
                                           metavar="DIR")
-    curve_secret_key: str | None = setting(None, "this scheduler's CURVE key pair file (.key_secret) for the "
-                                           "worker links; unset: no CURVE", metavar="FILE")
+    curve_secret_key: str | None = setting(None, "this process's CURVE key pair file (.key_secret) for the "
+                                           "worker links and the frontend link; unset: no CURVE", metavar="FILE")
     worker_public_key: str | None = setting(None, "the workers' CURVE public key file (.key); needed with "
                                             "curve_secret_key", metavar="FILE")
     # ---- text in pieces (long-form Synthesize, SynthesizeStream)
@@ -103,19 +105,63 @@ class SchedulerConfig:
     continuation_seconds: float = setting(10.0, "seconds of the previous sentences' audio a MOSS sentence or piece "
                                           "continues (whole sentences; 0 = each starts from the voice)",
                                           flag="--continuation-s", metavar="S", minimum=0)
+    # ---- voices
+    voice_store: str = setting("", "where the frontends keep voices: sqlite:///PATH or postgresql://USER@HOST/DB "
+                               "(empty: chorus/voices.sqlite3 under $XDG_STATE_HOME or ~/.local/state)", metavar="URL")
+    # ---- tiers
+    frontend_link: str = setting("", "ZeroMQ endpoint the core binds for frontends, e.g. tcp://0.0.0.0:5570 "
+                                 "(empty: an ipc socket for its own frontends alone)", metavar="ENDPOINT")
+    frontend_curve_clients: str | None = setting(None, "directory of the CURVE public keys (.key) of the frontends "
+                                                 "allowed on frontend_link; with curve_secret_key (unset: no CURVE)",
+                                                 metavar="DIR")
+    engines: list[str] = setting([], "frontend tier: an engine's frontend_link (tcp://HOST:PORT) or dns:///NAME:PORT "
+                                 "for every address NAME resolves to; repeat the flag or separate by commas",
+                                 metavar="ENDPOINT")
+    engine_public_key: str | None = setting(None, "frontend tier: the engines' CURVE public key file (.key); with "
+                                            "curve_secret_key, this frontend's pair", metavar="FILE")
+    engine_refresh: float = setting(5.0, "frontend tier: seconds between DNS lookups of dns:/// engines",
+                                    flag="--engine-refresh-s", metavar="S", minimum=0.1)
+    engine_load_slack: float = setting(0.25, "frontend tier: an engine takes its voices while its load (requests "
+                                       "in flight and queued) <= (1 + slack) * the mean + engine_load_margin",
+                                       minimum=0)
+    engine_load_margin: float = setting(2.0, "frontend tier: requests an engine may carry over (1 + slack) * the "
+                                        "mean load and still take its voices", minimum=0)
+    # ---- admission
+    ttfa_objective_ms: float = setting(1000.0, "time to first audio a request is admitted within; a request "
+                                       "expected later is queued, beyond max_expected_wait_s refused (0 = none)",
+                                       metavar="MS", minimum=0)
+    max_expected_wait_s: float = setting(5.0, "a request whose expected queue wait passes this many seconds gets "
+                                         "RESOURCE_EXHAUSTED with a retry hint (0 = only max_queue refuses)",
+                                         metavar="S", minimum=0)
 
     def link_message_bytes(self) -> int:
         """The largest message either end of the core-frontend link sends under these limits: a
-        request or voice of max_request_bytes, or a list of max_voices transcripts, plus room for a
-        step's rows."""
-        return self.max_request_bytes + self.max_voices * 4 * (self.max_text_chars + self.max_id_chars + 64) + (16 << 20)
+        request of max_request_bytes, plus room for a step's rows."""
+        return self.max_request_bytes + (16 << 20)
 
     def validate(self) -> None:
-        if not self.vocoder:
+        serves_api = self.frontends or self.engines  # an engine (frontends = 0) talks to no vocoder
+        if serves_api and not self.vocoder:
             raise ConfigError("scheduler.vocoder is empty: give at least one vocoder address")
-        if self.omnivoice_worker and not self.omnivoice_vocoder:
+        if serves_api and self.omnivoice_worker and not self.omnivoice_vocoder:
             raise ConfigError("scheduler.omnivoice_worker is set but scheduler.omnivoice_vocoder is empty: give the "
                               "address of at least one OmniVoice codec vocoder")
+        if self.voice_store:
+            try:
+                check_url(self.voice_store)
+            except ValueError as e:
+                raise ConfigError(f"scheduler.voice_store: {e}") from None
+        if self.engines:
+            if self.curve_secret_key and not self.engine_public_key:
+                raise ConfigError("scheduler.curve_secret_key on the frontend tier needs scheduler.engine_public_key "
+                                  "(the engines' CURVE public key)")
+            return
+        if self.frontend_curve_clients and not self.curve_secret_key:
+            raise ConfigError("scheduler.frontend_curve_clients needs scheduler.curve_secret_key (the core's CURVE "
+                              "key pair)")
+        if self.frontend_curve_clients and self.frontends:
+            raise ConfigError("scheduler.frontend_curve_clients is for engines (frontends = 0): the core's own "
+                              "frontends reach it on an ipc socket; set frontends = 0 or leave the keys out")
         if bool(self.curve_secret_key) != bool(self.worker_public_key):
             raise ConfigError("scheduler.curve_secret_key and scheduler.worker_public_key go together: give both "
                               "(CURVE on the worker links) or neither")

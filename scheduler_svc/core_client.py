@@ -4,8 +4,8 @@ What the Synthesize handler needs of the scheduler, over ZeroMQ: submit a
 prompt and get a Ticket whose `events` queue receives the request's
 FrameEvents and its FinishEvent / ErrorEvent (the same events the audio relay
 reads in-process), or submit an OmniVoice canvas and get a CanvasTicket whose
-`done` future receives its CanvasDone; abort either; and the voice store that
-all frontends share.
+`done` future receives its CanvasDone; abort either; and evict a deleted
+voice's prefix from the core's radix cache.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from chorus import curve
 from chorus.v1 import frontend_pb2, worker_pb2
+from scheduler_svc.canvas_scheduler import UNAVAILABLE as CANVAS_UNAVAILABLE
 from scheduler_svc.request import ErrorEvent, FinishEvent, FrameEvent, QueueFull, Unavailable
 from chorus.wire import matrix_array, rows_matrix
 
 
-class CoreUnavailable(RuntimeError):
-    pass
+class CoreUnavailable(Unavailable):
+    """The core did not answer, or the link to it dropped."""
 
 
 @dataclass(eq=False)
@@ -56,15 +58,27 @@ class CanvasTicket:
 
 
 class CoreClient:
-    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None, max_message_bytes: int = 0):
-        """max_message_bytes: a larger message from the core drops the link (0 = no limit)."""
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None, max_message_bytes: int = 0,
+                 curve_keys: tuple[str, str] | None = None):
+        """max_message_bytes: a larger message from the core drops the link (0 = no limit); curve_keys:
+        (this frontend's secret key file, the core's public key file) to talk CURVE."""
         self.endpoint = endpoint
         self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         curve.limit_size(self._sock, max_message_bytes)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # a core on another host that goes silent counts as gone after 3 s (ZMTP heartbeats)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve_keys:
+            curve.connect_as(self._sock, *curve_keys)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self.connected = False                  # the link is up (a handshake since the last drop)
+        self.queued = 0                         # the core's waiting MOSS requests, as it last said
+        self._watcher: asyncio.Task | None = None
         self._calls = itertools.count(1)
         self._tickets = itertools.count(1)
         self._answers: dict[int, asyncio.Future] = {}
@@ -82,6 +96,7 @@ class CoreClient:
     async def _call(self, msg: frontend_pb2.FrontendMessage, timeout: float = 30.0) -> frontend_pb2.CoreMessage:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_link())
         msg.call = next(self._calls)
         fut = asyncio.get_running_loop().create_future()
         self._answers[msg.call] = fut
@@ -104,13 +119,61 @@ class CoreClient:
                 self._canvas_done(msg.canvas_done)
                 continue
             if kind == "health":
-                self.down = set(msg.health.down)
-                self.draining = msg.health.draining
-                self.health_changed.set()
+                if set(msg.health.down) != self.down or msg.health.draining != self.draining:
+                    self.down = set(msg.health.down)
+                    self.draining = msg.health.draining
+                    self.health_changed.set()
+                self.queued = msg.health.queued
                 continue
             fut = self._answers.get(msg.call)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+    async def _watch_link(self) -> None:
+        """Follows the connection: when it drops (the core died, or its host went silent), every open
+        request and call ends UNAVAILABLE at once, never a hang; when it is back (the same core, or its
+        replacement), hello again."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self.connected and self.hello is not None:
+                    asyncio.get_running_loop().create_task(self._rehello())
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                self._fail_open(f"the link to the scheduler core at {self.endpoint} dropped")
+            self.health_changed.set()
+
+    async def _rehello(self) -> None:
+        try:
+            self.hello = (await self._call(frontend_pb2.FrontendMessage(hello=frontend_pb2.CoreHelloRequest()),
+                                           10.0)).hello
+        except CoreUnavailable:
+            pass
+        self.health_changed.set()
+
+    def _fail_open(self, why: str) -> None:
+        for fut in self._answers.values():
+            if not fut.done():
+                fut.set_exception(CoreUnavailable(why))
+        open_, self._open = self._open, {}
+        for t in open_.values():
+            if isinstance(t, CanvasTicket):
+                if not t.done.done():
+                    t.done.set_result(frontend_pb2.CanvasDone(ticket=t.ticket, error=f"{CANVAS_UNAVAILABLE}: {why}"))
+            else:
+                t.finished = frontend_pb2.Finished(ticket=t.ticket, error=why, unavailable=True)
+                t.events.put_nowait(ErrorEvent(why, True))
+
+    @property
+    def up(self) -> bool:
+        """Requests can go to this core: linked, hello answered, the link reading."""
+        return self.connected and self.hello is not None and not self.broken
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this frontend open on the core."""
+        return len(self._open)
 
     def _progress(self, p: frontend_pb2.Progress) -> None:
         if p.tickets:
@@ -182,7 +245,9 @@ class CoreClient:
         """QueueFull or Unavailable when the core did not take the request."""
         if answer.queue_full or answer.unavailable:
             self._open.pop(t.ticket, None)
-            raise QueueFull(answer.queue_full) if answer.queue_full else Unavailable(answer.unavailable)
+            if answer.queue_full:
+                raise QueueFull(answer.queue_full, answer.retry_after_s)
+            raise Unavailable(answer.unavailable)
 
     def pause(self, t: Ticket, paused: bool) -> None:
         """Its client is not reading (paused): the core stops planning the request until resumed."""
@@ -198,24 +263,10 @@ class CoreClient:
         self._send(frontend_pb2.FrontendMessage(report=frontend_pb2.CallReport(event=event, ttfa_s=ttfa_s,
                                                                              outcome=outcome)))
 
-    # ---- voices ---------------------------------------------------------------------------------
-    async def put_voice(self, voice: frontend_pb2.StoredVoice) -> bool:
-        """False: the store is full (it holds max_voices others)."""
-        return bool((await self._call(frontend_pb2.FrontendMessage(put_voice=voice))).voices.voices)
-
-    async def get_voice(self, voice_id: str, owner: str = "") -> frontend_pb2.StoredVoice | None:
-        """The voice_id of this owner (the caller's API key owner), or None."""
-        found = (await self._call(frontend_pb2.FrontendMessage(
-            get_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices
-        return found[0] if found else None
-
-    async def delete_voice(self, voice_id: str, owner: str = "") -> bool:
-        return bool((await self._call(frontend_pb2.FrontendMessage(
-            delete_voice=frontend_pb2.VoiceQuery(voice_id=voice_id, owner=owner)))).voices.voices)
-
-    async def list_voices(self, owner: str = "") -> list[frontend_pb2.StoredVoice]:
-        return list((await self._call(frontend_pb2.FrontendMessage(
-            list_voices=frontend_pb2.VoiceQuery(owner=owner)))).voices.voices)
+    def evict_prefix(self, rows: np.ndarray, shared_rows: int) -> None:
+        """A deleted voice's prompt prefix: the core frees the cached rows that start with it."""
+        self._send(frontend_pb2.FrontendMessage(evict_prefix=frontend_pb2.EvictPrefix(
+            rows=rows_matrix(rows), shared_rows=shared_rows)))
 
     @property
     def broken(self) -> str:
@@ -226,6 +277,11 @@ class CoreClient:
         return repr(r.exception())
 
     def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
+        """Stop; requests still open end UNAVAILABLE."""
+        self._fail_open(f"the scheduler core at {self.endpoint} was dropped")
+        for task in (self._reader, self._watcher):
+            if task:
+                task.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()

@@ -1,8 +1,8 @@
 """A scheduler_svc frontend process: the public TextToSpeech gRPC API.
 
 Per Synthesize call for the MOSS model: validate → resolve voice references
-(codes, a stored voice, or audio encoded by a vocoder replica) → build prompt
-rows → submit to the scheduler core → stream each generated row to a vocoder
+(codes, a voice of the voice store, or audio encoded by a vocoder replica) →
+build prompt rows → submit to the scheduler core → stream each generated row to a vocoder
 Decode stream and the PCM that comes back to the client, converted to the
 format it asked for. A call for an OmniVoice model takes its own path
 (scheduler_svc/omnivoice_frontend.py); `model` picks (scheduler_svc/served_models.py).
@@ -10,6 +10,8 @@ format it asked for. A call for an OmniVoice model takes its own path
 Several frontends serve one port (SO_REUSEPORT: the kernel spreads client
 connections over them), so the per-frame relay work, which is most of the
 service's CPU, scales with processes while one core schedules every request.
+A frontend tier process (scheduler_svc/frontend_tier.py) runs this same API in
+front of many cores, one picked per request (scheduler_svc/engine_pool.py).
 """
 
 from __future__ import annotations
@@ -33,26 +35,29 @@ from chorus.drain import RETRY_HINT_S, Drain
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
 from chorus.prompt import build_prompt_rows, clamp_duration_frames, estimate_duration_frames
+from chorus.request_decoding import add_service
 from chorus.retry_hint import set_retry_hint
 from chorus.tls import TlsError, add_port
 from chorus.tokenizer import load_tokenizer
 from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
-from scheduler_svc.audio_relay import AudioRelay, SynthesisFailed
+from chorus.voice_store import VoiceStoreError, open_store
+from scheduler_svc.audio_relay import QUEUE_FULL_RETRY_S, AudioRelay, SynthesisFailed
 from scheduler_svc.clip_vocoders import ClipVocoders
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core_client import CoreClient
+from scheduler_svc.core_client import CoreUnavailable
+from scheduler_svc.engine_pool import EnginePool, affinity_key
 from scheduler_svc.flow_control import Backlog
 from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
 from chorus.wire import rows_matrix
 from chorus.wire import matrix_array as _matrix  # ValueError; matrix_field: InvalidRequest
 from scheduler_svc.omnivoice_frontend import OmniVoiceFrontend
-from scheduler_svc.request_decoding import add_text_to_speech
 from scheduler_svc.served_models import MOSS, OMNIVOICE, ServedModel, ServedModels
 from scheduler_svc.synthesize_stream import PieceLimits, TextStreams
 from scheduler_svc.validation import (InvalidRequest, Limits, check_create_voice, check_model_name, matrix_field,
                                       printable, shown, validate)
 from scheduler_svc.vocoder_client import VocoderPool
+from scheduler_svc.voices import VoiceLibrary
 
 log = logging.getLogger("chorus.scheduler")
 SERVICE_NAME = "chorus.v1.TextToSpeech"
@@ -60,18 +65,21 @@ CORE_LAG_S = 2.0  # a draining core ends its last requests at its deadline: thei
 # refused while draining (reads are still answered)
 WRITES = ("Synthesize", "SynthesizeStream", "CreateVoice", "DeleteVoice")
 FINISH_REASONS = {"stop": tts_pb2.STOP, "max_frames": tts_pb2.MAX_FRAMES}
+VOCODER_CHECK_S = 1.0  # how often health probes the vocoder replicas
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
-    def __init__(self, core: CoreClient, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
-                 limits: Limits, codec: vocoder_pb2.VocoderInfo, first_chunk_frames_loaded: int = 0,
-                 models: ServedModels | None = None, omnivoice: OmniVoiceFrontend | None = None,
-                 backlog: Backlog | None = None, keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
+    def __init__(self, core: EnginePool, vocoders: VocoderPool, cfg: MossTTSLocalConfig, tokenizer,
+                 limits: Limits, codec: vocoder_pb2.VocoderInfo, voices: VoiceLibrary,
+                 first_chunk_frames_loaded: int = 0, models: ServedModels | None = None,
+                 omnivoice: OmniVoiceFrontend | None = None, backlog: Backlog | None = None,
+                 keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
-        streams whose client leaves streaming.* unset. models: every served model (None: the MOSS
-        model alone); omnivoice: the OmniVoice path, where models has OmniVoice models; keys: the API
-        keys, whose owners own voices (None: no keys; every voice is everyone's)."""
+        streams whose client leaves streaming.* unset. voices: the stored voices. models: every served
+        model (None: the MOSS model alone); omnivoice: the OmniVoice path, where models has OmniVoice
+        models; keys: the API keys, whose owners own voices (None: no keys; every voice is everyone's)."""
         self.core = core
+        self.voices = voices
         self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
         self.omnivoice = omnivoice
         self.vocoders = vocoders
@@ -120,7 +128,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 raise InvalidRequest(f"{field}.codes values must be in [0, {self.cfg.audio_vocab_size})")
             return codes
         if kind == "voice_id":
-            voice = await self.core.get_voice(ref.voice_id, caller.get())
+            voice = await self.voices.get_voice(ref.voice_id, caller.get())
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND,
                                       f"{field}.voice_id {shown(ref.voice_id)} not found; create it with "
@@ -192,7 +200,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             outcome = "failed"
-            if e.code == grpc.StatusCode.UNAVAILABLE:  # another replica, or this one later, may serve it
+            if e.retry_after is not None:
+                set_retry_hint(context, e.retry_after)
+            elif e.code == grpc.StatusCode.UNAVAILABLE:  # another replica, or this one later, may serve it
                 set_retry_hint(context, RETRY_HINT_S)
             await context.abort(e.code, str(e))
         finally:
@@ -223,9 +233,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             raise InvalidRequest(f"the prompt ({rows.shape[0]} rows) does not fit the worker's KV cache "
                                  f"({worker.kv_slots} rows); shorten the text or the references")
         try:
-            req = await self.core.submit(rows, resolved.sampling, resolved.max_frames)
+            req = await self.core.submit(rows, resolved.sampling, resolved.max_frames,
+                                         key=affinity_key(request, caller.get()))
         except QueueFull as e:
-            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                  e.retry_after if e.retry_after > 0 else QUEUE_FULL_RETRY_S) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         log.info("request %s (#%d): %d prompt rows, max_frames %d", printable(request_id), req.id, rows.shape[0],
@@ -285,6 +297,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         return tts_pb2.ListModelsResponse(models=[self._model_info(m) for m in self.models.models])
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest, context):
+        owner = self._caller(context)
         rms = 0.0
         try:
             check_create_voice(request, self.limits)
@@ -293,35 +306,50 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 codes, rms = await self.omnivoice.encode(request.audio, "audio")
             else:
                 codes = await self._encode_audio(request.audio, "audio")
+            voice_id = request.voice_id or uuid.uuid4().hex[:12]
+            await self.voices.create(frontend_pb2.StoredVoice(
+                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
+                model=model.name, rms=rms, owner=owner))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
-        voice_id = request.voice_id or uuid.uuid4().hex[:12]
-        if not await self.core.put_voice(frontend_pb2.StoredVoice(
-                voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
-                model=model.name, rms=rms, owner=self._caller(context))):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"voice_id {shown(voice_id)}: the voice store "
-                                f"is full ({self.limits.max_voices} voices); delete one with DeleteVoice first")
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript,
                              model=model.name)
 
     async def ListVoices(self, request, context):
+        try:
+            voices = await self.voices.list(self._caller(context))
+        except SynthesisFailed as e:
+            await context.abort(e.code, str(e))
         return tts_pb2.ListVoicesResponse(voices=[
             tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name)
-            for v in await self.core.list_voices(self._caller(context))])
+            for v in voices])
 
     async def DeleteVoice(self, request, context):
         if len(request.voice_id) > self.limits.max_id_chars:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"voice_id has {len(request.voice_id)} "
                                 f"characters; the limit is {self.limits.max_id_chars}")
-        if not await self.core.delete_voice(request.voice_id, self._caller(context)):
+        try:
+            voice = await self.voices.delete(request.voice_id, self._caller(context))
+        except SynthesisFailed as e:
+            await context.abort(e.code, str(e))
+        if voice is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"voice_id {shown(request.voice_id)} not found")
+        if voice.model in ("", self.cfg.name):  # the core's radix cache holds MOSS prompts only
+            self.core.evict_prefix(*await asyncio.to_thread(self._voice_prefix, _matrix(voice.codes)))
         return tts_pb2.DeleteVoiceResponse()
+
+    def _voice_prefix(self, codes: np.ndarray) -> tuple[np.ndarray, int]:
+        """The prompt rows every request cloning this voice starts with (its reference ends them), and
+        how many of them every cloning prompt starts with, whatever the voice."""
+        rows = build_prompt_rows(self.cfg, self.tokenizer, "", references=[codes])
+        code_rows = np.flatnonzero(rows[:, 0] == self.cfg.audio_user_slot_token_id)
+        return rows[:code_rows[-1] + 2], int(code_rows[0])  # through the reference's audio_end row
 
 
 # ---- process -----------------------------------------------------------------------
-async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
+async def _watch_core(stop: asyncio.Event, core: EnginePool) -> None:
     """The core started this process: when it is gone (even by SIGKILL), or the link to it fails, so is
     this one, with a non-zero exit (serve raises SystemExit) so that its supervisor restarts the service."""
     parent = os.getppid()
@@ -332,26 +360,35 @@ async def _watch_core(stop: asyncio.Event, core: CoreClient) -> None:
     stop.set()
 
 
-async def _serve_health(health_servicer, core: CoreClient, models: ServedModels, drain) -> None:
-    """grpc health as the core sees the workers: a model none of whose workers answers is NOT_SERVING
-    under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it is the default model.
-    A draining core drains this frontend too: drain() stops taking calls (health NOT_SERVING for good)."""
+async def _serve_health(health_servicer, core: EnginePool, models: ServedModels,
+                        pools: dict[str, VocoderPool], drain) -> None:
+    """grpc health as the core sees the workers and this frontend its vocoders (pools: each model's,
+    probed every VOCODER_CHECK_S): a model none of whose workers answers, or whose pool has no live
+    replica, is NOT_SERVING under `chorus.v1.TextToSpeech/<model>`, and the service as a whole when it
+    is the default model. A draining parent core drains this frontend too: drain() stops taking calls
+    (health NOT_SERVING for good)."""
+    statuses: dict[str, int] = {}
     while True:
         if core.draining:
             drain()
-        for m in models.models:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down else \
-                health_pb2.HealthCheckResponse.SERVING
-            await health_servicer.set(f"{SERVICE_NAME}/{m.name}", status)
-            if m == models.default:
-                for name in ("", SERVICE_NAME):
-                    await health_servicer.set(name, status)
         core.health_changed.clear()
-        await core.health_changed.wait()
+        live = {id(pool): await pool.check() for pool in {id(p): p for p in pools.values()}.values()}
+        without_vocoder = {name for name, pool in pools.items() if not live[id(pool)]}
+        for m in models.models:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down or \
+                m.name in without_vocoder else health_pb2.HealthCheckResponse.SERVING
+            for name in (f"{SERVICE_NAME}/{m.name}", *(("", SERVICE_NAME) if m == models.default else ())):
+                if statuses.get(name) != status:
+                    await health_servicer.set(name, status)
+                    statuses[name] = status
+        try:
+            await asyncio.wait_for(core.health_changed.wait(), VOCODER_CHECK_S)
+        except asyncio.TimeoutError:
+            pass
 
 
-async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalConfig, limits: Limits,
-                     index: int) -> tuple[ServedModels, OmniVoiceFrontend | None]:
+async def _omnivoice(args: SchedulerConfig, core: EnginePool, cfg: MossTTSLocalConfig, limits: Limits,
+                     index: int, voices: VoiceLibrary) -> tuple[ServedModels, OmniVoiceFrontend | None]:
     """The served models, and the OmniVoice path when the core schedules OmniVoice workers."""
     served = [ServedModel(cfg.name, MOSS)] + [ServedModel(h.model_name, OMNIVOICE) for h in core.hello.canvas_workers]
     try:
@@ -370,12 +407,23 @@ async def _omnivoice(args: SchedulerConfig, core: CoreClient, cfg: MossTTSLocalC
         raise SystemExit(f"frontend {index}: the OmniVoice vocoder serves {info.codec} at {info.sample_rate} Hz, "
                          f"{info.channels} ch, {info.samples_per_frame} samples per frame; OmniVoice needs its "
                          f"codec (24000 Hz, 1 ch, 960)")
-    return models, OmniVoiceFrontend(core, clips, load_omnivoice_tokenizer(args.omnivoice_tokenizer), limits)
+    return models, OmniVoiceFrontend(core, clips, load_omnivoice_tokenizer(args.omnivoice_tokenizer), limits,
+                                     voices)
 
 
-async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
-    core = CoreClient(core_endpoint, max_message_bytes=args.link_message_bytes())
-    hello = await core.connect(timeout=600)
+async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) -> None:
+    """Serve the API from the core at core_endpoint (this process's parent), or with None as a frontend
+    tier process, from the engines args.engines names."""
+    if core_endpoint:
+        core = EnginePool([core_endpoint], args.link_message_bytes(), parent=True)
+    else:
+        core = EnginePool(args.engines, args.link_message_bytes(), (args.curve_secret_key, args.engine_public_key)
+                          if args.engine_public_key else None, args.engine_refresh, args.engine_load_slack,
+                          args.engine_load_margin)
+    try:
+        hello = await core.connect(timeout=600)
+    except CoreUnavailable as e:
+        raise SystemExit(f"frontend {index}: {e}") from None
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.worker.model_config_json))
     vocoders = VocoderPool(args.vocoder, tls_dir=args.vocoder_tls_dir)
     if index == 0:
@@ -388,7 +436,14 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         log.info("vocoder chunk defaults: first chunk %d, chunk %d frames", *vocoders.chunks)
     tokenizer = load_tokenizer(args.tokenizer)
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
-    models, omnivoice = await _omnivoice(args, core, cfg, limits, index)
+    try:
+        store = await asyncio.to_thread(open_store, args.voice_store)
+    except (ValueError, VoiceStoreError) as e:
+        raise SystemExit(f"frontend {index}: scheduler.voice_store: {e}") from None
+    if index == 0:
+        log.info("voices in %s", store.url)
+    voices = VoiceLibrary(store, args.max_voices)
+    models, omnivoice = await _omnivoice(args, core, cfg, limits, index, voices)
 
     try:
         keys = ApiKeys(args.api_keys) if args.api_keys else None
@@ -401,11 +456,11 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_request_bytes),
                                       ("grpc.so_reuseport", 1)], interceptors=interceptors)
     backlog = Backlog(args.max_stream_buffer_bytes, args.max_frontend_buffer_bytes, args.reader_stall)
-    add_text_to_speech(
-        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, args.first_chunk_frames_loaded, models,
-                             omnivoice, backlog, keys,
+    add_service(
+        TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, voices, args.first_chunk_frames_loaded,
+                             models, omnivoice, backlog, keys,
                              PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)})),
-        server)
+        server, tts_pb2, "TextToSpeech")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     drain.health(health_servicer)
@@ -419,15 +474,21 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
         raise SystemExit(f"frontend {index}: could not listen on {args.host}:{args.port}")
     await server.start()
     loop = asyncio.get_running_loop()
+    pools = {m.name: omnivoice.vocoders if m.architecture == OMNIVOICE else vocoders for m in models.models}
     follow_core = lambda: drain.close(server, "the core drains", args.drain_seconds + CORE_LAG_S)  # noqa: E731
-    health_task = loop.create_task(_serve_health(health_servicer, core, models, follow_core))
+    health_task = loop.create_task(_serve_health(health_servicer, core, models, pools, follow_core))
     core.report("ready")
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, keys.reload if keys else lambda: None)  # the core relays its SIGHUP
-    watcher = loop.create_task(_watch_core(stop, core))
+    if core_endpoint:
+        watcher = loop.create_task(_watch_core(stop, core))
+    else:
+        watcher = loop.create_task(asyncio.sleep(float("inf")))
+        print(f"frontend ready on {args.host}:{bound} engines={','.join(core.specs)} "
+              f"vocoders={','.join(args.vocoder)}", flush=True)
     await stop.wait()
     core_gone = watcher.done()
     watcher.cancel()
@@ -441,6 +502,7 @@ async def serve(args: SchedulerConfig, core_endpoint: str, index: int) -> None:
     if omnivoice is not None:
         await omnivoice.vocoders.close()
     core.close()
+    voices.close()
     if core_gone:
         raise SystemExit(1)
 

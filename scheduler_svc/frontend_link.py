@@ -1,6 +1,7 @@
 """The core's end of the link to its frontend processes (ROUTER; each frontend a DEALER).
 
-Frontends submit, abort and store voices here; the scheduler's events come
+Frontends submit and abort here, and evict a deleted voice's prefix from the radix cache
+(voices themselves live in the frontends' store); the scheduler's events come
 back through this sink: buffered per frontend while a journal is applied and
 sent as one Progress message per frontend at flush(), so a step of 256 frames
 costs each frontend one message, not 256. OmniVoice canvases go to the canvas
@@ -43,19 +44,26 @@ class _Outbox:
 
 
 class FrontendLink(EventSink, CanvasSink):
-    def __init__(self, endpoint: str, max_voices: int, ctx: zmq.asyncio.Context | None = None,
-                 max_message_bytes: int = 0):
-        """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit)."""
-        self._sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.ROUTER)
+    def __init__(self, endpoint: str, ctx: zmq.asyncio.Context | None = None,
+                 max_message_bytes: int = 0, curve_keys: tuple[str, str] | None = None):
+        """max_message_bytes: a frontend sending more in one message is disconnected (0 = no limit);
+        curve_keys: (the core's secret key file, the directory of allowed frontends' public keys)
+        to serve CURVE only; CurveError when they cannot be used."""
+        ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         curve.limit_size(self._sock, max_message_bytes)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds the HWM: never drop frames
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # a frontend on another host that goes silent is dropped after 3 s (ZMTP heartbeats)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # the authenticator must share the socket's C context (ZAP is per context)
+        self._auth = curve.serve(zmq.Context.shadow(ctx.underlying), self._sock, *curve_keys) if curve_keys else None
         self._sock.bind(endpoint)
+        self.known: set[bytes] = set()   # frontends that said hello: they get the load every second
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler: Scheduler | None = None
-        self.voices: dict[tuple[str, str], frontend_pb2.StoredVoice] = {}  # (owner, voice_id): each key's own
-        self.max_voices = max_voices
         self.ready: set[bytes] = set()
         self.ready_changed = asyncio.Event()
         self._origin: dict[int, tuple[bytes, int]] = {}          # request id -> (frontend, ticket)
@@ -81,7 +89,9 @@ class FrontendLink(EventSink, CanvasSink):
         self.served = {scheduler.hello.model_name: scheduler.hello.architecture,
                        **{name: OMNIVOICE for name in self.canvas_schedulers}}
         self.default_model = resolve_model(default_model, self.served)
-        self._task = asyncio.get_running_loop().create_task(self._serve())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._serve())
+        self._load_task = loop.create_task(self._send_load())
 
     @property
     def broken(self) -> str:
@@ -93,7 +103,10 @@ class FrontendLink(EventSink, CanvasSink):
     def close(self) -> None:
         if self._task:
             self._task.cancel()
+            self._load_task.cancel()
         self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
 
     # ---- the scheduler's sink ---------------------------------------------------------------
     def emit(self, req: Request, event: FrameEvent | FinishEvent | ErrorEvent) -> None:
@@ -151,7 +164,7 @@ class FrontendLink(EventSink, CanvasSink):
 
     def worker_health(self, model: str, up: bool) -> None:
         msg = self._health()
-        for frontend in self.ready:
+        for frontend in self.ready | self.known:
             self._send(frontend, msg)
 
     def drain(self, why: str) -> None:
@@ -160,12 +173,25 @@ class FrontendLink(EventSink, CanvasSink):
         self.draining = why
         self.worker_health("", True)
 
+    async def _send_load(self) -> None:
+        """The health and load to every frontend that said hello, each second: frontend tiers weigh
+        engines by it."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.known:
+                msg = self._health()
+                for frontend in self.known:
+                    self._send(frontend, msg)
+
     def _health(self) -> frontend_pb2.CoreMessage:
-        """The models none of whose workers answers."""
+        """The models none of whose workers answers, and the MOSS scheduler's load."""
         down = [name for name, group in self.canvas_schedulers.items() if not any(s.heartbeat.up for s in group)]
-        if self.scheduler is not None and not self.scheduler.heartbeat.up:
-            down.insert(0, self.scheduler.hello.model_name)
-        return frontend_pb2.CoreMessage(health=frontend_pb2.WorkerHealth(down=down, draining=bool(self.draining)))
+        health = frontend_pb2.WorkerHealth(down=down, draining=bool(self.draining))
+        if self.scheduler is not None:
+            if not self.scheduler.heartbeat.up:
+                health.down.insert(0, self.scheduler.hello.model_name)
+            health.queued, health.running = len(self.scheduler.policy.waiting), len(self.scheduler.policy.running)
+        return frontend_pb2.CoreMessage(health=health)
 
     def _forget(self, req: Request) -> None:
         origin = self._origin.pop(req.id, None)
@@ -219,28 +245,17 @@ class FrontendLink(EventSink, CanvasSink):
             self._report(frontend, msg.report)
             return None
         if kind == "hello":
+            self.known.add(frontend)
             self._late.append((frontend, self._health()))
             s = self.scheduler
             return frontend_pb2.CoreMessage(hello=frontend_pb2.CoreHello(
                 worker=s.hello, kv_pages=s.kv.num_pages, page_size=s.kv.page_size,
                 canvas_workers=[c.hello for group in self.canvas_schedulers.values() for c in group],
                 default_model=self.default_model))
-        if kind == "put_voice":
-            v = msg.put_voice
-            if (v.owner, v.voice_id) not in self.voices and len(self.voices) >= self.max_voices:
-                return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList())  # full: not stored
-            self.voices[v.owner, v.voice_id] = v
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v]))
-        if kind in ("get_voice", "delete_voice"):
-            q = getattr(msg, kind)
-            key = (q.owner, q.voice_id)
-            v = self.voices.get(key) if kind == "get_voice" else self.voices.pop(key, None)
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[v] if v is not None else []))
-        if kind == "list_voices":
-            return frontend_pb2.CoreMessage(voices=frontend_pb2.VoiceList(voices=[
-                frontend_pb2.StoredVoice(voice_id=v.voice_id, transcript=v.transcript, frames=v.frames, model=v.model,
-                                         rms=v.rms, owner=v.owner)
-                for v in self.voices.values() if v.owner == msg.list_voices.owner]))
+        if kind == "evict_prefix":
+            freed = self.scheduler.evict_prefix(matrix_array(msg.evict_prefix.rows), msg.evict_prefix.shared_rows)
+            log.info("a deleted voice's prefix: %d cached rows freed", freed)
+            return None
         raise ValueError(f"unknown frontend message {kind!r}")
 
     def _submit(self, frontend: bytes, sub: frontend_pb2.Submit) -> frontend_pb2.CoreMessage:
@@ -250,7 +265,8 @@ class FrontendLink(EventSink, CanvasSink):
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
-            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e)))
+            return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, queue_full=str(e),
+                                                                             retry_after_s=e.retry_after))
         except Unavailable as e:
             return frontend_pb2.CoreMessage(submitted=frontend_pb2.Submitted(ticket=sub.ticket, unavailable=str(e)))
         self._origin[req.id] = (frontend, sub.ticket)

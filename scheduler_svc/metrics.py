@@ -18,6 +18,13 @@ TTFA_SECONDS = Histogram("chorus_time_to_first_audio_seconds", "Accepted to firs
 ACTIVE_STREAMS = Gauge("chorus_active_streams", "Synthesize calls in progress", registry=REGISTRY)
 KV_CACHED = Gauge("chorus_kv_slots_cached", "KV slots held by the radix cache", registry=REGISTRY)
 KV_FREE = Gauge("chorus_kv_slots_free", "KV slots free", registry=REGISTRY)
+# The admission estimate (scheduler_svc/admission.py) for a request arriving now: the autoscaler's
+# signal. 0 until a request has finished (no lifetime measured yet) while every place is taken.
+EXPECTED_WAIT = Gauge("chorus_expected_wait_seconds", "Expected queue wait of a request arriving now (s)",
+                      registry=REGISTRY)
+ADMISSIONS = Counter("chorus_admissions", "New requests by admission decision: admit (expected time to first "
+                     "frame within the objective), queue (beyond it), refuse (expected wait past the bound, or "
+                     "the queue full)", ["decision"], registry=REGISTRY)
 RADIX_HIT_ROWS = Counter("chorus_radix_hit_rows", "Prompt rows served from the radix cache", registry=REGISTRY)
 RADIX_HIT_RATE = Gauge("chorus_radix_hit_rate", "Radix cache hit rate (rows hit / rows queried)",
                        registry=REGISTRY)

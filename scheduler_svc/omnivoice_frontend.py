@@ -28,7 +28,7 @@ from chorus.omnivoice import knobs as ov
 from chorus.omnivoice.prompt import Piece, PromptError, plan_pieces
 from chorus.v1 import common_pb2, tts_pb2, vocoder_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
-from scheduler_svc.audio_relay import SynthesisFailed
+from scheduler_svc.audio_relay import QUEUE_FULL_RETRY_S, SynthesisFailed
 from scheduler_svc.canvas_scheduler import UNAVAILABLE as WORKER_UNAVAILABLE
 from scheduler_svc.clip_vocoders import FADE_SECONDS, PAD_SECONDS, ClipVocoders, pcm_samples
 from scheduler_svc.core_client import CanvasTicket, CoreClient
@@ -37,6 +37,7 @@ from scheduler_svc.output import AudioOutput
 from scheduler_svc.request import QueueFull, Unavailable
 from scheduler_svc.validation import InvalidRequest, Limits, matrix_field, printable, shown
 from scheduler_svc.vocoder_client import NoReplica
+from scheduler_svc.voices import VoiceLibrary
 
 log = logging.getLogger("chorus.scheduler")
 CHUNK_SECONDS = 1.0  # a decoded piece goes to the client in audio chunks of at most this long
@@ -78,8 +79,9 @@ def reference_frames(pieces: list[Piece], i: int, ref: Reference | None) -> int:
 
 
 class OmniVoiceFrontend:
-    def __init__(self, core: CoreClient, vocoders: ClipVocoders, tokenizer, limits: Limits):
+    def __init__(self, core: CoreClient, vocoders: ClipVocoders, tokenizer, limits: Limits, voices: VoiceLibrary):
         self.core = core
+        self.voices = voices
         self.vocoders = vocoders
         self.tokenizer = tokenizer
         self.limits = limits
@@ -114,7 +116,7 @@ class OmniVoiceFrontend:
             if codes.min() < 0 or codes.max() >= CODES:
                 raise InvalidRequest(f"{field}.codes values must be in [0, {CODES})")
         elif kind == "voice_id":
-            voice = await self.core.get_voice(ref.voice_id, caller.get())
+            voice = await self.voices.get_voice(ref.voice_id, caller.get())
             if voice is None:
                 raise SynthesisFailed(grpc.StatusCode.NOT_FOUND, f"{field}.voice_id {shown(ref.voice_id)} not "
                                       "found; create it with CreateVoice first")
@@ -228,7 +230,7 @@ class _PieceRun:
         try:
             return await self.core.submit_canvas(self.model, canvas)
         except QueueFull as e:
-            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            raise SynthesisFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), QUEUE_FULL_RETRY_S) from e
         except Unavailable as e:
             raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from e
 

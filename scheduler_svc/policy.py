@@ -1,6 +1,7 @@
 """The scheduler's policy: which requests run, what each step does, what its journal means.
 
-A request waits in FIFO order until it is admitted (KV for its rows is found), prefills
+A new request is refused when its expected wait passes the bound (scheduler_svc/admission.py:
+the latency promise), else it waits in FIFO order until it is admitted (KV for its rows is found), prefills
 its rows a chunk at a time, then decodes one frame per step until it stops, reaches its
 frame budget, or is aborted; a finished request is released on the worker in the next plan.
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from chorus.v1 import worker_pb2
 from chorus.wire import matrix_array, rows_matrix
+from scheduler_svc.admission import Decision, Estimate, Rates, decide
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.radix_cache import RadixCache
@@ -45,6 +47,9 @@ class Counts:
     radix_hit_rows: int = 0
     retractions: int = 0
     aborted: int = 0
+    admitted: int = 0    # accepted with an expected time to first frame within the objective
+    queued: int = 0      # accepted beyond the objective, within the wait bound
+    refused: int = 0     # refused: the expected wait passed the bound, or the queue was full
 
 
 @dataclass
@@ -69,14 +74,30 @@ class Policy:
         self.running: dict[int, Request] = {}
         self.pending_release: list[int] = []  # request ids whose worker state the next plan frees
         self.counts = Counts()
+        self.rates = Rates()  # the driver's measurements, for admission estimates
+        self.finished: list[Request] = []  # ended by stop or max_frames since the driver last looked
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._steps_since_prefill = 0
 
     # ---- requests in and out -------------------------------------------------
     def add(self, req: Request) -> Request:
+        """Queue a request, or QueueFull (with a retry hint) when the queue is full or its expected
+        wait passes max_expected_wait_s."""
+        estimate = self.estimate()
         if len(self.waiting) >= self.config.max_queue:
-            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry later")
+            self.counts.refused += 1
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry later",
+                            retry_after=self._finite(estimate.wait_s))
+        if estimate.decision is Decision.REFUSE:
+            self.counts.refused += 1
+            raise QueueFull(f"the expected wait ({estimate.wait_s:.1f} s) passes the bound "
+                            f"({self.config.max_expected_wait_s:g} s); retry in {estimate.retry_after_s:.1f} s",
+                            retry_after=estimate.retry_after_s)
+        if estimate.decision is Decision.QUEUE:
+            self.counts.queued += 1
+        else:
+            self.counts.admitted += 1
         req.id = next(self._ids)
         req.keys = prompt_row_keys(req.prompt_rows).tolist()
         self.waiting.append(req)
@@ -92,6 +113,15 @@ class Policy:
             return
         self._finish(req, None)
         self.counts.aborted += 1
+
+    def estimate(self) -> Estimate:
+        """The admission estimate for a request arriving now (behind every waiting request)."""
+        return decide(len(self.waiting), len(self.running), self.max_running, self.prefill_interval(len(self.running)),
+                      self.rates, self.config.ttfa_objective_ms / 1e3, self.config.max_expected_wait_s)
+
+    def _finite(self, seconds: float) -> float:
+        """A retry hint: the estimate, or the bound while nothing has been measured."""
+        return seconds if seconds != float("inf") else self.config.max_expected_wait_s
 
     @property
     def loaded(self) -> bool:
@@ -286,6 +316,7 @@ class Policy:
         if reason is not None:
             req.finish_reason = reason
             self.sink.emit(req, FinishEvent(reason))
+            self.finished.append(req)
 
     def _drop_from_worker(self, req: Request) -> None:
         self.running.pop(req.id, None)

@@ -220,15 +220,43 @@ class RadixCache:
         freed = 0
         while heap and freed < num_slots:
             _, _, node = heapq.heappop(heap)
-            self.allocator.free(node.slots)
-            freed += len(node.slots)
-            self.cached_slots -= len(node.slots)
-            self.evictable_slots -= len(node.slots)
+            freed += self._remove(node)
             parent = node.parent
-            del parent.children[self._child_key(node.keys, 0)]
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def drop_prefix(self, keys: Sequence[int] | np.ndarray, extra_key: str = "", shared_rows: int = 0) -> int:
+        """Free the cached rows of every sequence that starts with keys' whole pages: a prefix no
+        request will ask for again (a deleted voice's), whose sequences LRU would keep until the KV
+        runs short. Locked rows stay; so do rows on the prefix's path that another sequence goes
+        through. Nothing goes when the whole pages are not all cached, or lie within [0, shared_rows)
+        (a start other prefixes share). Returns how many slots went back to the allocator."""
+        keys = _as_list(keys)
+        n = len(keys) - len(keys) % self.page_size
+        if n <= shared_rows:
+            return 0
+        match = self.match_prefix(keys[:n], extra_key, record_stats=False)
+        if match.length < n:
+            return 0
+        top, freed = match.node, 0
+        below = list(self._walk(top))
+        for node in reversed(below):  # children before their parent
+            if not node.children and node.lock_ref == 0:
+                freed += self._remove(node)
+        node = top.parent
+        while not node.is_root and not node.children and node.lock_ref == 0:
+            freed += self._remove(node)
+            node = node.parent
+        return freed
+
+    def _remove(self, node: RadixNode) -> int:
+        """Hand an unlocked leaf's slots back and take it out of the tree."""
+        self.allocator.free(node.slots)
+        self.cached_slots -= len(node.slots)
+        self.evictable_slots -= len(node.slots)
+        del node.parent.children[self._child_key(node.keys, 0)]
+        return len(node.slots)
 
     def ensure_free(self, num_slots: int) -> bool:
         """Evict until allocator.alloc(num_slots) can succeed; False if it cannot. Once the

@@ -14,7 +14,11 @@ from scheduler_svc.radix_cache import RadixNode
 
 
 class QueueFull(RuntimeError):
-    pass
+    """Refused for now (RESOURCE_EXHAUSTED); retry_after: seconds after which a retry should fit (0: unknown)."""
+
+    def __init__(self, message: str, retry_after: float = 0.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Unavailable(RuntimeError):

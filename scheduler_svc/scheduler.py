@@ -26,19 +26,27 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from chorus.v1 import worker_pb2
 from scheduler_svc import metrics
+from scheduler_svc.admission import Ewma, Rates
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.heartbeat import Heartbeat, is_new_worker
 from scheduler_svc.kv_allocator import KVSlotAllocator
 from scheduler_svc.policy import Counts, Policy, Step
 from scheduler_svc.request import EventSink, Request, Unavailable
+from scheduler_svc.row_keys import prompt_row_keys
 from scheduler_svc.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("chorus.scheduler")
 
 _COUNTERS = {"frames": metrics.FRAMES, "prefill_rows": metrics.PREFILL_ROWS, "radix_hit_rows": metrics.RADIX_HIT_ROWS,
-             "retractions": metrics.RETRACTIONS, "aborted": metrics.ABORTED}
+             "retractions": metrics.RETRACTIONS, "aborted": metrics.ABORTED,
+             "admitted": metrics.ADMISSIONS.labels("admit"), "queued": metrics.ADMISSIONS.labels("queue"),
+             "refused": metrics.ADMISSIONS.labels("refuse")}
+# A journal later than this after the previous one ended an idle spell: no step period sample.
+_IDLE_GAP_S = 0.5
 
 
 @dataclass
@@ -58,6 +66,10 @@ class Scheduler:
         self.inflight: deque[_InFlight] = deque()
         self._journal_at: float | None = None  # when the last journal arrived, until the next plan is sent
         self._published = Counts()
+        # Admission's measurements (scheduler_svc/admission.py): step period, prefill to first frame,
+        # prefill to end.
+        self._step_s, self._service_s, self._lifetime_s = Ewma(0.05), Ewma(0.1), Ewma(0.1)
+        self._last_journal: float | None = None
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.heartbeat = Heartbeat(worker, hello.model_name, config.worker_heartbeat, config.worker_probe,
@@ -106,6 +118,15 @@ class Scheduler:
         self.policy.abort(req)
         self._publish()
         self._wakeup.set()  # its release rides on the next plan
+
+    def evict_prefix(self, rows: np.ndarray, shared_rows: int) -> int:
+        """A prefix no request will ask for again (a deleted voice's): free the radix cache's unlocked
+        rows of the sequences that start with it (RadixCache.drop_prefix). Returns the rows freed."""
+        if not self.config.radix_cache:
+            return 0
+        freed = self.policy.cache.drop_prefix(prompt_row_keys(rows), self.config.cache_key, shared_rows)
+        self._publish()
+        return freed
 
     def pause(self, req: Request, paused: bool) -> None:
         """Its client stopped reading (paused) or reads again: no decode steps meanwhile; its KV stays."""
@@ -226,8 +247,27 @@ class Scheduler:
             self._fail_step(plan, f"worker step failed: {journal.error}")
         else:
             self.policy.apply(journal, inflight.step.writes)
+            self._measure(plan, self._journal_at)
             self._publish()
         self.sink.flush()
+
+    def _measure(self, plan: worker_pb2.StepPlan, now: float) -> None:
+        """Fold this journal into admission's rates: the step period, the first frames of requests
+        whose prefill this step ended, and the lifetimes of the requests that ended."""
+        if self._last_journal is not None and now - self._last_journal < _IDLE_GAP_S:
+            self._step_s.add(now - self._last_journal)
+        self._last_journal = now
+        for item in plan.prefill:
+            req = self.policy.running.get(item.request_id)
+            if item.last_chunk and req is not None and req.retractions == 0 and len(req.frames) == 1 \
+                    and req.t_scheduled is not None:
+                self._service_s.add(now - req.t_scheduled)
+        for req in self.policy.finished:
+            if req.t_scheduled is not None and req.retractions == 0:
+                self._lifetime_s.add(now - req.t_scheduled)
+        self.policy.finished.clear()
+        self.policy.rates = Rates(lifetime_s=self._lifetime_s.value, step_s=self._step_s.value,
+                                  service_s=self._service_s.value)
 
     def _fail_step(self, plan: worker_pb2.StepPlan, message: str) -> None:
         self.policy.fail([i.request_id for i in plan.prefill] + [i.request_id for i in plan.decode], message,
@@ -297,6 +337,8 @@ class Scheduler:
         metrics.KV_CACHED.set(p.cache.cached_slots)
         metrics.KV_FREE.set(p.kv.free_slots)
         metrics.RADIX_HIT_RATE.set(p.cache.hit_rate)
+        wait = p.estimate().wait_s
+        metrics.EXPECTED_WAIT.set(wait if wait != float("inf") else 0.0)
         for name, counter in _COUNTERS.items():
             delta = getattr(p.counts, name) - getattr(self._published, name)
             if delta:

@@ -1,8 +1,12 @@
 """scheduler_svc: the public TextToSpeech service, as one core process and its frontends.
 
+With frontends = 0 the core is an engine: it binds frontend_link (TCP) for the
+processes of a frontend tier (`chorus frontend`, scheduler_svc/frontend_tier.py)
+and serves only grpc health and metrics of its own.
+
 The core (this process) owns the Scheduler (queue, admission, KV, radix cache,
 lookahead, the ZeroMQ link to the gpu_worker), a CanvasScheduler per OmniVoice
-worker, the voice store and the one Prometheus endpoint. It starts --frontends
+worker and the one Prometheus endpoint (voices live in the frontends' store). It starts --frontends
 frontend processes (scheduler_svc/frontend.py) that all serve the gRPC port:
 validation, prompt building, the vocoder streams and the client's audio, the
 per-frame work that one Python process cannot carry at full GPU throughput. They reach the core
@@ -31,9 +35,13 @@ import sys
 import tempfile
 import time
 
+import grpc
+import zmq
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from chorus.config import ConfigError, add_config_flags, parse, write_proto
+from chorus import curve
 from chorus.curve import CurveError
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
@@ -146,7 +154,7 @@ async def _hello(endpoint: str, architecture: str, args: SchedulerConfig) -> tup
     except CurveError as e:
         raise SystemExit(f"scheduler: {e}") from None
     log.info("waiting for the %s worker at %s", architecture, endpoint)
-    hello: worker_pb2.Hello = await worker.hello(timeout=600)
+    hello: worker_pb2.Hello = await worker.hello(timeout=600, release_all=True)  # a previous core's requests
     if hello.architecture != architecture:
         key = "omnivoice_worker" if hello.architecture == OMNIVOICE else "worker"
         raise SystemExit(f"the worker at {endpoint} serves {hello.model_name!r} ({hello.architecture}), not "
@@ -171,7 +179,16 @@ async def serve(args: SchedulerConfig) -> None:
     cfg = MossTTSLocalConfig.from_dict(json.loads(hello.model_config_json))
     cache_key = f"{cfg.name}:{hashlib.blake2b(hello.model_config_json.encode(), digest_size=8).hexdigest()}"
     with tempfile.TemporaryDirectory(prefix="chorus-scheduler-") as tmp:
-        link = FrontendLink(f"ipc://{tmp}/core", args.max_voices, max_message_bytes=args.link_message_bytes())
+        keys = (args.curve_secret_key, args.frontend_curve_clients) if args.frontend_curve_clients else None
+        try:
+            link = FrontendLink(args.frontend_link or f"ipc://{tmp}/core",
+                                max_message_bytes=args.link_message_bytes(), curve_keys=keys)
+        except CurveError as e:
+            raise SystemExit(f"scheduler: frontend_link: {e}") from None
+        except zmq.ZMQError as e:
+            raise SystemExit(f"scheduler: frontend_link {args.frontend_link!r}: {e}") from None
+        if keys is None:
+            curve.warn_if_open(link.endpoint, None, "frontend link", "curve_secret_key and frontend_curve_clients")
         scheduler = Scheduler(worker, hello, dataclasses.replace(args, cache_key=cache_key), sink=link)
         canvas_schedulers = await _canvas_schedulers(args, link)
         try:
@@ -182,6 +199,17 @@ async def serve(args: SchedulerConfig) -> None:
         for s in canvas_schedulers:
             s.start()
         metrics.KV_TOTAL.set(hello.kv_slots)
+        if not args.frontends:
+            try:
+                await _serve_engine(args, link, scheduler, cfg.name)
+            finally:
+                await scheduler.stop()
+                for s in canvas_schedulers:
+                    await s.stop()
+                    await s.worker.close()
+                link.close()
+                await worker.close()
+            return
         reservation, port = _reserve_port(args.host, args.port)
         config_file = write_proto(dataclasses.replace(args, port=port), f"{tmp}/frontend.pb")
         procs = [subprocess.Popen(_frontend_argv(config_file, link.endpoint, i)) for i in range(args.frontends)]
@@ -214,6 +242,42 @@ async def serve(args: SchedulerConfig) -> None:
             await worker.close()
         if failed is not None:
             raise SystemExit(1)
+
+
+async def _serve_engine(args: SchedulerConfig, link: FrontendLink, scheduler: Scheduler, model: str) -> None:
+    """An engine (frontends = 0): frontend tier processes reach the core on its link; the port serves
+    grpc health alone (SERVING while the worker answers), for the orchestrator's probes."""
+    server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host = args.host.strip("[]")
+    port = server.add_insecure_port(f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}")
+    if args.port and port != args.port:
+        raise SystemExit(f"scheduler: could not listen on {args.host}:{args.port} for grpc health")
+    await server.start()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.host, registry=metrics.REGISTRY)
+    print(f"scheduler engine ready on {link.endpoint} health={args.host}:{port} model={model} "
+          f"worker={args.worker}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and not link.broken:
+        status = health_pb2.HealthCheckResponse.SERVING if scheduler.heartbeat.up else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", frontend.SERVICE_NAME):
+            await health_servicer.set(name, status)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+    for name in ("", frontend.SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=1.0)
+    if link.broken:
+        log.error("the link to the frontends failed (%s); stopping the engine", link.broken)
+        raise SystemExit(1)
 
 
 def run(args: SchedulerConfig, core: str | None = None, frontend_index: int = 0) -> None:

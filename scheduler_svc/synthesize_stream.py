@@ -35,7 +35,7 @@ from chorus.v1 import tts_pb2
 from chorus.wire import rows_matrix
 from scheduler_svc.audio_relay import SynthesisFailed
 from scheduler_svc.omnivoice_validation import validate_omnivoice
-from scheduler_svc.request_decoding import Undecodable
+from chorus.request_decoding import Undecodable
 from scheduler_svc.served_models import OMNIVOICE, ServedModel
 from scheduler_svc.validation import InvalidRequest, check_model_name, validate
 

@@ -131,6 +131,9 @@ def check_create_voice(req: tts_pb2.CreateVoiceRequest, limits: Limits) -> None:
     _check_length("voice_id", req.voice_id, limits.max_id_chars)
     check_model_name(req.model, limits)
     _check_length("transcript", req.transcript, limits.max_text_chars)
+    for field in ("voice_id", "transcript"):  # a database's text cannot hold one
+        if "\0" in getattr(req, field):
+            raise InvalidRequest(f"{field} contains a NUL character (\\x00); remove it")
     if not req.HasField("audio") or not req.audio.data:
         raise InvalidRequest("audio is empty: give the voice's audio (a WAV/FLAC/OGG file or raw PCM)")
     _check_audio("audio", req.audio, limits)

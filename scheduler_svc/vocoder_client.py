@@ -188,6 +188,17 @@ class VocoderPool:
         replica.healthy = False
         self._ensure_background()
 
+    def live(self) -> bool:
+        """Whether a replica of the pool's codec is healthy (as the last call or probe found it)."""
+        return any(r.healthy and not r.incompatible for r in self.replicas)
+
+    async def check(self, timeout: float = 5.0) -> bool:
+        """Probe every replica and say whether one serves: for health, which must see a replica die while
+        the pool carries no traffic (calls find it only when they fail)."""
+        if self.replicas:
+            await asyncio.gather(*(self.probe(r, timeout) for r in list(self.replicas)))
+        return self.live()
+
     def mark_healthy(self, replica: VocoderReplica) -> None:
         if not replica.healthy:
             log.info("vocoder replica %s is healthy again", replica.address)

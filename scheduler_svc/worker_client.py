@@ -86,8 +86,10 @@ class WorkerClient:
                 raise
             raise WorkerUnavailable(f"worker at {self.endpoint} did not answer {kind} within {timeout}s") from e
 
-    async def hello(self, timeout: float = 60.0) -> worker_pb2.Hello:
-        return await self._request(worker_pb2.WorkerCommand(hello=worker_pb2.HelloRequest()), "hello", timeout)
+    async def hello(self, timeout: float = 60.0, release_all: bool = False) -> worker_pb2.Hello:
+        """release_all: this scheduler is starting; the worker drops every request's state."""
+        return await self._request(worker_pb2.WorkerCommand(hello=worker_pb2.HelloRequest(release_all=release_all)),
+                                   "hello", timeout)
 
     async def stats(self, timeout: float = 10.0) -> worker_pb2.WorkerStats:
         return await self._request(worker_pb2.WorkerCommand(stats=worker_pb2.StatsRequest()), "stats", timeout)

@@ -1,5 +1,8 @@
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,11 @@ import torch
 # imported compiled first cannot be switched later. Nothing else runs a kernel on the CPU.
 if importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# What the services the tests start keep by default (the voice store's file) goes to a throwaway
+# directory, never the user's home.
+os.environ["XDG_STATE_HOME"] = _STATE = tempfile.mkdtemp(prefix="chorus-test-state-")
+atexit.register(shutil.rmtree, _STATE, True)
 
 from vocoder_svc.codec import tiny_v1, tiny_v2
 from vocoder_svc.codec_checkpoint import build_codec

@@ -16,6 +16,7 @@ from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import tts_pb2, vocoder_pb2
 from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
+from scheduler_svc import frontend_tier
 from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
@@ -28,9 +29,17 @@ VOCODER_SERVICE = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
 GPU = "nvidia.com/gpu"
 DRAIN_MARGIN_S = 5  # a process's own exit after its drain, and the scheduler's wait for its frontends
 
+
+
+class FrontendTier(SchedulerConfig):
+    """`chorus frontend`: the [scheduler] settings, as a frontend tier process reads them."""
+
+
 # a container's command -> the config its flags and its --config table build
 COMMANDS = {("chorus", "scheduler"): SchedulerConfig, ("chorus", "worker"): WorkerConfig,
-            ("chorus", "vocoder"): VocoderConfig, ("python", "-m", "gateway_svc.server"): GatewayConfig}
+            ("chorus", "vocoder"): VocoderConfig, ("python", "-m", "gateway_svc.server"): GatewayConfig,
+            ("chorus", "frontend"): FrontendTier}
+ADD_FLAGS = {FrontendTier: frontend_tier.add_arguments}  # commands whose parser is their module's own
 
 
 def _render(target: Path) -> list[dict]:
@@ -88,7 +97,7 @@ def _config(docs, deployment, c, tmp: Path):
     cls = COMMANDS.get(tuple(c["command"]))
     assert cls is not None, f"{deployment['metadata']['name']}/{c['name']}: unknown command {c['command']}"
     parser = argparse.ArgumentParser(prog=" ".join(c["command"]), exit_on_error=False)
-    add_config_flags(parser, cls)
+    ADD_FLAGS.get(cls, lambda p: add_config_flags(p, cls))(parser)
     try:
         ns, unknown = parser.parse_known_args(c.get("args", []))
     except argparse.ArgumentError as e:
@@ -157,8 +166,9 @@ def test_renders_and_validates_strictly(overlay):
 
 
 def test_ports_and_probes_agree_with_the_code(containers):
-    defaults = {SchedulerConfig: SchedulerConfig(), VocoderConfig: VocoderConfig(), GatewayConfig: GatewayConfig()}
-    services = {SchedulerConfig: TTS_SERVICE, VocoderConfig: VOCODER_SERVICE}
+    defaults = {SchedulerConfig: SchedulerConfig(), VocoderConfig: VocoderConfig(), GatewayConfig: GatewayConfig(),
+                FrontendTier: SchedulerConfig()}
+    services = {SchedulerConfig: TTS_SERVICE, VocoderConfig: VOCODER_SERVICE, FrontendTier: TTS_SERVICE}
     for c in containers:
         where = f"{c.pod['metadata']['name']}/{c.spec['name']}"
         if c.cls is WorkerConfig:  # ZeroMQ stays inside the pod
@@ -175,6 +185,17 @@ def test_ports_and_probes_agree_with_the_code(containers):
             assert all("httpGet" in p and c.ports[p["httpGet"]["port"]] == c.config.port for p in probes), where
             assert c.spec["readinessProbe"]["httpGet"]["path"] == "/health", where
             continue
+        if c.cls is FrontendTier:  # readiness follows the engines; liveness only the port (engines may be out)
+            assert c.config.engines, f"{where}: no --engines"
+            assert c.spec["livenessProbe"] == {**c.spec["livenessProbe"], "tcpSocket": {"port": c.config.port}}, where
+            probes = probes[:2]
+            for p in probes:
+                assert p["grpc"] == {"port": c.config.port, "service": TTS_SERVICE}, f"{where}: {p}"
+            continue
+        if c.cls is SchedulerConfig and not c.config.frontends:  # an engine: its link is a containerPort
+            link = c.config.frontend_link
+            assert link.startswith("tcp://0.0.0.0:") and int(link.rsplit(":", 1)[1]) in c.ports.values(), \
+                f"{where}: frontend_link {link!r} on the pod's address and a containerPort"
         assert c.config.metrics_port and c.config.metrics_port in c.ports.values(), f"{where}: metrics port"
         if c.cls is VocoderConfig:
             assert c.config.metrics_port == defaults[VocoderConfig].metrics_port, where
@@ -204,6 +225,21 @@ def test_processes_find_each_other(overlay, containers):
         pod = [c for c in containers if c.pod is s.pod]
         binds = {c.config.bind for c in pod if c.cls is WorkerConfig}
         assert {s.config.worker, *s.config.omnivoice_worker} == binds, f"scheduler workers vs the pod's {binds}"
+    for f in _by(containers, FrontendTier):
+        for target in f.config.engines:
+            host, port = target.removeprefix("dns:///").rsplit(":", 1)
+            svc = services.get(host)
+            assert target.startswith("dns:///") and svc and svc["spec"].get("clusterIP") == "None", \
+                f"frontend --engines {target}: a headless Service, looked up as dns:///NAME:PORT"
+            engines = [c for c in _by(containers, SchedulerConfig) if not c.config.frontends
+                       and _selects(svc["spec"]["selector"], c.pod["spec"]["template"]["metadata"]["labels"])
+                       and c.config.frontend_link.endswith(f":{port}")]
+            assert engines and any(p["port"] == int(port) for p in svc["spec"]["ports"]), \
+                f"frontend --engines {target}: no engine (frontends = 0) links on {port} behind {host}"
+    for s in _by(containers, SchedulerConfig) + _by(containers, FrontendTier):
+        if s.cls is SchedulerConfig and not s.config.frontends:
+            continue  # an engine talks to no vocoder
+        pod = [c for c in containers if c.pod is s.pod]
         for target in s.config.vocoder + s.config.omnivoice_vocoder:
             if target.startswith("127.0.0.1:"):
                 found = [c for c in pod if c.cls is VocoderConfig and c.config.port == int(target.split(":")[1])]
@@ -213,7 +249,7 @@ def test_processes_find_each_other(overlay, containers):
             omni = target in s.config.omnivoice_vocoder
             assert all(bool(c.config.codec and "omnivoice" in c.config.codec) == omni for c in found), target
     for g in _by(containers, GatewayConfig):
-        assert serving(g.config.scheduler, SchedulerConfig), f"gateway --scheduler {g.config.scheduler}"
+        assert serving(g.config.scheduler, FrontendTier), f"gateway --scheduler {g.config.scheduler}"
 
 
 def test_colocated_decoder_is_shared(containers):
@@ -278,6 +314,7 @@ def test_grace_covers_the_drain(containers):
         where = f"{c.pod['metadata']['name']}/{c.spec['name']}"
         grace = c.pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         drain = {SchedulerConfig: lambda x: x.drain_seconds + DRAIN_MARGIN_S, GatewayConfig: lambda x: x.drain_seconds,
+                 FrontendTier: lambda x: x.drain_seconds + DRAIN_MARGIN_S,
                  VocoderConfig: lambda x: x.grace, WorkerConfig: lambda x: x.drain_seconds}[c.cls](c.config)
         assert c.pre_stop_s() + drain <= grace, f"{where}: preStop {c.pre_stop_s()} s + drain {drain} s > {grace} s"
         if c.cls is SchedulerConfig:  # what serves its draining streams goes after it
@@ -312,7 +349,7 @@ def test_every_deployment_has_a_budget_and_an_autoscaler_that_can_read_its_metri
         pods = [c for c in containers if c.pod is d]
         for m in hpa["spec"]["metrics"]:
             if m["type"] == "Resource":
-                assert m["resource"]["name"] == "cpu" and all(c.cls is GatewayConfig for c in pods), hpa
+                assert m["resource"]["name"] == "cpu" and all(c.cls in (GatewayConfig, FrontendTier) for c in pods), hpa
                 continue
             metric, target = m["pods"]["metric"]["name"], float(m["pods"]["target"]["averageValue"])
             assert metric in served, f"HPA {d['metadata']['name']}: {metric} is not served by prometheus-adapter"
@@ -358,6 +395,26 @@ def test_only_the_gateway_is_public(overlay):
     for s in _of(docs, "Service"):
         if s["spec"].get("type", "ClusterIP") != "ClusterIP":
             assert s["metadata"]["name"] == "gateway", f"Service {s['metadata']['name']} is {s['spec']['type']}"
+
+
+def test_the_engine_link_answers_frontends_only(overlay, containers):
+    """The frontend link takes submits and voices without an API key: only the frontend tier reaches it."""
+    _, docs = overlay
+    links = {int(c.config.frontend_link.rsplit(":", 1)[1]) for c in _by(containers, SchedulerConfig)
+             if not c.config.frontends}
+    assert links, "no engine serves a frontend link"
+    frontends = {"app.kubernetes.io/name": "chorus-frontend"}
+    opened = set()
+    for p in _of(docs, "NetworkPolicy"):
+        if not _selects(p["spec"]["podSelector"].get("matchLabels", {}), {"app.kubernetes.io/name": "chorus-engine"}):
+            continue
+        for rule in p["spec"].get("ingress", []):
+            ports = {q["port"] for q in rule.get("ports", [])}
+            if ports & links or not ports:
+                assert rule.get("from") == [{"podSelector": {"matchLabels": frontends}}], \
+                    f"NetworkPolicy {p['metadata']['name']} opens the engine link to {rule.get('from', 'everyone')}"
+                opened |= ports & links
+    assert opened == links, f"no NetworkPolicy lets the frontends reach the engine link {links - opened}"
 
 
 # ---- the images ----------------------------------------------------------------------------------

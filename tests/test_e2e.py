@@ -72,38 +72,6 @@ def test_wav_and_float32_and_resampled_output(stub):
     assert abs(low.pcm().shape[0] - 6 * SAMPLES_PER_FRAME // 3) <= 2
 
 
-BAD = [
-    (dict(text=""), "text"),
-    (dict(text="   \n\t"), "text"),
-    (dict(text="x" * 6000), "5000"),
-    (dict(model="no-such-model"), "model"),
-    (dict(max_frames=-1), "max_frames"),
-    (dict(max_frames=100000), "max_frames"),
-    (dict(min_frames=20, max_frames=10), "min_frames"),
-    (dict(sampling=tts_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
-    (dict(sampling=tts_pb2.SamplingParams(temperature=-1)), "temperature"),
-    (dict(sampling=tts_pb2.SamplingParams(top_p=0)), "top_p"),
-    (dict(sampling=tts_pb2.SamplingParams(top_p=1.5)), "top_p"),
-    (dict(sampling=tts_pb2.SamplingParams(audio_top_k=-5)), "audio_top_k"),
-    (dict(sampling=tts_pb2.SamplingParams(repetition_penalty=0)), "repetition_penalty"),
-    (dict(sample_rate=100), "sample_rate"),
-    (dict(references=[tts_pb2.VoiceReference(audio=common_pb2.AudioData(data=b"not audio at all"))]),
-     "references[0].audio"),
-    (dict(references=[tts_pb2.VoiceReference(codes=common_pb2.IntMatrix(rows=2, cols=5, data=bytes(40)))]),
-     "references[0].codes"),
-]
-
-
-@pytest.mark.parametrize("fields,needle", BAD, ids=[n for _, n in BAD])
-def test_bad_input_is_invalid_argument(stub, fields, needle):
-    base = dict(text="Fine text.", max_frames=4)
-    base.update(fields)
-    with pytest.raises(grpc.RpcError) as e:
-        synthesize(stub, tts_pb2.SynthesizeRequest(**base), timeout=60)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-    assert needle in e.value.details()
-
-
 def test_unknown_voice_id_is_not_found(stub):
     req = request(frames=4)
     req.references.add(voice_id="nobody")

@@ -1,11 +1,13 @@
 """The scheduler service as one core and several frontend processes on one port:
 client connections spread over the frontends, and every frontend sees the same
-scheduler (seeded frames), voices and metrics. A frontend that dies takes the
-service down loudly instead of leaving a port that half works."""
+scheduler (seeded frames), voices and metrics. Voices live in the frontends' store: they
+outlive a restart, and a deleted voice's prefix leaves the core's radix cache. A frontend
+that dies takes the service down loudly instead of leaving a port that half works."""
 
 import io
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +17,8 @@ import soundfile as sf
 
 from chorus.client import synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
-from chorus.launcher import child_pids
+from chorus.launcher import Service, child_pids
+from chorus.voice_store import open_store
 from helpers import make_cluster, metric, seeded_request, still_running, wait_until_idle
 
 FRONTENDS = 2
@@ -68,6 +71,72 @@ def test_voices_are_shared_by_all_frontends(cluster2):
     with pytest.raises(grpc.RpcError) as e:
         stubs[0].DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="shared"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _wav(seconds: float = 1.0, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.random.default_rng(seed).standard_normal(int(seconds * 24000)).astype(np.float32) * 0.1,
+             24000, format="WAV")
+    return buf.getvalue()
+
+
+def _wait_for_metric(cluster, name: str, value: float, timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (got := metric(cluster, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_first_use_warms_a_voices_prefix_and_deleting_the_voice_frees_it(cluster2):
+    stub = tts_pb2_grpc.TextToSpeechStub(own_connection(cluster2.address))
+    voice = stub.CreateVoice(tts_pb2.CreateVoiceRequest(audio=common_pb2.AudioData(data=_wav(seed=1)),
+                                                        voice_id="warm"))
+    with pytest.raises(grpc.RpcError) as e:  # the id is taken
+        stub.CreateVoice(tts_pb2.CreateVoiceRequest(audio=common_pb2.AudioData(data=_wav()), voice_id="warm"))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert wait_until_idle(cluster2) == (0, 0, 0, 0)
+    cached = metric(cluster2, "chorus_kv_slots_cached")
+    outs = []
+    for text in ("The first use of the voice.", "Other words in the same voice."):
+        req = seeded_request(text=text, seed=7, frames=3)
+        req.references.add(voice_id="warm")
+        outs.append(synthesize(stub, req, timeout=120))
+    assert outs[0].summary.cached_prompt_rows < voice.frames <= outs[1].summary.cached_prompt_rows
+    assert wait_until_idle(cluster2) == (0, 0, 0, 0)
+    assert metric(cluster2, "chorus_kv_slots_cached") > cached
+    stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="warm"))
+    assert _wait_for_metric(cluster2, "chorus_kv_slots_cached", cached) == cached  # its rows, and no others
+
+
+def restart_scheduler(cluster) -> None:
+    """Stop the scheduler (its core and frontends) and start it again from the same config, so on the
+    same voice store file; the worker and the vocoders keep running."""
+    old = cluster.service("scheduler")
+    old.stop()
+    new = Service("scheduler", old.argv)
+    cluster.services[cluster.services.index(old)] = new
+    new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
+    new.wait_ready(300)
+
+
+def test_a_voice_outlives_a_restart(cluster2):
+    stub = tts_pb2_grpc.TextToSpeechStub(own_connection(cluster2.address))
+    voice = stub.CreateVoice(tts_pb2.CreateVoiceRequest(audio=common_pb2.AudioData(data=_wav(seed=2)),
+                                                        voice_id="kept", transcript="A reference, said once."))
+    req = seeded_request(seed=8, frames=4, return_codes=True)
+    req.references.add(voice_id="kept")
+    before = synthesize(stub, req, timeout=120)
+    restart_scheduler(cluster2)
+    stub = tts_pb2_grpc.TextToSpeechStub(own_connection(cluster2.address))
+    assert [(v.voice_id, v.frames, v.transcript) for v in stub.ListVoices(tts_pb2.ListVoicesRequest()).voices] == \
+        [("kept", voice.frames, "A reference, said once.")]
+    after = synthesize(stub, req, timeout=120)
+    assert after.summary.prompt_rows == before.summary.prompt_rows
+    assert np.array_equal(after.code_frames(), before.code_frames())  # the same voice, the same seed
+    with open_store(f"sqlite:///{cluster2._tmp.name}/voices.sqlite3") as db:  # the cluster's own file
+        assert db.get("", "kept").frames == voice.frames  # in the database itself
+    stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id="kept"))
+    assert stub.ListVoices(tts_pb2.ListVoicesRequest()).voices == []
 
 
 def test_a_dead_frontend_stops_the_service():

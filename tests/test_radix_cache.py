@@ -57,6 +57,37 @@ def test_page_alignment():
         RadixCache(a, page_size=3)
 
 
+def test_drop_prefix_frees_the_prefixs_sequences_and_nothing_shared_or_locked():
+    a, c = make(64, page_size=2)
+    header = [1, 2, 3, 4]                     # a start every voice shares
+    voice, other = [10, 11, 12], [20, 21, 22]  # odd: the prefix's last row shares a page with the text
+
+    def finished(keys):  # a request's rows to the cache, as the policy hands them over
+        slots = a.alloc(len(keys))
+        a.free(slots[:c.insert(keys, slots)] + slots[len(keys) - len(keys) % 2:])
+
+    for tail in ([30, 31, 32, 33], [40, 41]):
+        finished(header + voice + tail)
+    finished(header + other + [30, 31, 32, 33])
+    finished([9, 9, 9, 9])
+    locked = c.match_prefix(header + voice + [50, 51, 52])  # a running request's prefix...
+    assert locked.length == 6
+    assert c.insert(header + voice + [50], locked.slots + a.alloc(2)) == 6  # ...and rows past it
+    c.lock(locked.node)
+    before = c.cached_slots
+    assert c.drop_prefix(header + [10], shared_rows=4) == 0  # its whole pages lie in the shared start
+    assert c.drop_prefix(header + [77, 78]) == 0              # not cached: nothing
+    freed = c.drop_prefix(header + voice, shared_rows=4)
+    assert freed == 2 + 4 + 2 and c.cached_slots == before - freed == a.used_slots
+    assert c.match_prefix(header + voice + [30, 31]).length == 6   # the locked path stays
+    assert c.match_prefix(header + other + [30, 31]).length == 8  # the other voice's, untouched
+    assert c.match_prefix([9, 9, 9, 9]).length == 4
+    c.unlock(locked.node)
+    assert c.drop_prefix(header + voice, shared_rows=4) == 2        # now unlocked: it goes too
+    assert c.drop_prefix(header + other, shared_rows=4) == 6 + 4    # the last voice takes the start with it
+    assert c.cached_slots == a.used_slots == 4 == c.evictable_slots
+
+
 def test_extra_key_isolation():
     a, c = make()
     s = cache_seq(c, [1, 2, 3], "model-a")

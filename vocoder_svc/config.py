@@ -51,8 +51,8 @@ class VocoderConfig:
     engine: str = setting("auto", "decode engine: slots (batched slot decoder, CUDA graphs), stream (per-stream, "
                           "batch-invariant); auto = slots on CUDA, stream elsewhere",
                           choices=("auto", "slots", "stream"))
-    slots: int = setting(64, "slots engine: streams decoded concurrently (a stream waits for a free slot)",
-                         minimum=1)
+    slots: int = setting(64, "slots engine: streams decoded concurrently (a stream waits for a free slot; 0 = "
+                         "sized from the device's memory: chorus/sizing.py; 64 on the CPU)", minimum=0)
     buckets: str | None = setting(None, "slots engine: batch sizes a step is padded to, the largest >= slots "
                                   "(unset: 1,2,4,8 then every 8)", metavar="B,B,...")
     graph_frames: str | None = setting(None, "slots engine: step sizes in frames that get a CUDA graph per "
@@ -66,7 +66,8 @@ class VocoderConfig:
     attach_silence_s: float = setting(10.0, "with attach_decoder: seconds without a word from the decoder "
                                       "before it counts as gone", metavar="S", minimum=0)
     launch_ahead_streams: int = setting(1, "slots engine: launch a step while the previous one runs only if it "
-                                        "carries at least this many streams", metavar="N", minimum=1)
+                                        "carries at least this many streams (0 = half the slots)", metavar="N",
+                                        minimum=0)
     step_frames: int = setting(0, "slots engine: decode chunks in steps of at most this many frames (0 = one "
                                "step per chunk)", metavar="N", minimum=0)
     stall_exit_s: float | None = stall_exit_setting("a launched slot-decoder step")
@@ -86,6 +87,8 @@ class VocoderConfig:
                                   "serve over TLS; unset: plaintext", metavar="DIR")
     require_client_cert: bool = setting(True, "with tls_dir: accept only clients whose certificate ca.crt signed "
                                         "(mTLS: the schedulers)")
+    memory_fraction: float = setting(0.9, "slots engine: share of the device's memory that slots = 0 is sized "
+                                     "to fill", minimum=0.05, maximum=1.0)
 
     def bucket_sizes(self) -> list[int] | None:
         """buckets as integers (None: the slot decoder's default)."""

@@ -133,8 +133,8 @@ class Decoder:
         codec, _ = make_codec(args)
         slot_decoder = build_slot_decoder(codec, args)
         # Step reports go to the first front only: summed over the fronts' metrics, each step counts once.
-        self.worker = SlotWorker(slot_decoder, self._fronts[0].report, args.launch_ahead_streams, args.step_frames,
-                                    cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
+        self.worker = SlotWorker(slot_decoder, self._fronts[0].report, args.launch_ahead_streams or None,
+                                 args.step_frames, cuda_stream=cuda_stream, stall_exit_s=stall_exit_seconds(args))
         self.ready = dpb.DecoderReady(
             slots=slot_decoder.slots, n_q=slot_decoder.n_q, max_stream_frames=slot_decoder.max_stream_frames,
             attention=slot_decoder.attention_path, glue=slot_decoder.glue_impl, glue_fallback=slot_decoder.glue_fallback or "",

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
+from chorus.sizing import CPU_VOCODER_SLOTS, size_vocoder
 from chorus.watchdog import stall_limit
 from vocoder_svc.codec import MossAudioTokenizer
 from vocoder_svc.codec_checkpoint import build_codec, load_codec
 from vocoder_svc.codec_config import full_v2, tiny_v2
 from vocoder_svc.config import VocoderConfig
+from vocoder_svc.footprint import footprint
 from vocoder_svc.selfcheck import check_slot_decoder, describe_slot_check
 from vocoder_svc.slot_decoder import SlotDecoder, default_buckets
 
@@ -51,6 +54,21 @@ def stall_exit_seconds(args: VocoderConfig) -> float:
     return stall_limit(args.stall_exit_s, torch.device(args.device).type)
 
 
+def auto_slots(codec: MossAudioTokenizer, args: VocoderConfig, log=print) -> int:
+    """slots = 0: sized from the device's memory (chorus/sizing.py), 64 on the CPU. The codec is loaded
+    already: its weights are taken from what is free now and counted against the share."""
+    if torch.device(args.device).type != "cuda":
+        return CPU_VOCODER_SLOTS
+    free, total = torch.cuda.mem_get_info(torch.device(args.device))
+    weights = sum(t.numel() * t.element_size() for t in (*codec.parameters(), *codec.buffers()))
+    buckets = args.bucket_sizes()
+    sizing = size_vocoder(free + weights, total, args.memory_fraction,
+                          dataclasses.replace(footprint(args, codec.config), weight_bytes=weights),
+                          max(buckets) if buckets else 0)
+    log(f"vocoder: sized {sizing.vocoder_slots} slots ({sizing.explain()})", flush=True)
+    return sizing.vocoder_slots
+
+
 def build_slot_decoder(codec: MossAudioTokenizer, args: VocoderConfig, log=print) -> SlotDecoder:
     """The slots engine's SlotDecoder, ready to serve: every (bucket, T in --graph-frames) graph
     captured now (largest first, one progress line each), then the self-check of its byte-identity
@@ -58,6 +76,8 @@ def build_slot_decoder(codec: MossAudioTokenizer, args: VocoderConfig, log=print
     n_q = args.slot_codebooks
     if n_q > codec.num_codebooks:
         raise SystemExit(f"--slot-codebooks {n_q}: this codec decodes 1..{codec.num_codebooks}")
+    if not args.slots:
+        args = dataclasses.replace(args, slots=auto_slots(codec, args, log))
     buckets = args.bucket_sizes() or default_buckets(args.slots)
     first = first_chunk(args)
     frames = args.graphed_frames(first)

@@ -91,9 +91,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
+from chorus.v1 import vocoder_pb2
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.drain import Drain
+from chorus.request_decoding import add_service
 from chorus.tls import TlsError, add_port
 from vocoder_svc.clip_servicer import ClipServicer, make_clip_codec, serves_clips
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
@@ -183,7 +184,7 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
                              interceptors=[drain.interceptor(tuple(f"/{SERVICE_NAME}/{m}" for m in DRAINED))])
-    vocoder_pb2_grpc.add_VocoderServicer_to_server(servicer, server)
+    add_service(servicer, server, vocoder_pb2, "Vocoder")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     drain.health(health_servicer)

@@ -49,7 +49,7 @@ from typing import Any
 
 from chorus.bench.flags import EXAMPLES, add_arguments, add_launch_flags, settle
 from chorus.bench.layouts import BenchLayout, listing, resolve
-from chorus.bench.report import level_metrics, percentile, plot
+from chorus.bench.report import level_metrics, percentile, plot, readme_rows
 from chorus.bench.sweep import run_levels
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 from chorus.config import ConfigError, given_fields
@@ -146,6 +146,30 @@ def _config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return cfg
 
 
+# The settings a resumed run must share with the run it resumes.
+_RESUME_KEYS = ("layout", "workload", "frames", "duration", "warmup", "requests", "channels", "rate", "device",
+                "worker_arg", "vocoder_arg", "scheduler_arg")
+
+
+def _previous_run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--resume: the run in --out to go on from (None: no file yet); ConfigError when it ran other settings."""
+    if not getattr(args, "resume", False):
+        return None
+    if not args.out:
+        raise ConfigError("--resume goes on from the run in --out: give --out FILE")
+    path = Path(args.out)
+    if not path.exists():
+        return None
+    previous = json.loads(path.read_text())
+    for key in _RESUME_KEYS:
+        was, now = previous.get("config", {}).get(key), getattr(args, key, None)
+        if was != now:
+            raise ConfigError(f"--resume: {args.out} ran {key} = {was!r}, this run {now!r}; give the same "
+                              f"settings or another --out")
+    print(f"resuming {args.out}: {len(previous['levels'])} levels measured", file=sys.stderr, flush=True)
+    return previous
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark described by `args` (see parse_args); print the
     table, write --out/--plot, and return the results dict (the JSON)."""
@@ -154,7 +178,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--requests must be >= 1")
     if args.frames is not None and args.frames < 1:
         raise SystemExit("--frames must be >= 1")
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    previous = _previous_run(args)
+    seed = previous["config"]["seed"] if previous else (
+        args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31))
     results: dict[str, Any] = {
         "schema": SCHEMA,
         "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -168,10 +194,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                    "launched": bool(args.launch), "models": []},
         "config": _config(args, seed),
         "complete": False,
-        "levels": [],
-        "records": [],
+        "levels": previous["levels"] if previous else [],
+        "records": previous["records"] if previous else [],
     }
     cluster = metrics_port = None
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
     try:
         if args.launch:
             print("starting worker, vocoder and scheduler ...", file=sys.stderr, flush=True)
@@ -188,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
         asyncio.run(run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
-                               metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None))
+                               metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None, save))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)
@@ -197,8 +228,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             cluster.stop()
         results["finished_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            save()
             print(f"wrote {args.out}", file=sys.stderr)
+        if results["levels"]:
+            print("\nrows for benchmarks/README.md:\n" + readme_rows(results["levels"]), flush=True)
         if args.plot and results["levels"]:
             plot(results, args.plot)
     return results

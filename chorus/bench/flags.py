@@ -154,6 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--device-note", default=unset, metavar="TEXT",
                    help="free text describing the server's host/device, stored in the JSON and the plot title")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--resume", action="store_true",
+                   help="with --out: keep the levels the file holds from an interrupted run of the same settings "
+                        "and run only the missing ones (the file is rewritten after every level)")
 
 
 def settle(args: argparse.Namespace, layout_values: dict[str, Any] | None = None) -> argparse.Namespace:

@@ -92,6 +92,7 @@ class Runner:
     async def _store_voices(self) -> None:
         """--voices voices of 5 s of seeded noise, encoded by the OmniVoice model's codec and stored
         under ids of this run (deleted again by close)."""
+        import grpc
         import numpy as np
 
         from chorus.v1 import common_pb2, tts_pb2
@@ -100,11 +101,18 @@ class Runner:
         for v in range(self.args.voices):
             rng = np.random.default_rng([self.seed, 104729, v])
             pcm = (rng.standard_normal(5 * rate) * 3000).clip(-32767, 32767).astype("<i2")
-            voice = await self.stubs[0].CreateVoice(tts_pb2.CreateVoiceRequest(
+            request = tts_pb2.CreateVoiceRequest(
                 voice_id=f"bench-{self.seed}-{v}", model=self.omnivoice_model,
                 transcript="A stored voice the benchmark clones.",
                 audio=common_pb2.AudioData(data=pcm.tobytes(), encoding=common_pb2.AUDIO_ENCODING_PCM16,
-                                           sample_rate=rate, channels=1)), timeout=120)
+                                           sample_rate=rate, channels=1))
+            try:
+                voice = await self.stubs[0].CreateVoice(request, timeout=120)
+            except grpc.aio.AioRpcError as e:  # voices persist: a run that never closed left it
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                await self.stubs[0].DeleteVoice(tts_pb2.DeleteVoiceRequest(voice_id=request.voice_id), timeout=30)
+                voice = await self.stubs[0].CreateVoice(request, timeout=120)
             self.stored_voices.append(voice.voice_id)
 
     async def close(self) -> None:

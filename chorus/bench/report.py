@@ -104,6 +104,18 @@ def table_row(lv: dict) -> str:
     return " ".join(v.rjust(w) for v, (_, w) in zip(vals, _TABLE_COLS))
 
 
+def readme_rows(levels: list[dict]) -> str:
+    """The levels as rows of benchmarks/README.md's one-table-per-layout form."""
+    out = ["| workload | concurrency | audio s/s | TTFA p50 / p99 (ms) | requests | errors |",
+           "|---|---|---|---|---|---|"]
+    for lv in levels:
+        label = str(lv["concurrency"]) if lv["mode"] == "closed" else f"rate {lv['rate']:g}/s"
+        out.append(f"| {lv['workload']} | {label} | {_fmt(lv['audio_s_per_s'], ',.1f')} | "
+                   f"{_fmt(lv['ttfa_ms']['p50'], '.0f')} / {_fmt(lv['ttfa_ms']['p99'], '.0f')} | "
+                   f"{lv['requests']} | {lv['errors']} |")
+    return "\n".join(out)
+
+
 def ttfa_breakdown(lv: dict) -> str | None:
     """Where TTFA goes, p50 of the server's own timestamps (ms from the request's arrival): queue
     (to its first prefill planned), first frame, the first chunk's frames all generated, first audio

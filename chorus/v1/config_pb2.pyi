@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes", "drain_seconds")
+    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes", "memory_fraction", "drain_seconds")
     BIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerConfig(_message.Message):
     CURVE_SECRET_KEY_FIELD_NUMBER: _ClassVar[int]
     CURVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     bind: str
     model: str
@@ -53,11 +54,12 @@ class WorkerConfig(_message.Message):
     curve_secret_key: str
     curve_clients: str
     max_message_bytes: int
+    memory_fraction: float
     drain_seconds: float
-    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
 
 class VocoderConfig(_message.Message):
-    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace", "tls_dir", "require_client_cert")
+    __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace", "tls_dir", "require_client_cert", "memory_fraction")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class VocoderConfig(_message.Message):
     GRACE_FIELD_NUMBER: _ClassVar[int]
     TLS_DIR_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     metrics_port: int
@@ -118,10 +121,11 @@ class VocoderConfig(_message.Message):
     grace: float
     tls_dir: str
     require_client_cert: bool
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ...) -> None: ...
+    memory_fraction: float
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., codec: _Optional[str] = ..., preset: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., encode_cache_size: _Optional[int] = ..., engine: _Optional[str] = ..., slots: _Optional[int] = ..., buckets: _Optional[str] = ..., graph_frames: _Optional[str] = ..., graphs: _Optional[str] = ..., attach_decoder: _Optional[str] = ..., attach_silence_s: _Optional[float] = ..., launch_ahead_streams: _Optional[int] = ..., step_frames: _Optional[int] = ..., stall_exit_s: _Optional[float] = ..., priority_first_chunks: _Optional[bool] = ..., slot_codebooks: _Optional[int] = ..., max_batch_streams: _Optional[int] = ..., batch_mode: _Optional[str] = ..., seed: _Optional[int] = ..., torch_threads: _Optional[int] = ..., switch_interval_ms: _Optional[float] = ..., grace: _Optional[float] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., memory_fraction: _Optional[float] = ...) -> None: ...
 
 class SchedulerConfig(_message.Message):
-    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model", "tls_dir", "require_client_cert", "api_keys", "vocoder_tls_dir", "curve_secret_key", "worker_public_key", "max_longform_chars", "sentence_chars", "continuation_seconds")
+    __slots__ = ("max_queue", "max_running", "prefill_chunk", "page_size", "radix_cache", "lookahead", "lookahead_depth", "lookahead_max_batch", "prefill_interval", "loaded_prefill_interval", "loaded_batch", "cache_key", "step_timeout", "worker_probe", "restart_wait", "worker_heartbeat", "max_stream_buffer_bytes", "max_frontend_buffer_bytes", "reader_stall", "host", "port", "metrics_port", "worker", "vocoder", "tokenizer", "max_text_chars", "max_frames", "max_request_bytes", "max_language_chars", "max_instructions_chars", "max_request_id_chars", "max_id_chars", "max_references", "max_reference_seconds", "max_voices", "first_chunk_frames_loaded", "frontends", "drain_seconds", "omnivoice_worker", "omnivoice_vocoder", "omnivoice_tokenizer", "default_model", "tls_dir", "require_client_cert", "api_keys", "vocoder_tls_dir", "curve_secret_key", "worker_public_key", "max_longform_chars", "sentence_chars", "continuation_seconds", "voice_store", "frontend_link", "frontend_curve_clients", "engines", "engine_public_key", "engine_refresh", "engine_load_slack", "engine_load_margin", "ttfa_objective_ms", "max_expected_wait_s")
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +177,16 @@ class SchedulerConfig(_message.Message):
     MAX_LONGFORM_CHARS_FIELD_NUMBER: _ClassVar[int]
     SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VOICE_STORE_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_LINK_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_CURVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REFRESH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOAD_SLACK_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOAD_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    TTFA_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EXPECTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     max_queue: int
     max_running: int
     prefill_chunk: int
@@ -224,7 +238,17 @@ class SchedulerConfig(_message.Message):
     max_longform_chars: int
     sentence_chars: int
     continuation_seconds: float
-    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., api_keys: _Optional[str] = ..., vocoder_tls_dir: _Optional[str] = ..., curve_secret_key: _Optional[str] = ..., worker_public_key: _Optional[str] = ..., max_longform_chars: _Optional[int] = ..., sentence_chars: _Optional[int] = ..., continuation_seconds: _Optional[float] = ...) -> None: ...
+    voice_store: str
+    frontend_link: str
+    frontend_curve_clients: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    engine_public_key: str
+    engine_refresh: float
+    engine_load_slack: float
+    engine_load_margin: float
+    ttfa_objective_ms: float
+    max_expected_wait_s: float
+    def __init__(self, max_queue: _Optional[int] = ..., max_running: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., page_size: _Optional[int] = ..., radix_cache: _Optional[bool] = ..., lookahead: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ..., lookahead_max_batch: _Optional[int] = ..., prefill_interval: _Optional[int] = ..., loaded_prefill_interval: _Optional[int] = ..., loaded_batch: _Optional[int] = ..., cache_key: _Optional[str] = ..., step_timeout: _Optional[float] = ..., worker_probe: _Optional[float] = ..., restart_wait: _Optional[float] = ..., worker_heartbeat: _Optional[float] = ..., max_stream_buffer_bytes: _Optional[int] = ..., max_frontend_buffer_bytes: _Optional[int] = ..., reader_stall: _Optional[float] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., worker: _Optional[str] = ..., vocoder: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., max_text_chars: _Optional[int] = ..., max_frames: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_language_chars: _Optional[int] = ..., max_instructions_chars: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_id_chars: _Optional[int] = ..., max_references: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_voices: _Optional[int] = ..., first_chunk_frames_loaded: _Optional[int] = ..., frontends: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., omnivoice_worker: _Optional[_Iterable[str]] = ..., omnivoice_vocoder: _Optional[_Iterable[str]] = ..., omnivoice_tokenizer: _Optional[str] = ..., default_model: _Optional[str] = ..., tls_dir: _Optional[str] = ..., require_client_cert: _Optional[bool] = ..., api_keys: _Optional[str] = ..., vocoder_tls_dir: _Optional[str] = ..., curve_secret_key: _Optional[str] = ..., worker_public_key: _Optional[str] = ..., max_longform_chars: _Optional[int] = ..., sentence_chars: _Optional[int] = ..., continuation_seconds: _Optional[float] = ..., voice_store: _Optional[str] = ..., frontend_link: _Optional[str] = ..., frontend_curve_clients: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., engine_public_key: _Optional[str] = ..., engine_refresh: _Optional[float] = ..., engine_load_slack: _Optional[float] = ..., engine_load_margin: _Optional[float] = ..., ttfa_objective_ms: _Optional[float] = ..., max_expected_wait_s: _Optional[float] = ...) -> None: ...
 
 class GatewayConfig(_message.Message):
     __slots__ = ("host", "port", "scheduler", "channels", "max_body_bytes", "retry_after", "mp3_bitrate_kbps", "voice_name_cache", "drain_seconds", "log_level", "scheduler_tls_dir", "aac_bitrate_kbps")

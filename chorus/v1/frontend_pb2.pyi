@@ -63,18 +63,20 @@ class CanvasDone(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., error: _Optional[str] = ..., queue_ms: _Optional[float] = ..., generate_ms: _Optional[float] = ...) -> None: ...
 
 class Submitted(_message.Message):
-    __slots__ = ("ticket", "request_id", "queue_full", "loaded", "unavailable")
+    __slots__ = ("ticket", "request_id", "queue_full", "loaded", "unavailable", "retry_after_s")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     request_id: int
     queue_full: str
     loaded: bool
     unavailable: str
-    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ..., unavailable: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, ticket: _Optional[int] = ..., request_id: _Optional[int] = ..., queue_full: _Optional[str] = ..., loaded: _Optional[bool] = ..., unavailable: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("ticket",)
@@ -101,12 +103,16 @@ class Finished(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., queue_ms: _Optional[float] = ..., cached_prompt_rows: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("down", "draining")
+    __slots__ = ("down", "queued", "running", "draining")
     DOWN_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     down: _containers.RepeatedScalarFieldContainer[str]
+    queued: int
+    running: int
     draining: bool
-    def __init__(self, down: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, down: _Optional[_Iterable[str]] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class Pause(_message.Message):
     __slots__ = ("ticket", "paused")
@@ -146,19 +152,13 @@ class StoredVoice(_message.Message):
     owner: str
     def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
-class VoiceQuery(_message.Message):
-    __slots__ = ("voice_id", "owner")
-    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
-    OWNER_FIELD_NUMBER: _ClassVar[int]
-    voice_id: str
-    owner: str
-    def __init__(self, voice_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
-
-class VoiceList(_message.Message):
-    __slots__ = ("voices",)
-    VOICES_FIELD_NUMBER: _ClassVar[int]
-    voices: _containers.RepeatedCompositeFieldContainer[StoredVoice]
-    def __init__(self, voices: _Optional[_Iterable[_Union[StoredVoice, _Mapping]]] = ...) -> None: ...
+class EvictPrefix(_message.Message):
+    __slots__ = ("rows", "shared_rows")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _common_pb2.IntMatrix
+    shared_rows: int
+    def __init__(self, rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., shared_rows: _Optional[int] = ...) -> None: ...
 
 class CallReport(_message.Message):
     __slots__ = ("event", "ttfa_s", "outcome")
@@ -171,45 +171,37 @@ class CallReport(_message.Message):
     def __init__(self, event: _Optional[str] = ..., ttfa_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
-    __slots__ = ("call", "hello", "submit", "abort", "put_voice", "get_voice", "delete_voice", "list_voices", "report", "canvas_submit", "pause")
+    __slots__ = ("call", "hello", "submit", "abort", "report", "canvas_submit", "pause", "evict_prefix")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
-    PUT_VOICE_FIELD_NUMBER: _ClassVar[int]
-    GET_VOICE_FIELD_NUMBER: _ClassVar[int]
-    DELETE_VOICE_FIELD_NUMBER: _ClassVar[int]
-    LIST_VOICES_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     CANVAS_SUBMIT_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
+    EVICT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHelloRequest
     submit: Submit
     abort: Abort
-    put_voice: StoredVoice
-    get_voice: VoiceQuery
-    delete_voice: VoiceQuery
-    list_voices: VoiceQuery
     report: CallReport
     canvas_submit: CanvasSubmit
     pause: Pause
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., put_voice: _Optional[_Union[StoredVoice, _Mapping]] = ..., get_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., delete_voice: _Optional[_Union[VoiceQuery, _Mapping]] = ..., list_voices: _Optional[_Union[VoiceQuery, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ..., canvas_submit: _Optional[_Union[CanvasSubmit, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ...) -> None: ...
+    evict_prefix: EvictPrefix
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHelloRequest, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., report: _Optional[_Union[CallReport, _Mapping]] = ..., canvas_submit: _Optional[_Union[CanvasSubmit, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., evict_prefix: _Optional[_Union[EvictPrefix, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
-    __slots__ = ("call", "hello", "submitted", "progress", "voices", "canvas_done", "health")
+    __slots__ = ("call", "hello", "submitted", "progress", "canvas_done", "health")
     CALL_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
-    VOICES_FIELD_NUMBER: _ClassVar[int]
     CANVAS_DONE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     call: int
     hello: CoreHello
     submitted: Submitted
     progress: Progress
-    voices: VoiceList
     canvas_done: CanvasDone
     health: WorkerHealth
-    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., voices: _Optional[_Union[VoiceList, _Mapping]] = ..., canvas_done: _Optional[_Union[CanvasDone, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, _Mapping]] = ...) -> None: ...
+    def __init__(self, call: _Optional[int] = ..., hello: _Optional[_Union[CoreHello, _Mapping]] = ..., submitted: _Optional[_Union[Submitted, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., canvas_done: _Optional[_Union[CanvasDone, _Mapping]] = ..., health: _Optional[_Union[WorkerHealth, _Mapping]] = ...) -> None: ...

@@ -152,8 +152,10 @@ class Journal(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., stopped: _Optional[_Iterable[bool]] = ..., generation_steps: _Optional[_Iterable[int]] = ..., skipped: _Optional[_Iterable[int]] = ..., step_ms: _Optional[float] = ..., error: _Optional[str] = ..., incarnation: _Optional[int] = ..., canvases: _Optional[_Iterable[_Union[CanvasResult, _Mapping]]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("release_all",)
+    RELEASE_ALL_FIELD_NUMBER: _ClassVar[int]
+    release_all: bool
+    def __init__(self, release_all: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("model_name", "architecture", "model_config_json", "kv_slots", "max_batch", "max_context", "device", "dtype", "pid", "page_size", "incarnation", "max_packed_rows")

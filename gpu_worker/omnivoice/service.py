@@ -45,7 +45,7 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
 
     model = build_omnivoice(model_dir=args.model, preset=PRESETS.get(args.preset, "tiny"),
                             load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
-    engine = CanvasEngine(model, max_batch=args.max_batch, max_packed_rows=args.max_packed_rows,
+    engine = CanvasEngine(model, max_batch=args.max_batch or 64, max_packed_rows=args.max_packed_rows,
                           attention=args.attention, cuda_graphs=args.cuda_graphs)
     if engine.device.type == "cuda":
         if engine.attention.name == "torch":
@@ -130,6 +130,9 @@ def run(args: WorkerConfig) -> None:
                 reply.journal.CopyFrom(execute(engine, cmd.step))
                 reply.journal.incarnation = greeting.incarnation
             elif kind == "hello":
+                if cmd.hello.release_all:
+                    for request_id in list(engine.canvases):
+                        engine.release(request_id)
                 reply.hello.CopyFrom(greeting)
             elif kind == "stats":
                 reply.stats.active_requests = len(engine)

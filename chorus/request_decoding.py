@@ -1,14 +1,14 @@
-"""The public service's request decoding: bytes that are not a valid message (a corrupt body,
-invalid UTF-8 in a string field) end INVALID_ARGUMENT naming the field, where gRPC's own
-handling would end them UNKNOWN with no word on what is wrong."""
+"""Request decoding for the gRPC servers (the public API, the vocoders): bytes that are not a
+valid message (a corrupt body, invalid UTF-8 in a string field) end INVALID_ARGUMENT naming the
+field, where gRPC's own handling would end them UNKNOWN with no word on what is wrong."""
 
 from __future__ import annotations
+
+import inspect
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
-
-from chorus.v1 import tts_pb2
 
 _LENGTH_DELIMITED = 2
 
@@ -86,37 +86,48 @@ def deserializer(cls):
     return decode
 
 
-def _guard(behavior, streaming: bool):
-    """Undecodable requests end INVALID_ARGUMENT (a client stream's are the servicer's to judge)."""
-    if streaming:
+def _guard(behavior, client_streaming: bool, server_streaming: bool):
+    async def undecodable(request, context) -> None:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+    async def checked(requests, context):
+        async for request in requests:
+            await undecodable(request, context)
+            yield request
+
+    if server_streaming and inspect.isasyncgenfunction(behavior):
         async def call(request, context):
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            if client_streaming:
+                request = checked(request, context)
+            else:
+                await undecodable(request, context)
             async for response in behavior(request, context):
                 yield response
-    else:
+    else:  # unary, or a streaming handler written as a coroutine (context.write, or only an abort)
         async def call(request, context):
-            if isinstance(request, Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            if client_streaming:
+                request = checked(request, context)
+            else:
+                await undecodable(request, context)
             return await behavior(request, context)
     return call
 
 
-def add_text_to_speech(servicer, server) -> None:
-    """tts_pb2_grpc.add_TextToSpeechServicer_to_server with the deserializers above."""
-    service = tts_pb2.DESCRIPTOR.services_by_name["TextToSpeech"]
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_service(servicer, server, module, name: str) -> None:
+    """The generated add_<name>Servicer_to_server of a *_pb2 module, with the deserializers above."""
+    service = module.DESCRIPTOR.services_by_name[name]
     handlers = {}
     for method in service.methods:
-        request = getattr(tts_pb2, method.input_type.name)
-        response = getattr(tts_pb2, method.output_type.name)
-        if method.client_streaming:
-            make, behavior = grpc.stream_stream_rpc_method_handler, getattr(servicer, method.name)
-        else:
-            make = (grpc.unary_stream_rpc_method_handler if method.server_streaming else
-                    grpc.unary_unary_rpc_method_handler)
-            behavior = _guard(getattr(servicer, method.name), method.server_streaming)
-        handlers[method.name] = make(behavior,
-                                     request_deserializer=deserializer(request),
-                                     response_serializer=response.SerializeToString)
+        request = getattr(module, method.input_type.name)
+        response = getattr(module, method.output_type.name)
+        streams = (method.client_streaming, method.server_streaming)
+        handlers[method.name] = _HANDLERS[streams](_guard(getattr(servicer, method.name), *streams),
+                                                   request_deserializer=deserializer(request),
+                                                   response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

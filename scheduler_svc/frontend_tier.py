@@ -1,0 +1,50 @@
+"""The frontend tier: the public TextToSpeech gRPC API in front of many engines.
+
+    chorus frontend --engines dns:///chorus-engine-headless:5570 --vocoder dns:///vocoder-headless:50053
+
+A process of its own (CPU only; a Kubernetes Deployment scales it apart from the GPUs) that does
+what a core's own frontend does (scheduler_svc/frontend.py: validation, prompts, vocoder streams,
+the client's audio) against every engine (a scheduler core with frontends = 0 and its worker) that
+--engines names, picking one per request: the same voice or reference goes to the same engine,
+whose radix cache holds its prefix, unless that engine carries too much more than the mean load
+(scheduler_svc/engine_picker.py). It takes the [scheduler] settings; grpc health is SERVING while
+one engine is up. Several processes may share --port (SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from chorus.config import ConfigError, add_config_flags, parse
+from scheduler_svc import frontend
+from scheduler_svc.config import SchedulerConfig
+
+
+def run(args: SchedulerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    asyncio.run(frontend.serve(args, None, 0))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, SchedulerConfig)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m scheduler_svc.frontend_tier") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    ns = p.parse_args(argv)
+    try:
+        config = parse(SchedulerConfig, ns)
+    except ConfigError as e:
+        p.error(str(e))
+    if not config.engines:
+        p.error("--engines: give at least one engine (tcp://HOST:PORT of a core's frontend_link, or "
+                "dns:///NAME:PORT)")
+    run(config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
