@@ -199,16 +199,20 @@ async def serve(args: SchedulerConfig) -> None:
         for s in canvas_schedulers:
             s.start()
         metrics.KV_TOTAL.set(hello.kv_slots)
+
+        async def close() -> None:
+            await scheduler.stop()
+            for s in canvas_schedulers:
+                await s.stop()
+                await s.worker.close()
+            link.close()
+            await worker.close()
+
         if not args.frontends:
             try:
                 await _serve_engine(args, link, scheduler, cfg.name)
             finally:
-                await scheduler.stop()
-                for s in canvas_schedulers:
-                    await s.stop()
-                    await s.worker.close()
-                link.close()
-                await worker.close()
+                await close()
             return
         reservation, port = _reserve_port(args.host, args.port)
         config_file = write_proto(dataclasses.replace(args, port=port), f"{tmp}/frontend.pb")
@@ -234,12 +238,7 @@ async def serve(args: SchedulerConfig) -> None:
         finally:
             await asyncio.get_running_loop().run_in_executor(None, _stop_frontends, procs, args.drain_seconds + 5)
             reservation.close()
-            await scheduler.stop()
-            for s in canvas_schedulers:
-                await s.stop()
-                await s.worker.close()
-            link.close()
-            await worker.close()
+            await close()
         if failed is not None:
             raise SystemExit(1)
 
