@@ -368,12 +368,11 @@ async def _serve_health(health_servicer, core: EnginePool, models: ServedModels,
     is the default model. A draining parent core drains this frontend too: drain() stops taking calls
     (health NOT_SERVING for good)."""
     statuses: dict[str, int] = {}
+    without_vocoder: set[str] = set()  # every pool answered Info at start-up
     while True:
         if core.draining:
             drain()
         core.health_changed.clear()
-        live = {id(pool): await pool.check() for pool in {id(p): p for p in pools.values()}.values()}
-        without_vocoder = {name for name, pool in pools.items() if not live[id(pool)]}
         for m in models.models:
             status = health_pb2.HealthCheckResponse.NOT_SERVING if m.name in core.down or \
                 m.name in without_vocoder else health_pb2.HealthCheckResponse.SERVING
@@ -385,6 +384,8 @@ async def _serve_health(health_servicer, core: EnginePool, models: ServedModels,
             await asyncio.wait_for(core.health_changed.wait(), VOCODER_CHECK_S)
         except asyncio.TimeoutError:
             pass
+        live = {id(pool): await pool.check() for pool in {id(p): p for p in pools.values()}.values()}
+        without_vocoder = {name for name, pool in pools.items() if not live[id(pool)]}
 
 
 async def _omnivoice(args: SchedulerConfig, core: EnginePool, cfg: MossTTSLocalConfig, limits: Limits,

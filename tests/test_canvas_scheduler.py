@@ -247,7 +247,8 @@ class Frontend:
 def moss_stub():
     hello = worker_pb2.Hello(model_name="moss-tiny", architecture="moss_tts_local")
     return types.SimpleNamespace(hello=hello, kv=types.SimpleNamespace(num_pages=4, page_size=16),
-                                 heartbeat=types.SimpleNamespace(up=True))
+                                 heartbeat=types.SimpleNamespace(up=True),
+                                 policy=types.SimpleNamespace(waiting=[], running={}))
 
 
 def test_the_core_link_routes_canvases_by_model_and_aborts_by_ticket(tmp_path):
