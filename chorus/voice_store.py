@@ -19,6 +19,7 @@ import hashlib
 import os
 import sqlite3
 import threading
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
@@ -181,6 +182,20 @@ def _check_version(sql: _Sql, where: str) -> None:
                               f"{SCHEMA_VERSION}: run the matching Chorus release, or point voice_store elsewhere")
 
 
+def _with_retry(step: Callable[[], object]) -> None:
+    """Run a statement SQLite may refuse as locked without waiting (switching a new file to WAL while
+    another process opens it), again until BUSY_SECONDS have passed."""
+    deadline = time.monotonic() + BUSY_SECONDS
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class SqliteStore(VoiceStore):
     def __init__(self, path: str):
         self.url = f"sqlite:///{path}"
@@ -191,7 +206,7 @@ class SqliteStore(VoiceStore):
             # autocommit; each call opens its own transaction (BEGIN IMMEDIATE: writers queue up front)
             self._db = sqlite3.connect(path, timeout=BUSY_SECONDS, isolation_level=None, check_same_thread=False)
             self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_SECONDS * 1000)}")
-            self._db.execute("PRAGMA journal_mode = WAL")  # readers never wait for the other processes' writes
+            _with_retry(lambda: self._db.execute("PRAGMA journal_mode = WAL"))  # readers never wait for writers
             self._transaction(self._create)
         except (OSError, sqlite3.Error) as e:
             raise VoiceStoreError(f"cannot open the voice store {self.url}: {e}") from e

@@ -260,7 +260,8 @@ def test_a_full_queue_is_429_with_retry_after(stack, http):
             time.sleep(0.1)
         resp = http.post("/v1/audio/speech", json=body())
         assert resp.status_code == 429, resp.text
-        assert resp.headers["retry-after"] == "2" and error_of(resp)["type"] == "rate_limit_error"
+        # the server's hint (chorus/retry_hint.py) in whole seconds; the gateway's own only without one
+        assert int(resp.headers["retry-after"]) >= 1 and error_of(resp)["type"] == "rate_limit_error"
     finally:
         stop.set()
         for t in threads:
