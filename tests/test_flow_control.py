@@ -6,7 +6,6 @@ import time
 
 import grpc
 
-from chorus.client import channel
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 from helpers import make_cluster, metric, seeded_request, wait_until_idle
 
@@ -28,7 +27,10 @@ def test_a_client_that_stops_reading_is_bounded_paused_and_cancelled():
     args = ["--max-stream-buffer-bytes", str(1 << 20), "--reader-stall-s", str(STALL_S)]
     with make_cluster(["--dtype", "float64"], args) as c:
         frontend = _frontend_pid(c.service("scheduler").proc.pid)
-        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        # without BDP probing the client's HTTP/2 window stays at its default: what the client's gRPC
+        # takes in while the application reads nothing does not depend on how busy the machine is
+        stub = tts_pb2_grpc.TextToSpeechStub(grpc.insecure_channel(c.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.http2.bdp_probe", 0)]))
         # 123 KB of audio a frame: 2,000 frames would be 246 MB held if nothing pushed back
         req = seeded_request(frames=2000, format=tts_pb2.FLOAT32, sample_rate=192000)
         assert sum(1 for _ in stub.Synthesize(seeded_request(frames=3), timeout=60)) > 0  # warm
@@ -51,7 +53,7 @@ def test_a_client_that_stops_reading_is_bounded_paused_and_cancelled():
         after = _rss_mb(frontend)
         assert status is not None, f"the stream finished ({got} bytes) instead of being cancelled"
         assert status.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), status
-        assert got < 64 << 20 and during - before < 48 and after - before < 48, (got, before, during, after)
+        assert got < 16 << 20 and during - before < 48 and after - before < 48, (got, before, during, after)
         print(f"slow reader: RSS {before:.0f} -> {during:.0f} -> {after:.0f} MB, {got >> 20} MB delivered, "
               f"{status.code().name} after {time.monotonic() - t0:.1f} s: {status.details()}")
         assert wait_until_idle(c) == (0, 0, 0, 0)

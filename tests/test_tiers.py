@@ -62,8 +62,8 @@ def served_by(c: Cluster, request: tts_pb2.SynthesizeRequest) -> str:
     return moved[0]
 
 
-def codes_request(seed: int) -> tts_pb2.SynthesizeRequest:
-    req = seeded_request(seed=seed, frames=2)
+def codes_request(seed: int, frames: int = 2) -> tts_pb2.SynthesizeRequest:
+    req = seeded_request(seed=seed, frames=frames)
     codes = np.random.default_rng(seed).integers(0, 64, (24, N_VQ), dtype=np.int32)
     req.references.add(codes=rows_matrix(codes))
     return req
@@ -156,14 +156,30 @@ def test_a_killed_vocoder_changes_no_byte(tiers):
         assert a.audio_bytes == b.audio_bytes and a.summary.frames == 10
 
 
+def _homed_requests(c: Cluster, per_engine: int, frames: int) -> dict[str, list[tts_pb2.SynthesizeRequest]]:
+    """per_engine streaming requests for each engine, placed there by their references' affinity
+    (a request without one goes to whichever engine looks least loaded at that moment)."""
+    homes: dict[str, list] = {e: [] for e in c.engine_metrics}
+    for seed in range(100, 200):
+        req = codes_request(seed, frames)
+        req.streaming.first_chunk_frames = 3
+        req.streaming.chunk_frames = 5
+        home = homes[engine_picker.rank(affinity_key(req), c.engine_metrics)[0]]
+        if len(home) < per_engine:
+            home.append(req)
+        if all(len(h) == per_engine for h in homes.values()):
+            return homes
+    raise AssertionError(f"no {per_engine} requests for each engine")
+
+
 def test_a_killed_engine_fails_only_its_own_streams(tiers):
     victim = tiers.service("engine0")
-    requests = [_frames_request(seed, 12) for seed in (31, 32, 33, 34)]
+    homes = _homed_requests(tiers, per_engine=2, frames=12)
+    requests = homes[victim.address] + homes[tiers.service("engine1").address]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
-    failed = [r for r in results if isinstance(r, grpc.RpcError)]
-    assert failed and len(failed) < len(results), results  # both engines had streams
-    assert {e.code() for e in failed} == {grpc.StatusCode.UNAVAILABLE}
-    assert all(r.summary.frames == 12 for r in results if not isinstance(r, grpc.RpcError))
+    assert all(isinstance(r, grpc.RpcError) for r in results[:2]), results
+    assert {e.code() for e in results[:2]} == {grpc.StatusCode.UNAVAILABLE}
+    assert all(not isinstance(r, grpc.RpcError) and r.summary.frames == 12 for r in results[2:]), results
     survivor = tiers.service("engine1").address
     for seed in (41, 42):  # new requests, any voice: the survivor
         assert served_by(tiers, codes_request(seed)) == survivor
