@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from chorus.bench.common import device_name, write_json
-    from chorus.bench.omnivoice_step import O1_TEXT, step_flops
+    from chorus.bench.omnivoice_step import O1_TEXT, step_flops, step_ms
     from chorus.omnivoice.knobs import FRAME_RATE, UnmaskKnobs
     from chorus.omnivoice.prompt import plan_pieces
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
@@ -255,18 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 e = engines[kind]
 
-                def run() -> float:
-                    for i in range(b):
-                        e.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
-                    sync()
-                    t = time.perf_counter()
-                    for k in range(args.num_step):
-                        e.step([(i, k) for i in range(b)])
-                    sync()
-                    return (time.perf_counter() - t) * 1000 / args.num_step
-
-                run()
-                ms = min(run() for _ in range(args.repeats))
+                step_ms(e, piece.text_ids, target, knobs, b, sync)  # warm-up
+                ms = min(step_ms(e, piece.text_ids, target, knobs, b, sync) for _ in range(args.repeats))
                 row[f"{kind}_step_ms"] = round(ms, 3)
                 row[f"{kind}_x_floor"] = round(ms / row["floor_ms"], 2)
                 row[f"{kind}_audio_s_per_s"] = round(b * target / FRAME_RATE / (ms * args.num_step / 1000), 1)

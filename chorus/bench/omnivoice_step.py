@@ -34,6 +34,23 @@ def step_flops(cfg, prefix_rows: int, target_frames: int, guided: bool) -> float
     return cfg.num_layers * (per_row * rows + attention) + head
 
 
+def step_ms(engine, text_ids, target_frames: int, knobs, batch: int, sync=lambda: None) -> float:
+    """Milliseconds per packed step of `batch` fresh canvases of one workload, every step of their
+    unmasking (the canvases finish, so the engine holds none after)."""
+    import numpy as np
+
+    from gpu_worker.omnivoice.engine import CanvasSpec
+
+    for i in range(batch):
+        engine.start(CanvasSpec(i, np.asarray(text_ids), None, target_frames, knobs, seed=i))
+    sync()
+    t0 = time.perf_counter()
+    for k in range(knobs.num_step):
+        engine.step([(i, k) for i in range(batch)])
+    sync()
+    return (time.perf_counter() - t0) * 1000 / knobs.num_step
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m chorus.bench.omnivoice_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,13 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    import numpy as np
     import torch
 
     from chorus.omnivoice.knobs import FRAME_RATE, UnmaskKnobs
     from chorus.omnivoice.prompt import plan_pieces
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
-    from gpu_worker.omnivoice.engine import CanvasEngine, CanvasSpec
+    from gpu_worker.omnivoice.engine import CanvasEngine
     from gpu_worker.omnivoice.loader import build_omnivoice
 
     model = build_omnivoice(preset=args.preset, load_format="dummy", dtype=args.dtype, device=args.device)
@@ -74,14 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
 
     def run(batch: int) -> float:
-        for i in range(batch):
-            engine.start(CanvasSpec(i, np.asarray(piece.text_ids), None, target, knobs, seed=i))
-        sync()
-        t0 = time.perf_counter()
-        for k in range(args.num_step):
-            engine.step([(i, k) for i in range(batch)])
-        sync()
-        return (time.perf_counter() - t0) * 1000 / args.num_step
+        return step_ms(engine, piece.text_ids, target, knobs, batch, sync)
 
     rows = []
     for batch in batches:
