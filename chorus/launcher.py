@@ -218,6 +218,7 @@ class Cluster:
     engines: int = 0
     frontend_tier: int = 1
     engine_metrics_ports: list[int] | None = None  # Prometheus port of each engine's core (None: none)
+    frontend_metrics_ports: list[int] | None = None  # Prometheus port of each frontend tier process (None: none)
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
     _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
@@ -349,8 +350,10 @@ class Cluster:
             self._reservation, port = _reserve_port(self.host, self.scheduler_port)
             front = dataclasses.replace(tier, host=self.host, port=port, engines=[e.address for e in engines],
                                         vocoder=[v.address for v in vocoders])
+            front_metrics = [*(self.frontend_metrics_ports or []), *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
-                front, os.path.join(tmp, "frontend.pb"))]) for i in range(self.frontend_tier)]
+                dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
+                for i in range(self.frontend_tier)]
             self.services += fronts
             self._start_all(fronts, env, timeout)
         except BaseException:

@@ -1,11 +1,12 @@
 """The tiers as separate processes, wired as a Kubernetes cluster wires them: two engines (a worker
 and a scheduler core with frontends = 0 each, reached over TCP), two vocoders, and two frontend tier
-processes on one port, every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
+processes on one port (each with its own /metrics), every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
 show on that core's /metrics alone), other voices spread over both; a vocoder killed mid-stream
 changes no byte; an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 
 import asyncio
 import io
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
 from chorus.launcher import Cluster, free_port, read_metrics
@@ -31,7 +33,8 @@ def tiers():
     metrics = [free_port(), free_port()]
     # curve: CURVE on the worker links and the frontend links, as between pods
     c = Cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "8192"], engines=2,
-                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True)
+                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True,
+                frontend_metrics_ports=[free_port(), free_port()])
     with c:
         c.engine_metrics = dict(zip((c.service(f"engine{i}").address for i in range(2)), metrics))
         yield c
@@ -107,6 +110,32 @@ def test_voices_spread_over_both_engines(tiers):
     assert len(homes) == 2
     for home, req in homes.items():
         assert served_by(tiers, req) == home
+
+
+def frontend_samples(c: Cluster) -> dict[tuple[str, tuple], float]:
+    """Both frontend tier processes' samples, summed: {(name, labels): value}."""
+    out: dict[tuple[str, tuple], float] = {}
+    for port in c.frontend_metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for family in text_string_to_metric_families(r.read().decode()):
+                for s in family.samples:
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_each_frontend_serves_its_own_metrics(tiers):
+    req = codes_request(seed=7)
+    home = engine_picker.rank(affinity_key(req), tiers.engine_metrics)[0]
+    before = frontend_samples(tiers)
+    synthesize(own_connection(tiers.address), req, timeout=120)
+    after = frontend_samples(tiers)
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert moved[("chorus_frontend_requests_total", (("outcome", "ok"),))] == 1
+    assert moved[("chorus_frontend_engine_picks_total", (("engine", home),))] == 1
+    assert moved[("chorus_frontend_time_to_first_audio_seconds_count", ())] == 1
+    assert after[("chorus_frontend_engines", ())] == 2 * 2  # each process sees both engines
+    assert after[("chorus_frontend_active_streams", ())] == 0
 
 
 def _frames_request(seed: int, frames: int) -> tts_pb2.SynthesizeRequest:
