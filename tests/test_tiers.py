@@ -1,11 +1,12 @@
 """The tiers as separate processes, wired as a Kubernetes cluster wires them: two engines (a worker
 and a scheduler core with frontends = 0 each, reached over TCP), two vocoders, and two frontend tier
-processes on one port (each with its own /metrics), every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
+processes on one port (each with its own /metrics) behind an HTTP gateway, every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
 show on that core's /metrics alone), other voices spread over both; a vocoder killed mid-stream
 changes no byte; an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 
 import asyncio
 import io
+import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +35,7 @@ def tiers():
     # curve: CURVE on the worker links and the frontend links, as between pods
     c = Cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "8192"], engines=2,
                 frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True,
-                frontend_metrics_ports=[free_port(), free_port()])
+                frontend_metrics_ports=[free_port(), free_port()], gateway_port=0)
     with c:
         c.engine_metrics = dict(zip((c.service(f"engine{i}").address for i in range(2)), metrics))
         yield c
@@ -136,6 +137,21 @@ def test_each_frontend_serves_its_own_metrics(tiers):
     assert moved[("chorus_frontend_time_to_first_audio_seconds_count", ())] == 1
     assert after[("chorus_frontend_engines", ())] == 2 * 2  # each process sees both engines
     assert after[("chorus_frontend_active_streams", ())] == 0
+
+
+def test_the_gateway_speaks_through_the_frontend_tier(tiers):
+    from chorus.layout import build, read_tables
+    assert build(read_tables(), {"cluster": {"engines": 2, "http_port": 0}}).cluster_launcher().gateway_port == 0
+    base = f"http://{tiers.http_address}"
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200
+    body = json.dumps({"input": "Hello there.", "response_format": "wav", "seed": 3, "min_frames": 4,
+                       "max_frames": 4}).encode()
+    speech = urllib.request.Request(f"{base}/v1/audio/speech", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(speech, timeout=120) as r:
+        assert r.headers["Content-Type"] == "audio/wav"
+        audio, rate = sf.read(io.BytesIO(r.read()))
+    assert rate == 48000 and len(audio) == 4 * 3840  # four 80 ms frames
 
 
 def _frames_request(seed: int, frames: int) -> tts_pb2.SynthesizeRequest:
