@@ -1,8 +1,9 @@
 """The tiers as separate processes, wired as a Kubernetes cluster wires them: two engines (a worker
 and a scheduler core with frontends = 0 each, reached over TCP), two vocoders, and two frontend tier
-processes on one port (each with its own /metrics) behind an HTTP gateway, every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
-show on that core's /metrics alone), other voices spread over both; a vocoder killed mid-stream
-changes no byte; an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
+processes on one port (each with its own /metrics) behind an HTTP gateway, every ZeroMQ link under
+CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits show on that
+core's /metrics alone), other voices spread over both; a vocoder killed mid-stream changes no byte;
+an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 
 import asyncio
 import io
