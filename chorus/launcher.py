@@ -255,6 +255,9 @@ class Cluster:
                               "worker's; a shared one is a process of its own")
         if self.colocate_vocoder and len(self.vocoder_ports) != 1:
             raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+        if self.gateway_port is not None and self.configs()[2].tls_dir:
+            raise LaunchError("--http-port: the gateway it starts speaks plaintext gRPC, and scheduler.tls_dir "
+                              "turns TLS on; start `chorus gateway --scheduler-tls-dir DIR` yourself instead")
         if self.engines:
             return self._start_tiers(env, timeout)
         worker, vocoder, scheduler = self.configs()

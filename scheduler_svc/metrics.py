@@ -64,8 +64,8 @@ CANVASES = Counter("chorus_canvases", "OmniVoice canvases ended, by outcome (ok,
                    ["model", "outcome"], registry=REGISTRY)
 
 # A frontend tier process's own (`chorus frontend --metrics-port`): what it sees of the calls it serves
-# and where it sends them. The engines count the same calls under the names above, so these have names
-# of their own: a sum over every pod counts each call once per tier.
+# and where it sends them. The engines count the same calls under the names above; names of their own
+# keep a sum over all pods from counting each call twice.
 FRONTEND_REGISTRY = CollectorRegistry()
 FRONTEND_REQUESTS = Counter("chorus_frontend_requests", "Calls this frontend ended, by outcome (ok, invalid, failed, "
                             "cancelled)", ["outcome"], registry=FRONTEND_REGISTRY)

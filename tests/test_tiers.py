@@ -8,6 +8,8 @@ an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 import asyncio
 import io
 import json
+import random
+import socket
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Cluster, free_port, read_metrics
+from chorus.launcher import Cluster, read_metrics
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from chorus.wire import rows_matrix
 from helpers import seeded_request
@@ -30,13 +32,32 @@ from scheduler_svc.engine_pool import affinity_key
 N_VQ = 12  # the tiny preset's codebooks
 
 
+def metrics_ports(n: int) -> list[int]:
+    """n free ports below the kernel's ephemeral range, which the services' port-0 binds draw from while
+    the cluster starts (a free ephemeral port picked now may be taken by then)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports: list[int] = []
+    for port in random.Random().sample(range(low // 2, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise AssertionError("no free ports below the ephemeral range")
+
+
 @pytest.fixture(scope="module")
 def tiers():
-    metrics = [free_port(), free_port()]
+    ports = metrics_ports(4)
+    metrics, front_metrics = ports[:2], ports[2:]
     # curve: CURVE on the worker links and the frontend links, as between pods
     c = Cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "8192"], engines=2,
                 frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True,
-                frontend_metrics_ports=[free_port(), free_port()], gateway_port=0)
+                frontend_metrics_ports=front_metrics, gateway_port=0)
     with c:
         c.engine_metrics = dict(zip((c.service(f"engine{i}").address for i in range(2)), metrics))
         yield c
@@ -155,6 +176,13 @@ def test_the_gateway_speaks_through_the_frontend_tier(tiers):
     assert rate == 48000 and len(audio) == 4 * 3840  # four 80 ms frames
 
 
+def test_a_launched_gateway_refuses_a_tls_scheduler():
+    from chorus.launcher import LaunchError
+    from scheduler_svc.config import SchedulerConfig
+    with pytest.raises(LaunchError, match="--scheduler-tls-dir"):
+        Cluster(scheduler=SchedulerConfig(tls_dir="/nonexistent"), gateway_port=0).start()
+
+
 def _frames_request(seed: int, frames: int) -> tts_pb2.SynthesizeRequest:
     req = seeded_request(text=f"Tiers, request {seed}.", seed=seed, frames=frames)
     req.streaming.first_chunk_frames = 3
@@ -221,6 +249,8 @@ def _homed_requests(c: Cluster, per_engine: int, frames: int) -> dict[str, list[
 def test_a_killed_engine_fails_only_its_own_streams(tiers):
     victim = tiers.service("engine0")
     homes = _homed_requests(tiers, per_engine=2, frames=12)
+    for req in homes[victim.address]:  # still running when the last stream starts, however slow the machine
+        req.min_frames = req.max_frames = 120
     requests = homes[victim.address] + homes[tiers.service("engine1").address]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
     assert all(isinstance(r, grpc.RpcError) for r in results[:2]), results
