@@ -77,7 +77,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     with cluster:
         named = lambda prefix: ", ".join(s.address for s in cluster.services if s.name.startswith(prefix))  # noqa: E731
         engines = f"engine links {named('engine')}, " if cluster.engines else ""
-        print(f"\nChorus is up. API: {cluster.address}  (worker {named('worker')}, {engines}"
+        http = f"  HTTP: http://{cluster.http_address}/" if cluster.http_address else ""
+        print(f"\nChorus is up. API: {cluster.address}{http}  (worker {named('worker')}, {engines}"
               f"vocoder {named('vocoder')})\n"
               f"Try: chorus say \"Hello there.\" --server {cluster.address} -o hello.wav\n"
               "Ctrl-C stops all three.", flush=True)
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("demo", help="start everything on CPU, synthesize a sentence to demo.wav, stop")
     p.add_argument("text", nargs="?", default=DEFAULT_TEXT, help="what to say")
-    _add_layout_flags(p, without=("model",))  # demo's --model picks the model to demo
+    _add_layout_flags(p, without=("model", "http_port"))  # demo's --model picks the model to demo
     p.add_argument("--model", default="moss", help="model to demo: moss, omnivoice, or a MOSS-TTS checkpoint "
                    "directory")
     _add_say_flags(p, "demo.wav")

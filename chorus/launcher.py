@@ -218,6 +218,9 @@ class Cluster:
     engines: int = 0
     frontend_tier: int = 1
     engine_metrics_ports: list[int] | None = None  # Prometheus port of each engine's core (None: none)
+    frontend_metrics_ports: list[int] | None = None  # Prometheus port of each frontend tier process (None: none)
+    # The HTTP gateway (gateway_svc) in front of the public API, on this port (0: a free one); None: none.
+    gateway_port: int | None = None
     services: list[Service] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory | None = None
     _worker_curve: tuple[str, str] | None = None  # (secret key file, clients dir) made for this run
@@ -227,7 +230,13 @@ class Cluster:
 
     @property
     def address(self) -> str:
-        return self.services[-1].address
+        """The public gRPC API's."""
+        return next(s.address for s in reversed(self.services) if s.name != "gateway")
+
+    @property
+    def http_address(self) -> str | None:
+        """The HTTP gateway's HOST:PORT (None: no gateway)."""
+        return next((s.address for s in self.services if s.name == "gateway"), None)
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -246,6 +255,9 @@ class Cluster:
                               "worker's; a shared one is a process of its own")
         if self.colocate_vocoder and len(self.vocoder_ports) != 1:
             raise LaunchError("--colocate-vocoder runs one vocoder replica (its decoder is the worker's)")
+        if self.gateway_port is not None and self.configs()[2].tls_dir:
+            raise LaunchError("--http-port: the gateway it starts speaks plaintext gRPC, and scheduler.tls_dir "
+                              "turns TLS on; start `chorus gateway --scheduler-tls-dir DIR` yourself instead")
         if self.engines:
             return self._start_tiers(env, timeout)
         worker, vocoder, scheduler = self.configs()
@@ -292,6 +304,7 @@ class Cluster:
                 drain=scheduler.drain_seconds + 2 * DRAIN_MARGIN_S))
             self.services[-1].start(self.echo, env, self.die_with_parent)
             self.services[-1].wait_ready(max(1.0, deadline - time.monotonic()))
+            self._start_gateway(scheduler.frontends, env, timeout)
         except BaseException:
             self.stop()
             raise
@@ -349,14 +362,30 @@ class Cluster:
             self._reservation, port = _reserve_port(self.host, self.scheduler_port)
             front = dataclasses.replace(tier, host=self.host, port=port, engines=[e.address for e in engines],
                                         vocoder=[v.address for v in vocoders])
+            front_metrics = [*(self.frontend_metrics_ports or []), *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
-                front, os.path.join(tmp, "frontend.pb"))]) for i in range(self.frontend_tier)]
+                dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
+                for i in range(self.frontend_tier)]
             self.services += fronts
             self._start_all(fronts, env, timeout)
+            self._start_gateway(self.frontend_tier, env, timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_gateway(self, frontends: int, env: dict[str, str], timeout: float) -> None:
+        """The HTTP gateway on gateway_port, translating to the public API (no-op without a port); a
+        connection per frontend process at least, since the kernel gives each connection to one."""
+        if self.gateway_port is None:
+            return
+        from gateway_svc.config import GatewayConfig  # noqa: PLC0415 - only where a gateway is asked for
+        config = GatewayConfig(host=self.host, port=self.gateway_port, scheduler=self.address,
+                               channels=max(GatewayConfig().channels, frontends))
+        self.services.append(Service("gateway", [sys.executable, "-m", "gateway_svc.server", "--config-proto",
+                                                 write_proto(config, os.path.join(self._tmp.name, "gateway.pb"))],
+                                     drain=config.drain_seconds + DRAIN_MARGIN_S))
+        self._start_all(self.services[-1:], env, timeout)
 
     def _start_all(self, services: list[Service], env: dict[str, str], timeout: float) -> None:
         for s in services:

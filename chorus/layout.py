@@ -75,6 +75,8 @@ class ClusterConfig:
                            "they serve MOSS alone (0 = one scheduler with its own frontends)", metavar="N", minimum=0)
     gateways: int = setting(1, "with engines: frontend tier processes (`chorus frontend`) sharing the public port",
                             metavar="N", minimum=1)
+    http_port: int | None = setting(None, "start the HTTP gateway (`chorus gateway`) on this port in front of the "
+                                    "public API (0 picks a free one; unset: none)", metavar="PORT", minimum=0)
 
     @property
     def serves_omnivoice(self) -> bool:
@@ -115,12 +117,13 @@ class Layout:
                        omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
                        curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
                                                             and not is_loopback(self.cluster.host)),
-                       engines=self.cluster.engines, frontend_tier=self.cluster.gateways, **kw)
+                       engines=self.cluster.engines, frontend_tier=self.cluster.gateways,
+                       gateway_port=self.cluster.http_port, **kw)
 
 
 def add_layout_flags(p, cluster_keys=("model", "codec", "device", "vocoder_device", "vocoders", "host", "quiet",
                                      "omnivoice", "omnivoice_model", "omnivoice_codec", "curve", "engines",
-                                     "gateways"),
+                                     "gateways", "http_port"),
                      scheduler_keys=()) -> None:
     """--config, --profile and the everyday flags (each a [cluster] or [scheduler] key); their
     values land in the namespace as "cluster.KEY" / "scheduler.KEY", only when given."""

@@ -21,6 +21,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from datetime import datetime
 from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -85,10 +86,11 @@ class VoiceStore(ABC):
 
     url: str  # as shown: no password
 
-    def put(self, voice: StoredVoice, *, replace: bool = False, limit: int = 0) -> None:
-        """Store voice under (voice.owner, voice.voice_id). VoiceExists when the owner has that id and
-        not replace; StoreFull when it is new and the owner has `limit` voices (0: no limit); ValueError
-        when a text field holds a NUL character, which PostgreSQL's text cannot."""
+    def put(self, voice: StoredVoice, *, replace: bool = False, limit: int = 0) -> int:
+        """Store voice under (voice.owner, voice.voice_id); the row's created time in unix seconds.
+        VoiceExists when the owner has that id and not replace; StoreFull when it is new and the owner
+        has `limit` voices (0: no limit); ValueError when a text field holds a NUL character, which
+        PostgreSQL's text cannot."""
         for name in ("owner", "voice_id", "model", "transcript"):
             if "\0" in getattr(voice, name):
                 raise ValueError(f"{name} contains a NUL character")
@@ -105,7 +107,9 @@ class VoiceStore(ABC):
                     "excluded.transcript, frames = excluded.frames, voice = excluded.voice, created_at = "
                     "excluded.created_at", voice.owner, voice.voice_id, voice.model, voice.transcript,
                     voice.frames, voice.SerializeToString())
-        self._write(voice.owner, put)
+            return sql.one("SELECT created_at FROM voices WHERE owner = ? AND voice_id = ?", voice.owner,
+                           voice.voice_id)[0]
+        return _unix_seconds(self._write(voice.owner, put))
 
     def get(self, owner: str, voice_id: str) -> StoredVoice | None:
         if "\0" in owner + voice_id:
@@ -127,11 +131,12 @@ class VoiceStore(ABC):
         return self._write(owner, delete)
 
     def list(self, owner: str) -> list[StoredVoice]:
-        """The owner's voices, oldest first, without their codes."""
+        """The owner's voices, oldest first, without their codes, with their created_at."""
         rows = self._read(lambda sql: sql.all(
-            "SELECT voice_id, model, transcript, frames FROM voices WHERE owner = ? ORDER BY created_at, voice_id",
-            owner))
-        return [StoredVoice(voice_id=r[0], model=r[1], transcript=r[2], frames=r[3], owner=owner) for r in rows]
+            "SELECT voice_id, model, transcript, frames, created_at FROM voices WHERE owner = ? "
+            "ORDER BY created_at, voice_id", owner))
+        return [StoredVoice(voice_id=r[0], model=r[1], transcript=r[2], frames=r[3], owner=owner,
+                            created_at=_unix_seconds(r[4])) for r in rows]
 
     def count(self, owner: str) -> int:
         return self._read(lambda sql: sql.one("SELECT count(*) FROM voices WHERE owner = ?", owner))[0]
@@ -151,6 +156,13 @@ class VoiceStore(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unix_seconds(created_at) -> int:
+    """A created_at column's value in unix seconds: SQLite's ISO 8601 text in UTC, PostgreSQL's datetime."""
+    if isinstance(created_at, str):
+        created_at = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
+    return int(created_at.timestamp())
 
 
 class _Sql:

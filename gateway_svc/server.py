@@ -213,8 +213,8 @@ async def read_voice_request(request: Request, limit: int) -> tts_pb2.CreateVoic
 
 
 def voice_json(v: tts_pb2.Voice) -> dict:
-    return {"id": v.voice_id, "object": "audio.voice", "name": v.voice_id, "frames": v.frames,
-            "transcript": v.transcript, "model": v.model}
+    return {"id": v.voice_id, "object": "audio.voice", "name": v.voice_id, "created_at": v.created_at,
+            "frames": v.frames, "transcript": v.transcript, "model": v.model}
 
 
 class DrainGate:

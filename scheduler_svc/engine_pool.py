@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from chorus.v1 import frontend_pb2, tts_pb2, worker_pb2
-from scheduler_svc import engine_picker
+from scheduler_svc import engine_picker, metrics
 from scheduler_svc.core_client import CanvasTicket, CoreClient, CoreUnavailable, Ticket
 from scheduler_svc.request import QueueFull, Unavailable
 
@@ -56,6 +56,17 @@ def resolve(spec: str, port_default: int = 0) -> set[str]:
             for ai in infos}
 
 
+def _count(event: str, ttfa_s: float, outcome: str) -> None:
+    """A call's report in this process's own metrics (served by a frontend tier process)."""
+    if event == "start":
+        metrics.FRONTEND_ACTIVE_STREAMS.inc()
+    elif event == "first_audio":
+        metrics.FRONTEND_TTFA_SECONDS.observe(ttfa_s)
+    elif event == "end":
+        metrics.FRONTEND_ACTIVE_STREAMS.dec()
+        metrics.FRONTEND_REQUESTS.labels(outcome or "cancelled").inc()
+
+
 @dataclass
 class _Stream:
     """A call's reports, held until its engine is known (so one engine counts it start to end)."""
@@ -84,6 +95,8 @@ class EnginePool:
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._reported_ready = False
+        if not parent:  # a frontend tier process's /metrics (scheduler_svc/frontend_tier.py)
+            metrics.FRONTEND_ENGINES.set_function(lambda: len(self._live()))
 
     # ---- membership --------------------------------------------------------------------------
     async def connect(self, timeout: float = 600.0) -> frontend_pb2.CoreHello:
@@ -212,6 +225,7 @@ class EnginePool:
                 pass
             else:
                 self._owner[ticket] = client
+                metrics.FRONTEND_ENGINE_PICKS.labels(client.endpoint).inc()
                 stream = _stream.get()
                 if stream is not None and stream.engine is None:
                     stream.engine = client
@@ -233,8 +247,10 @@ class EnginePool:
             client.abort(t)
 
     def report(self, event: str, ttfa_s: float = 0.0, outcome: str = "") -> None:
-        """To the engine that serves the call (its /metrics counts it): start waits for the pick; a call
-        that never reached an engine is counted, start and end, by the first live one."""
+        """To this process's metrics, and to the engine that serves the call (its /metrics counts it):
+        start waits for the pick; a call that never reached an engine is counted, start and end, by the
+        first live one."""
+        _count(event, ttfa_s, outcome)
         if event == "ready":
             self._reported_ready = True
             for c in self._live():

@@ -307,7 +307,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             else:
                 codes = await self._encode_audio(request.audio, "audio")
             voice_id = request.voice_id or uuid.uuid4().hex[:12]
-            await self.voices.create(frontend_pb2.StoredVoice(
+            created_at = await self.voices.create(frontend_pb2.StoredVoice(
                 voice_id=voice_id, codes=rows_matrix(codes), transcript=request.transcript, frames=codes.shape[0],
                 model=model.name, rms=rms, owner=owner))
         except InvalidRequest as e:
@@ -315,7 +315,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
         return tts_pb2.Voice(voice_id=voice_id, frames=codes.shape[0], transcript=request.transcript,
-                             model=model.name)
+                             model=model.name, created_at=created_at)
 
     async def ListVoices(self, request, context):
         try:
@@ -323,8 +323,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         except SynthesisFailed as e:
             await context.abort(e.code, str(e))
         return tts_pb2.ListVoicesResponse(voices=[
-            tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name)
-            for v in voices])
+            tts_pb2.Voice(voice_id=v.voice_id, frames=v.frames, transcript=v.transcript, model=v.model or self.cfg.name,
+                          created_at=v.created_at) for v in voices])
 
     async def DeleteVoice(self, request, context):
         if len(request.voice_id) > self.limits.max_id_chars:

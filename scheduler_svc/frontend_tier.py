@@ -8,7 +8,8 @@ the client's audio) against every engine (a scheduler core with frontends = 0 an
 --engines names, picking one per request: the same voice or reference goes to the same engine,
 whose radix cache holds its prefix, unless that engine carries too much more than the mean load
 (scheduler_svc/engine_picker.py). It takes the [scheduler] settings; grpc health is SERVING while
-one engine is up. Several processes may share --port (SO_REUSEPORT).
+one engine is up. Several processes may share --port (SO_REUSEPORT); each serves its own Prometheus
+metrics on --metrics-port (calls by outcome, time to first audio, picks per engine, live engines).
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import start_http_server
+
 from chorus.config import ConfigError, add_config_flags, parse
-from scheduler_svc import frontend
+from scheduler_svc import frontend, metrics
 from scheduler_svc.config import SchedulerConfig
 
 
 def run(args: SchedulerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    if args.metrics_port:
+        try:
+            start_http_server(args.metrics_port, addr=args.host, registry=metrics.FRONTEND_REGISTRY)
+        except OSError as e:
+            raise SystemExit(f"frontend: scheduler.metrics_port {args.metrics_port}: {e}") from None
     asyncio.run(frontend.serve(args, None, 0))
 
 

@@ -62,3 +62,18 @@ CANVAS_STEP_MS = Histogram("chorus_canvas_step_ms", "Worker time of OmniVoice st
                            registry=REGISTRY, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
 CANVASES = Counter("chorus_canvases", "OmniVoice canvases ended, by outcome (ok, error, cancelled)",
                    ["model", "outcome"], registry=REGISTRY)
+
+# A frontend tier process's own (`chorus frontend --metrics-port`): what it sees of the calls it serves
+# and where it sends them. The engines count the same calls under the names above; names of their own
+# keep a sum over all pods from counting each call twice.
+FRONTEND_REGISTRY = CollectorRegistry()
+FRONTEND_REQUESTS = Counter("chorus_frontend_requests", "Calls this frontend ended, by outcome (ok, invalid, failed, "
+                            "cancelled)", ["outcome"], registry=FRONTEND_REGISTRY)
+FRONTEND_ACTIVE_STREAMS = Gauge("chorus_frontend_active_streams", "Calls this frontend serves now",
+                                registry=FRONTEND_REGISTRY)
+FRONTEND_TTFA_SECONDS = Histogram("chorus_frontend_time_to_first_audio_seconds", "Accepted to first audio chunk sent",
+                                  registry=FRONTEND_REGISTRY, buckets=(.02, .05, .1, .2, .3, .5, 1, 2, 5, 10))
+FRONTEND_ENGINE_PICKS = Counter("chorus_frontend_engine_picks", "Requests placed on each engine (its frontend-link "
+                                "endpoint)", ["engine"], registry=FRONTEND_REGISTRY)
+FRONTEND_ENGINES = Gauge("chorus_frontend_engines", "Engines that take requests from this frontend",
+                         registry=FRONTEND_REGISTRY)

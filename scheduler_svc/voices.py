@@ -40,10 +40,11 @@ class VoiceLibrary:
         """The owner's voice_id (owner: the caller's API key owner, "" without keys), or None."""
         return await self._call(self.store.get, owner, voice_id)
 
-    async def create(self, voice: StoredVoice) -> None:
-        """Store a new voice under voice.owner; ALREADY_EXISTS or RESOURCE_EXHAUSTED when it cannot be."""
+    async def create(self, voice: StoredVoice) -> int:
+        """Store a new voice under voice.owner: its created time in unix seconds. ALREADY_EXISTS or
+        RESOURCE_EXHAUSTED when it cannot be."""
         try:
-            await self._call(lambda: self.store.put(voice, limit=self.max_voices))
+            return await self._call(lambda: self.store.put(voice, limit=self.max_voices))
         except VoiceExists:
             raise SynthesisFailed(grpc.StatusCode.ALREADY_EXISTS, f"voice_id {shown(voice.voice_id)} already exists; "
                                   "delete it with DeleteVoice first, or choose another voice_id") from None

@@ -187,6 +187,7 @@ def test_ports_and_probes_agree_with_the_code(containers):
             continue
         if c.cls is FrontendTier:  # readiness follows the engines; liveness only the port (engines may be out)
             assert c.config.engines, f"{where}: no --engines"
+            assert c.config.metrics_port and c.config.metrics_port in c.ports.values(), f"{where}: metrics port"
             assert c.spec["livenessProbe"] == {**c.spec["livenessProbe"], "tcpSocket": {"port": c.config.port}}, where
             probes = probes[:2]
             for p in probes:
@@ -380,7 +381,7 @@ def test_every_metrics_port_is_scraped(overlay, containers):
                                     for m in monitors), \
                 f"{c.pod['metadata']['name']}/{c.spec['name']}: neither a PodMonitor nor the annotations scrape {port}"
             assert port in allowed, f"the metrics NetworkPolicy keeps Prometheus from port {port}"
-    for c in _by(containers, SchedulerConfig) + _by(containers, VocoderConfig):
+    for c in _by(containers, SchedulerConfig) + _by(containers, VocoderConfig) + _by(containers, FrontendTier):
         assert c.config.metrics_port in c.ports.values()
 
 

@@ -193,13 +193,18 @@ def _prompt_rows(http, **kw) -> int:
 
 def test_voices_are_created_listed_used_and_deleted(http):
     plain = _prompt_rows(http, voice="nova")  # an OpenAI name no voice has: the model's own voice
+    before = int(time.time())
     made = http.post("/v1/audio/voices", files={"audio_sample": ("ref.wav", _wav(), "audio/wav")},
                      data={"name": "nova", "transcript": "A short reference."})
     assert made.status_code == 200, made.text
     assert made.json()["id"] == "nova" and made.json()["frames"] > 0
+    assert before <= made.json()["created_at"] <= time.time()  # unix seconds, as OpenAI's objects
     as_json = http.post("/v1/audio/voices", json={"name": "narrator", "audio": base64.b64encode(_wav()).decode()})
     assert as_json.status_code == 200, as_json.text
-    assert {"nova", "narrator"} <= {v["id"] for v in http.get("/v1/audio/voices").json()["data"]}
+    listed = {v["id"]: v for v in http.get("/v1/audio/voices").json()["data"]}
+    assert {"nova", "narrator"} <= set(listed)
+    assert listed["nova"]["created_at"] == made.json()["created_at"]
+    assert listed["narrator"]["created_at"] == as_json.json()["created_at"]
     assert _prompt_rows(http, voice="nova") > plain  # the stored voice now wins over the name
     assert _prompt_rows(http, voice={"id": "narrator"}) > plain
     for voice_id in ("nova", "narrator"):

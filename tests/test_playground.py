@@ -1,6 +1,7 @@
 """The playground page in a real browser (headless Chromium through selenium) against the real
 services (tiny model, CPU) behind the gateway: type text, press Speak, hear it as it streams (the
-page reports what it scheduled and when the last chunk finished playing), stop one mid-stream,
+page reports what it scheduled and when the last chunk finished playing), hear an mp3 once whole
+and find it behind a download link named .mp3, stop one mid-stream,
 store voices from a file and from the (fake) microphone in the voices tab, and speak with them.
 
 The browser tests need Debian's `chromium` and `chromium-driver` (apt-get install chromium
@@ -131,6 +132,10 @@ def test_speak_plays_the_audio_as_it_streams(browser, gateway, tmp_path):
     assert run["done"] and run["played"] and run["samples"] > 0 and run["ttfaMs"] > 0
     assert run["rtf"] > 0 and run["sampleRate"] == 48000 and run["channels"] == 2
     assert run["playedMs"] >= 0.9 * SECONDS * 1000  # the audio clock ran through all of it
+    assert (run["format"], run["contentType"], run["download"]) == ("wav", "audio/wav", "chorus-speech.wav")
+    # the file offered for download is whole: its header has the length the stream left out
+    played = wait_for(browser, "document.getElementById('audio').duration", 30)
+    assert abs(played - SECONDS) < 0.01, played
     stats = browser.find_element("id", "stats").text
     assert "first audio" in stats and "real-time factor" in stats
     # what the page played is what the API gives for the same request
@@ -152,6 +157,26 @@ def test_speak_plays_the_audio_as_it_streams(browser, gateway, tmp_path):
     wait_for(browser, "!document.getElementById('speak-button').disabled", 30)
     stopped = browser.execute_script("return window.chorusPlayground.lastRun")
     assert stopped["error"] == "stopped" and not stopped["played"] and stopped["samples"] < 30 * 48000, stopped
+
+
+@needs_browser
+def test_mp3_plays_once_whole_and_downloads_as_mp3(browser, gateway):
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(gateway)
+    wait_for(browser, "window.chorusPlayground.ready", 60)
+    set_field(browser, "seed", "4")
+    set_field(browser, "min-seconds", str(SECONDS))
+    set_field(browser, "max-seconds", str(SECONDS))
+    Select(browser.find_element("id", "format")).select_by_value("mp3")
+    run = speak(browser)
+    assert run["error"] is None and run["done"] and run["played"], run
+    assert (run["contentType"], run["download"]) == ("audio/mpeg", "chorus-speech.mp3")
+    assert 0.8 * SECONDS < run["duration"] < SECONDS + 0.3  # the player's own reading of the file (mp3 pads)
+    assert run["playedMs"] >= 0.8 * SECONDS * 1000
+    link = browser.find_element("id", "download")
+    assert link.is_displayed() and link.get_attribute("download") == "chorus-speech.mp3"
+    assert link.get_attribute("href").startswith("blob:")
 
 
 @needs_browser

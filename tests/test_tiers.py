@@ -1,11 +1,16 @@
 """The tiers as separate processes, wired as a Kubernetes cluster wires them: two engines (a worker
 and a scheduler core with frontends = 0 each, reached over TCP), two vocoders, and two frontend tier
-processes on one port, every ZeroMQ link under CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits
-show on that core's /metrics alone), other voices spread over both; a vocoder killed mid-stream
-changes no byte; an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
+processes on one port (each with its own /metrics) behind an HTTP gateway, every ZeroMQ link under
+CURVE. A voice stays on the engine the rendezvous ranking gives it (its radix hits show on that
+core's /metrics alone), other voices spread over both; a vocoder killed mid-stream changes no byte;
+an engine killed mid-load ends its own streams UNAVAILABLE and nothing else."""
 
 import asyncio
 import io
+import json
+import random
+import socket
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,9 +18,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Cluster, free_port, read_metrics
+from chorus.launcher import Cluster, read_metrics
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from chorus.wire import rows_matrix
 from helpers import seeded_request
@@ -26,12 +32,32 @@ from scheduler_svc.engine_pool import affinity_key
 N_VQ = 12  # the tiny preset's codebooks
 
 
+def metrics_ports(n: int) -> list[int]:
+    """n free ports below the kernel's ephemeral range, which the services' port-0 binds draw from while
+    the cluster starts (a free ephemeral port picked now may be taken by then)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports: list[int] = []
+    for port in random.Random().sample(range(low // 2, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise AssertionError("no free ports below the ephemeral range")
+
+
 @pytest.fixture(scope="module")
 def tiers():
-    metrics = [free_port(), free_port()]
+    ports = metrics_ports(4)
+    metrics, front_metrics = ports[:2], ports[2:]
     # curve: CURVE on the worker links and the frontend links, as between pods
     c = Cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "8192"], engines=2,
-                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True)
+                frontend_tier=2, vocoder_ports=[0, 0], engine_metrics_ports=metrics, curve=True,
+                frontend_metrics_ports=front_metrics, gateway_port=0)
     with c:
         c.engine_metrics = dict(zip((c.service(f"engine{i}").address for i in range(2)), metrics))
         yield c
@@ -109,6 +135,54 @@ def test_voices_spread_over_both_engines(tiers):
         assert served_by(tiers, req) == home
 
 
+def frontend_samples(c: Cluster) -> dict[tuple[str, tuple], float]:
+    """Both frontend tier processes' samples, summed: {(name, labels): value}."""
+    out: dict[tuple[str, tuple], float] = {}
+    for port in c.frontend_metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for family in text_string_to_metric_families(r.read().decode()):
+                for s in family.samples:
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_each_frontend_serves_its_own_metrics(tiers):
+    req = codes_request(seed=7)
+    home = engine_picker.rank(affinity_key(req), tiers.engine_metrics)[0]
+    before = frontend_samples(tiers)
+    synthesize(own_connection(tiers.address), req, timeout=120)
+    after = frontend_samples(tiers)
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert moved[("chorus_frontend_requests_total", (("outcome", "ok"),))] == 1
+    assert moved[("chorus_frontend_engine_picks_total", (("engine", home),))] == 1
+    assert moved[("chorus_frontend_time_to_first_audio_seconds_count", ())] == 1
+    assert after[("chorus_frontend_engines", ())] == 2 * 2  # each process sees both engines
+    assert after[("chorus_frontend_active_streams", ())] == 0
+
+
+def test_the_gateway_speaks_through_the_frontend_tier(tiers):
+    from chorus.layout import build, read_tables
+    assert build(read_tables(), {"cluster": {"engines": 2, "http_port": 0}}).cluster_launcher().gateway_port == 0
+    base = f"http://{tiers.http_address}"
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200
+    body = json.dumps({"input": "Hello there.", "response_format": "wav", "seed": 3, "min_frames": 4,
+                       "max_frames": 4}).encode()
+    speech = urllib.request.Request(f"{base}/v1/audio/speech", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(speech, timeout=120) as r:
+        assert r.headers["Content-Type"] == "audio/wav"
+        audio, rate = sf.read(io.BytesIO(r.read()))
+    assert rate == 48000 and len(audio) == 4 * 3840  # four 80 ms frames
+
+
+def test_a_launched_gateway_refuses_a_tls_scheduler():
+    from chorus.launcher import LaunchError
+    from scheduler_svc.config import SchedulerConfig
+    with pytest.raises(LaunchError, match="--scheduler-tls-dir"):
+        Cluster(scheduler=SchedulerConfig(tls_dir="/nonexistent"), gateway_port=0).start()
+
+
 def _frames_request(seed: int, frames: int) -> tts_pb2.SynthesizeRequest:
     req = seeded_request(text=f"Tiers, request {seed}.", seed=seed, frames=frames)
     req.streaming.first_chunk_frames = 3
@@ -175,6 +249,8 @@ def _homed_requests(c: Cluster, per_engine: int, frames: int) -> dict[str, list[
 def test_a_killed_engine_fails_only_its_own_streams(tiers):
     victim = tiers.service("engine0")
     homes = _homed_requests(tiers, per_engine=2, frames=12)
+    for req in homes[victim.address]:  # still running when the last stream starts, however slow the machine
+        req.min_frames = req.max_frames = 120
     requests = homes[victim.address] + homes[tiers.service("engine1").address]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
     assert all(isinstance(r, grpc.RpcError) for r in results[:2]), results

@@ -108,11 +108,13 @@ def voice(voice_id: str = "v", owner: str = "", frames: int = 3, transcript: str
 def test_a_voice_is_stored_got_listed_and_deleted(url):
     with open_store(url) as store:
         v = voice("narrator", owner="alice", frames=5)
-        store.put(v)
+        before = int(time.time())
+        created_at = store.put(v)
+        assert before <= created_at <= time.time()  # the row's time, in unix seconds
         assert store.get("alice", "narrator") == v
         [listed] = store.list("alice")
-        assert (listed.voice_id, listed.frames, listed.transcript, listed.model, listed.owner) == \
-            ("narrator", 5, "Hello.", "m", "alice")
+        assert (listed.voice_id, listed.frames, listed.transcript, listed.model, listed.owner, listed.created_at) == \
+            ("narrator", 5, "Hello.", "m", "alice", created_at)
         assert listed.codes.rows == 0  # a listing carries no codes
         assert store.count("alice") == 1
         assert store.delete("alice", "narrator") == v

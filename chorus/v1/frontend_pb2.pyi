@@ -135,7 +135,7 @@ class Progress(_message.Message):
     def __init__(self, tickets: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finished, _Mapping]]] = ...) -> None: ...
 
 class StoredVoice(_message.Message):
-    __slots__ = ("voice_id", "codes", "transcript", "frames", "model", "rms", "owner")
+    __slots__ = ("voice_id", "codes", "transcript", "frames", "model", "rms", "owner", "created_at")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     CODES_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class StoredVoice(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RMS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     codes: _common_pb2.IntMatrix
     transcript: str
@@ -150,7 +151,8 @@ class StoredVoice(_message.Message):
     model: str
     rms: float
     owner: str
-    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
+    created_at: int
+    def __init__(self, voice_id: _Optional[str] = ..., codes: _Optional[_Union[_common_pb2.IntMatrix, _Mapping]] = ..., transcript: _Optional[str] = ..., frames: _Optional[int] = ..., model: _Optional[str] = ..., rms: _Optional[float] = ..., owner: _Optional[str] = ..., created_at: _Optional[int] = ...) -> None: ...
 
 class EvictPrefix(_message.Message):
     __slots__ = ("rows", "shared_rows")

@@ -288,16 +288,18 @@ class CreateVoiceRequest(_message.Message):
     def __init__(self, voice_id: _Optional[str] = ..., audio: _Optional[_Union[_common_pb2.AudioData, _Mapping]] = ..., transcript: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("voice_id", "frames", "transcript", "model")
+    __slots__ = ("voice_id", "frames", "transcript", "model", "created_at")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     frames: int
     transcript: str
     model: str
-    def __init__(self, voice_id: _Optional[str] = ..., frames: _Optional[int] = ..., transcript: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    created_at: int
+    def __init__(self, voice_id: _Optional[str] = ..., frames: _Optional[int] = ..., transcript: _Optional[str] = ..., model: _Optional[str] = ..., created_at: _Optional[int] = ...) -> None: ...
 
 class ListVoicesRequest(_message.Message):
     __slots__ = ()

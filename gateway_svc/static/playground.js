@@ -1,10 +1,11 @@
-// The Chorus playground: speaks through the gateway's own HTTP API, playing the PCM as it streams.
+// The Chorus playground: speaks through the gateway's own HTTP API, playing a WAV as it streams and a
+// compressed format (mp3, opus, flac, aac) once it is whole, then offers the file for download.
 // window.chorusPlayground.lastRun tells tests (and the curious) what the last Speak got.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const page = (window.chorusPlayground = { ready: false, lastRun: null });
-const state = { models: [], voices: [], clip: null, voiceClip: null, run: null, audio: null };
+const state = { models: [], voices: [], clip: null, voiceClip: null, run: null, audio: null, fileUrl: null };
 
 // ---- talking to the gateway ---------------------------------------------------------------------
 
@@ -276,10 +277,54 @@ function wavBody() {
   };
 }
 
+// The streamed WAV as a file: its RIFF and data sizes, unknown while it streamed, filled in.
+function sizedWav(parts) {
+  const all = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    all.set(p, at);
+    at += p.length;
+  }
+  const view = new DataView(all.buffer);
+  view.setUint32(4, all.length - 8, true);
+  for (let i = 12; i + 8 <= all.length; i += 8 + view.getUint32(i + 4, true)) {
+    if (String.fromCharCode(...all.subarray(i, i + 4)) === "data") {
+      view.setUint32(i + 4, all.length - i - 8, true);
+      break;
+    }
+  }
+  return all;
+}
+
+// The finished file (returned) in the page's player and behind the download link, named by its format.
+function offerFile(parts, format, type) {
+  const file = new Blob(format === "wav" ? [sizedWav(parts)] : parts, { type });
+  if (state.fileUrl) URL.revokeObjectURL(state.fileUrl);
+  state.fileUrl = URL.createObjectURL(file);
+  $("audio").src = state.fileUrl;
+  $("download").href = state.fileUrl;
+  $("download").download = `chorus-speech.${format}`;
+  $("result").hidden = false;
+  return file;
+}
+
+// Plays the page's player to its end; rejects when Stop aborts the run.
+function playToEnd(signal) {
+  const audio = $("audio");
+  return new Promise((resolve, reject) => {
+    if (signal.aborted) return reject(new DOMException("stopped", "AbortError"));
+    audio.onended = resolve;
+    audio.onerror = () => reject(new Error(`the browser cannot play this file (${audio.error?.message || "error"})`));
+    signal.addEventListener("abort", () => reject(new DOMException("stopped", "AbortError")));
+    audio.play().catch(reject);
+  });
+}
+
 function showStats(run) {
   const parts = [];
-  if (run.ttfaMs) parts.push(`first audio ${run.ttfaMs.toFixed(0)} ms`);
+  if (run.ttfaMs) parts.push(`first ${run.format === "wav" ? "audio" : "bytes"} ${run.ttfaMs.toFixed(0)} ms`);
   if (run.audioSeconds) parts.push(`${run.audioSeconds.toFixed(2)} s of audio in ${(run.totalMs / 1000).toFixed(2)} s`);
+  else if (run.bytes) parts.push(`${(run.bytes / 1024).toFixed(0)} KiB in ${(run.totalMs / 1000).toFixed(2)} s`);
   if (run.done && run.rtf) parts.push(`real-time factor ${run.rtf.toFixed(2)}`);
   $("stats").textContent = parts.join(" · ");
 }
@@ -288,46 +333,70 @@ async function speak() {
   stopSpeaking();
   const ctx = audioContext();
   await ctx.resume();  // a click lets the page make sound
-  const run = (page.lastRun = { ttfaMs: 0, samples: 0, sampleRate: 0, channels: 0, audioSeconds: 0,
-                                totalMs: 0, rtf: 0, playedMs: 0, done: false, played: false, error: null });
+  const format = $("format").value, streamed = format === "wav";
+  const run = (page.lastRun = { format, contentType: "", bytes: 0, ttfaMs: 0, samples: 0, sampleRate: 0,
+                                channels: 0, audioSeconds: 0, totalMs: 0, rtf: 0, playedMs: 0, duration: 0,
+                                download: "", done: false, played: false, error: null });
   const abort = new AbortController();
   state.run = { abort, player: null, run };
   $("speak-button").disabled = true;
   $("stop-button").disabled = false;
   $("speak-error").textContent = "";
+  $("result").hidden = true;
   try {
     const body = JSON.stringify(await speechBody());
     const start = performance.now();
     const resp = await api("/v1/audio/speech", {
       method: "POST", headers: { "Content-Type": "application/json" }, body, signal: abort.signal });
+    run.contentType = resp.headers.get("Content-Type");
     run.sampleRate = Number(resp.headers.get("X-Sample-Rate"));
     run.channels = Number(resp.headers.get("X-Channels"));
-    const player = (state.run.player = new Player(ctx, run.sampleRate, run.channels));
-    const wave = new Wave($("wave"), run.sampleRate, Number($("max-seconds").value) || 1);
+    const player = (state.run.player = streamed ? new Player(ctx, run.sampleRate, run.channels) : null);
+    let wave = new Wave($("wave"), run.sampleRate, Number($("max-seconds").value) || 1);
+    const playedSeconds = () => (streamed ? ctx.currentTime - (player.began ?? Infinity) : $("audio").currentTime);
     const animate = () => {
-      wave.draw(Math.max(0, ctx.currentTime - (player.began ?? Infinity)));
+      wave.draw(Math.max(0, playedSeconds()));
       if (!run.played && !run.error) requestAnimationFrame(animate);
     };
     requestAnimationFrame(animate);
-    const pcm = $("format").value === "wav" ? wavBody() : (b) => b;
+    const pcm = wavBody(), parts = [];
     const reader = resp.body.getReader();
     for (let r = await reader.read(); !r.done; r = await reader.read()) {
-      const samples = player.push(pcm(r.value));
-      if (samples.length === 0) continue;
-      run.ttfaMs = run.ttfaMs || performance.now() - start;
-      run.samples += samples.length;
-      wave.add(samples);
-      run.audioSeconds = run.samples / run.sampleRate;
+      parts.push(r.value);
+      run.bytes += r.value.length;
       run.totalMs = performance.now() - start;
+      if (streamed) {  // a WAV plays as it arrives; a compressed file once whole
+        const samples = player.push(pcm(r.value));
+        if (samples.length === 0) continue;
+        run.samples += samples.length;
+        wave.add(samples);
+        run.audioSeconds = run.samples / run.sampleRate;
+      }
+      run.ttfaMs = run.ttfaMs || performance.now() - start;
       showStats(run);
     }
     run.totalMs = performance.now() - start;
+    const file = offerFile(parts, format, run.contentType);
+    run.download = $("download").download;
+    if (!streamed) {  // its waveform and length from the browser's decoder
+      const decoded = await ctx.decodeAudioData(await file.arrayBuffer());
+      wave = new Wave($("wave"), decoded.sampleRate, decoded.duration);
+      wave.add(decoded.getChannelData(0));
+      run.audioSeconds = decoded.duration;
+      run.samples = Math.round(decoded.duration * run.sampleRate);
+    }
     run.rtf = run.audioSeconds ? run.totalMs / 1000 / run.audioSeconds : 0;
     run.done = true;
     showStats(run);
-    player.finish();
-    await player.allPlayed;
-    run.playedMs = (ctx.currentTime - player.began) * 1000;  // on the audio clock, from the first chunk's start
+    if (streamed) {
+      player.finish();
+      await player.allPlayed;
+      run.playedMs = (ctx.currentTime - player.began) * 1000;  // on the audio clock, from the first chunk's start
+    } else {
+      await playToEnd(abort.signal);
+      run.playedMs = $("audio").currentTime * 1000;
+    }
+    run.duration = $("audio").duration || 0;  // a WAV's player may not have read its header yet
     run.played = !run.error;
     wave.draw(run.audioSeconds);
   } catch (e) {
@@ -344,6 +413,7 @@ function stopSpeaking() {
   if (!state.run.run.played) state.run.run.error = "stopped";
   state.run.abort.abort();  // the gateway cancels the generation when the connection goes
   state.run.player?.stop();
+  $("audio").pause();
   state.run = null;
 }
 
