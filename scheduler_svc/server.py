@@ -210,7 +210,7 @@ async def serve(args: SchedulerConfig) -> None:
 
         if not args.frontends:
             try:
-                await _serve_engine(args, link, scheduler, cfg.name)
+                await _serve_engine(args, link, [scheduler, *canvas_schedulers], cfg.name)
             finally:
                 await close()
             return
@@ -243,9 +243,12 @@ async def serve(args: SchedulerConfig) -> None:
             raise SystemExit(1)
 
 
-async def _serve_engine(args: SchedulerConfig, link: FrontendLink, scheduler: Scheduler, model: str) -> None:
+async def _serve_engine(args: SchedulerConfig, link: FrontendLink, schedulers: list, model: str) -> None:
     """An engine (frontends = 0): frontend tier processes reach the core on its link; the port serves
-    grpc health alone (SERVING while the worker answers), for the orchestrator's probes."""
+    grpc health alone (SERVING while the worker answers), for the orchestrator's probes. SIGTERM
+    drains it as it drains a core with frontends (_drain): the frontend tiers send new requests to
+    other engines meanwhile."""
+    scheduler = schedulers[0]
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -258,10 +261,10 @@ async def _serve_engine(args: SchedulerConfig, link: FrontendLink, scheduler: Sc
         start_http_server(args.metrics_port, addr=args.host, registry=metrics.REGISTRY)
     print(f"scheduler engine ready on {link.endpoint} health={args.host}:{port} model={model} "
           f"worker={args.worker}", flush=True)
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     while not stop.is_set() and not link.broken:
         status = health_pb2.HealthCheckResponse.SERVING if scheduler.heartbeat.up else \
             health_pb2.HealthCheckResponse.NOT_SERVING
@@ -273,6 +276,8 @@ async def _serve_engine(args: SchedulerConfig, link: FrontendLink, scheduler: Sc
             pass
     for name in ("", frontend.SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if not link.broken:
+        await _drain(link, schedulers, args.drain_seconds, hurry)
     await server.stop(grace=1.0)
     if link.broken:
         log.error("the link to the frontends failed (%s); stopping the engine", link.broken)
