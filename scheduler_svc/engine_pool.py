@@ -216,13 +216,14 @@ class EnginePool:
     async def _place(self, key: bytes | None, model: str | None, submit):
         refused: set[str] = set()
         full: QueueFull | None = None
+        unavailable: Unavailable | None = None  # the last engine's refusal says why (a drain, a dead worker)
         while (client := self._pick(key, model, refused)) is not None:
             try:
                 ticket = await submit(client)
             except QueueFull as e:
                 full = full or e
-            except Unavailable:
-                pass
+            except Unavailable as e:
+                unavailable = e
             else:
                 self._owner[ticket] = client
                 metrics.FRONTEND_ENGINE_PICKS.labels(client.endpoint).inc()
@@ -234,7 +235,17 @@ class EnginePool:
             refused.add(client.endpoint)
         if full is not None:
             raise full
-        raise Unavailable(f"no scheduler engine serving {model or 'the model'} answers; retry later")
+        raise unavailable or Unavailable(self.refusal(model or self.hello.worker.model_name))
+
+    def refusal(self, model: str) -> str:
+        """Why no engine takes a request for model now (it is in `down`): a drain, or no worker answers."""
+        if not any(c.draining for c in self.engines.values()):
+            return f"the {model} worker is not answering; retry later"
+        if self.parent:
+            return ("the scheduler is draining (shutting down for a restart or scale-down) and takes no new "
+                    "request; retry: another replica takes it")
+        return (f"no scheduler engine takes {model} requests: they are draining (shutting down for a restart or "
+                "scale-down) or not answering; retry: an engine that joins takes it")
 
     def pause(self, t: Ticket, paused: bool) -> None:
         client = self._owner.get(t)

@@ -212,8 +212,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         check_model_name(request.model, self.limits)
         model = self.models.resolve(request.model)
         if model.name in self.core.down:
-            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"the {model.name} worker is not answering; retry "
-                                  "later")
+            raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, self.core.refusal(model.name))
         if model.architecture == OMNIVOICE:
             async for response in self.omnivoice.synthesize(request, model.name):
                 yield response

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -30,6 +31,7 @@ import grpc
 import numpy as np
 
 from chorus.audio import wav_header
+from chorus.drain import RETRY_HINT_S
 from chorus.sentences import SentenceCutter, join_sentences, pieces, wide
 from chorus.v1 import tts_pb2
 from chorus.wire import rows_matrix
@@ -39,6 +41,7 @@ from chorus.request_decoding import Undecodable
 from scheduler_svc.served_models import OMNIVOICE, ServedModel
 from scheduler_svc.validation import InvalidRequest, check_model_name, validate
 
+log = logging.getLogger("chorus.scheduler")
 END = None         # the speaker's queue: no more sentences
 DONE = "done"      # the client's queue: the stream is over
 _FIELD = re.compile(r"^[a-z_]+(\[\d+\])?[. ]")
@@ -51,6 +54,7 @@ class PieceLimits:
     max_longform_chars: int = 50000
     sentence_chars: int = 300
     continuation_seconds: float = 10.0
+    engine_refresh: float = 5.0  # a refused piece is tried again for twice this: a frontend tier sees a new engine
 
 
 def in_config(message: str) -> str:
@@ -110,6 +114,7 @@ class Speaker:
         self.turns = Continuation(template, continues, int(limits.continuation_seconds * frame_rate),
                                   tts.limits.max_text_chars)
         self.codes_wanted = template.return_codes
+        self.retry_seconds = 2 * limits.engine_refresh
         self.wav_pending = template.format == tts_pb2.WAV
         self.samples = self.frames = 0
         self.t0 = time.monotonic()
@@ -117,15 +122,58 @@ class Speaker:
         self.summaries: list[tts_pb2.SynthesisSummary] = []
 
     async def piece(self, index: int, text: str, mark: bool) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        """The piece's responses. A piece refused before any of its audio went out is tried again
+        (_retry_wait), on the engine the pick gives then: a session outlives its engine's drain. The
+        first piece of a long-form Synthesize is not: its caller retries it as it retries any call."""
         if mark:
             yield tts_pb2.SynthesizeResponse(sentence=tts_pb2.SentenceMark(index=index, text=text,
                                                                            first_sample=self.samples))
-        codes: list[np.ndarray] = []
-        samples = 0
-        async for resp in self.tts._synthesize(self.turns.request(index, text), self.context):
+        request = self.turns.request(index, text)
+        give_up = time.monotonic() + self.retry_seconds
+        while True:
+            codes: list[np.ndarray] = []
+            samples, sent = 0, False
+            try:
+                async for resp in self._attempt(request, codes, mark):
+                    sent = True
+                    samples += resp.audio.num_samples
+                    yield resp
+                break
+            except SynthesisFailed as e:
+                wait = None if sent or not (mark or index) else self._retry_wait(e, give_up)
+                if wait is None:
+                    raise
+                log.info("request %s: piece %d refused (%s); trying again in %.1f s", self.header.request_id,
+                         index, e, wait)
+                await asyncio.sleep(wait)
+        spoken = np.concatenate(codes) if codes else np.zeros((0, 0), np.int32)
+        self.turns.remember(text, spoken)
+        self.frames += len(spoken)
+        self.samples += samples
+
+    def _retry_wait(self, e: SynthesisFailed, give_up: float) -> float | None:
+        """Seconds to wait before a refused piece is tried again; None: it is not. A full queue: its
+        hint. No engine takes it (UNAVAILABLE): the drain's hint, in a frontend tier only, where an
+        engine that joins takes it; a core's own frontends have that one core, whose drain or dead
+        worker no wait cures. Never past the piece's retry time or the call's deadline."""
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after is not None:
+            wait = e.retry_after
+        elif e.code == grpc.StatusCode.UNAVAILABLE and not self.tts.core.parent:
+            wait = RETRY_HINT_S if e.retry_after is None else e.retry_after
+        else:
+            return None
+        left = self.context.time_remaining() if self.context is not None else None
+        if time.monotonic() + wait > give_up or (left is not None and left <= wait):
+            return None
+        return wait
+
+    async def _attempt(self, request: tts_pb2.SynthesizeRequest, codes: list[np.ndarray],
+                       mark: bool) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+        """One try at a piece: what of it the client gets, placed in the stream (its summary last, with
+        mark); codes: the piece's codes, as they come."""
+        async for resp in self.tts._synthesize(request, self.context):
             kind = resp.WhichOneof("kind")
             if kind == "audio":
-                samples += resp.audio.num_samples
                 resp.audio.first_sample += self.samples
                 if self.wav_pending:
                     resp.audio.data = wav_header(self.header.sample_rate, self.header.channels) + resp.audio.data
@@ -143,10 +191,6 @@ class Speaker:
                 self.summaries.append(resp.summary)
                 if mark:
                     yield resp
-        spoken = np.concatenate(codes) if codes else np.zeros((0, 0), np.int32)
-        self.turns.remember(text, spoken)
-        self.frames += len(spoken)
-        self.samples += samples
 
     def summary(self) -> tts_pb2.SynthesisSummary:
         """The whole stream's summary: sums, the first piece's waits, the slowest audio lag."""
@@ -184,8 +228,7 @@ class TextStreams:
             check_model_name(config.model, tts.limits)
             model = tts.models.resolve(config.model)
             if model.name in tts.core.down:
-                raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, f"the {model.name} worker is not answering; "
-                                      "retry later")
+                raise SynthesisFailed(grpc.StatusCode.UNAVAILABLE, tts.core.refusal(model.name))
             if model.architecture == OMNIVOICE:
                 validate_omnivoice(probe, tts.limits, model.name)
                 info = tts._model_info(model)

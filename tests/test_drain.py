@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -16,14 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chorus.client import Client, Retry, channel, synthesize
-from chorus.launcher import Service
+from chorus.client import Client, Retry, Synthesis, add_response, channel, synthesize
+from chorus.launcher import Cluster, Service
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
+from chorus.wire import rows_matrix
 from helpers import make_cluster, metric, seeded_request
+from scheduler_svc import engine_picker
+from scheduler_svc.engine_pool import affinity_key
 
 websockets_sync = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
@@ -184,6 +189,9 @@ def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
     deadline) ends UNAVAILABLE."""
     short = [seeded_request(seed=11, frames=IN_FLIGHT), seeded_request(seed=12, frames=FRAMES)]
     ref = reference(engine.stub, short)
+    session = Session(engine.stub, seeded_request(text="", seed=13, frames=FRAMES))
+    session.say(SENTENCES[0])
+    session.until_audio(1, whole=True)  # then idle, between sentences, when the drain begins
     long = seeded_request(seed=9, frames=4000)  # min_frames too: it cannot stop early
     # the long request takes one of the two running places, the first short one the other: the
     # second waits in the queue when the SIGTERM lands
@@ -203,6 +211,11 @@ def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
     with pytest.raises(grpc.RpcError) as e:
         synthesize(engine.stub, seeded_request(seed=1, frames=FRAMES), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
+    session.say(SENTENCES[1])  # its one core drains: no engine takes the next sentence
+    with pytest.raises(grpc.RpcError) as e:
+        session.end()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
+    assert "draining" in e.value.details() and "retry" in e.value.details(), e.value.details()
     with Client([engine.address, cluster.address], retry=Retry(attempts=3, first_wait=0.05), timeout=120) as sdk:
         sdk._turn = itertools.count(0)  # the draining server first
         assert sdk.synthesize(seeded_request(seed=11, frames=FRAMES)).summary.frames == FRAMES
@@ -234,3 +247,102 @@ def _until(check, timeout: float = 10.0) -> bool:
             pass
         time.sleep(0.05)
     return False
+
+
+# ---- a SynthesizeStream session across its engine's drain -----------------------------------------
+
+class Session:
+    """A SynthesizeStream call whose messages the test sends as it goes; responses read on demand."""
+
+    def __init__(self, stub, config: tts_pb2.SynthesizeRequest):
+        self._feed: queue.Queue = queue.Queue()
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(config=config))
+        self._responses = iter(stub.SynthesizeStream(iter(self._feed.get, None), timeout=120))
+        self.out = Synthesis()
+        self.summaries = 0
+        self._t0 = time.monotonic()
+
+    def say(self, text: str) -> None:
+        """The text, spoken now (FLUSH)."""
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(text=text))
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.FLUSH))
+
+    def end(self) -> Synthesis:
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.END))
+        self._feed.put(None)
+        for resp in self._responses:
+            add_response(self.out, resp, self._t0)
+        return self.out
+
+    def until_audio(self, sentences: int, whole: bool = False) -> None:
+        """Read until that many sentences have audio (whole: all of it, their summaries)."""
+        while len({max(s.index for s in self.out.sentences if s.first_sample <= c.first_sample)
+                   for c in self.out.chunks}) < sentences or whole and self.summaries < sentences:
+            resp = next(self._responses)
+            self.summaries += resp.HasField("summary")
+            add_response(self.out, resp, self._t0)
+
+
+def session_config(frames: int) -> tts_pb2.SynthesizeRequest:
+    """A seeded config whose reference (codes) gives its first sentence a known engine."""
+    req = tts_pb2.SynthesizeRequest(min_frames=frames, max_frames=frames, language="English")
+    req.sampling.seed = 31
+    req.references.add(codes=rows_matrix(np.random.default_rng(3).integers(0, 64, (24, 12), dtype=np.int32)))
+    return req
+
+
+def spoken(config: tts_pb2.SynthesizeRequest, text: str) -> tts_pb2.SynthesizeRequest:
+    """The first sentence's request as the session builds it (scheduler_svc/synthesize_stream.py)."""
+    from scheduler_svc.synthesize_stream import Continuation
+    return Continuation(config, True, 0, 1000).request(0, text)
+
+
+SENTENCES = ["The first sentence is long.", "A second one follows.", "And a third ends it."]
+
+
+def test_a_session_outlives_the_drain_of_its_engine():
+    """Two engines behind a frontend tier, as Kubernetes runs them: the engine speaking a session's
+    first sentence drains (core and worker get SIGTERM, as a pod does); that sentence ends there with
+    all its audio, the next ones go to the other engine, the session ends OK with the audio an
+    undisturbed session gives, and the drained engine exits 0. When the last engine drains too, the
+    session's next sentence ends UNAVAILABLE with the retry hint, saying why."""
+    with Cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "8192"], engines=2,
+                 scheduler_args=["--drain-seconds", str(DRAIN_S), "--engine-refresh", "0.5",
+                                 "--max-expected-wait-s", "0"]) as c:
+        stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
+        engines = {c.service(f"engine{i}").address: (c.service(f"engine{i}"), c.service(f"worker{i}"))
+                   for i in range(2)}
+        config = session_config(IN_FLIGHT)
+        calm = Session(stub, config)
+        for text in SENTENCES:
+            calm.say(text)
+        calm = calm.end()
+        home = engine_picker.rank(affinity_key(spoken(config, SENTENCES[0])), engines)[0]
+        core, worker = engines.pop(home)
+
+        session = Session(stub, config)
+        session.say(SENTENCES[0])
+        session.until_audio(1)
+        core.proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGTERM)
+        for text in SENTENCES[1:]:
+            session.say(text)
+        drained = session.end()
+        assert [s.text for s in drained.sentences] == SENTENCES
+        assert drained.summary.frames == IN_FLIGHT
+        assert drained.audio_bytes == calm.audio_bytes  # a seeded sentence is the same on any engine
+        assert core.proc.wait(30) == 0 and worker.proc.wait(30) == 0
+
+        (core, worker), = engines.values()  # the last engine: nothing takes the next sentence
+        session = Session(stub, config)
+        session.say(SENTENCES[0])
+        session.until_audio(1)
+        core.proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGTERM)
+        session.say(SENTENCES[1])
+        with pytest.raises(grpc.RpcError) as e:
+            session.end()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
+        assert "draining" in e.value.details(), e.value.details()
+        assert len(session.out.sentences) == 2 and session.out.pcm().shape[0] == len(calm.pcm()) // 3
+        assert core.proc.wait(30) == 0 and worker.proc.wait(30) == 0
