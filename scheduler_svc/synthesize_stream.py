@@ -155,15 +155,17 @@ class Speaker:
         """Seconds to wait before a refused piece is tried again; None: it is not. A full queue: its
         hint. No engine takes it (UNAVAILABLE): the drain's hint, in a frontend tier only, where an
         engine that joins takes it; a core's own frontends have that one core, whose drain or dead
-        worker no wait cures. Never past the piece's retry time or the call's deadline."""
+        worker no wait cures. A hint past give_up is cut to it (a place may free sooner than the
+        queue's estimate): one last try then. Never past the call's deadline."""
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after is not None:
             wait = e.retry_after
         elif e.code == grpc.StatusCode.UNAVAILABLE and not self.tts.core.parent:
             wait = RETRY_HINT_S if e.retry_after is None else e.retry_after
         else:
             return None
+        wait = min(wait, give_up - time.monotonic())
         left = self.context.time_remaining() if self.context is not None else None
-        if time.monotonic() + wait > give_up or (left is not None and left <= wait):
+        if wait <= 0 or (left is not None and left <= wait):
             return None
         return wait
 

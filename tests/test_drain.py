@@ -284,8 +284,10 @@ class Session:
 
 
 def session_config(frames: int) -> tts_pb2.SynthesizeRequest:
-    """A seeded config whose reference (codes) gives its first sentence a known engine."""
+    """A seeded config whose reference (codes) gives its first sentence a known engine; audio from
+    each sentence's first frame on, so a sentence has most of its frames to go at its first audio."""
     req = tts_pb2.SynthesizeRequest(min_frames=frames, max_frames=frames, language="English")
+    req.streaming.first_chunk_frames, req.streaming.chunk_frames = 1, 4
     req.sampling.seed = 31
     req.references.add(codes=rows_matrix(np.random.default_rng(3).integers(0, 64, (24, 12), dtype=np.int32)))
     return req
@@ -297,26 +299,47 @@ def spoken(config: tts_pb2.SynthesizeRequest, text: str) -> tts_pb2.SynthesizeRe
     return Continuation(config, True, 0, 1000).request(0, text)
 
 
+SESSION_FRAMES = 12
 SENTENCES = ["The first sentence is long.", "A second one follows.", "And a third ends it."]
 
 
-def test_a_session_outlives_the_drain_of_its_engine():
-    """Two engines behind a frontend tier, as Kubernetes runs them: the engine speaking a session's
-    first sentence drains (core and worker get SIGTERM, as a pod does); that sentence ends there with
-    all its audio, the next ones go to the other engine, the session ends OK with the audio an
-    undisturbed session gives, and the drained engine exits 0. When the last engine drains too, the
-    session's next sentence ends UNAVAILABLE with the retry hint, saying why."""
+def test_a_session_outlives_full_queues_and_the_drain_of_its_engine():
+    """Two engines behind a frontend tier, as Kubernetes runs them, each running one request at a
+    time and queueing one. A session's sentence that every engine refuses (queue full) waits for
+    the hint and is spoken once a place frees. The engine speaking a session's first sentence drains
+    (core and worker get SIGTERM, as a pod does): that sentence ends there with all its audio, the
+    next ones go to the other engine, the session ends OK with the audio an undisturbed session
+    gives, and the drained engine exits 0. When the last engine drains too, the session's next
+    sentence ends UNAVAILABLE with the retry hint, saying why, once it has been refused for twice
+    engine_refresh."""
     with Cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "8192"], engines=2,
-                 scheduler_args=["--drain-seconds", str(DRAIN_S), "--engine-refresh", "0.5",
-                                 "--max-expected-wait-s", "0"]) as c:
+                 scheduler_args=["--drain-seconds", str(DRAIN_S), "--engine-refresh", "1", "--max-running", "1",
+                                 "--max-queue", "1", "--max-expected-wait-s", "0"]) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
         engines = {c.service(f"engine{i}").address: (c.service(f"engine{i}"), c.service(f"worker{i}"))
                    for i in range(2)}
-        config = session_config(IN_FLIGHT)
+        config = session_config(SESSION_FRAMES)
         calm = Session(stub, config)
         for text in SENTENCES:
             calm.say(text)
         calm = calm.end()
+
+        session = Session(stub, config)
+        session.say(SENTENCES[0])
+        session.until_audio(1, whole=True)
+        busy = []
+        for seed in range(4):  # to the least loaded engine each: every running and waiting place taken
+            busy.append(stub.Synthesize(seeded_request(seed=seed, frames=4000), timeout=120))
+            next(busy[-1])  # the header: placed
+        session.say(SENTENCES[1])
+        frontend = c.service("frontend0")
+        assert _until(lambda: any("trying again" in line for line in frontend.lines)), frontend.lines[-20:]
+        for call in busy:
+            call.cancel()
+        for text in SENTENCES[2:]:
+            session.say(text)
+        assert session.end().audio_bytes == calm.audio_bytes
+
         home = engine_picker.rank(affinity_key(spoken(config, SENTENCES[0])), engines)[0]
         core, worker = engines.pop(home)
 
@@ -329,7 +352,7 @@ def test_a_session_outlives_the_drain_of_its_engine():
             session.say(text)
         drained = session.end()
         assert [s.text for s in drained.sentences] == SENTENCES
-        assert drained.summary.frames == IN_FLIGHT
+        assert drained.summary.frames == SESSION_FRAMES
         assert drained.audio_bytes == calm.audio_bytes  # a seeded sentence is the same on any engine
         assert core.proc.wait(30) == 0 and worker.proc.wait(30) == 0
 
