@@ -1,7 +1,9 @@
 """Graceful drain on SIGTERM (rolling updates), each tier as a real process: the streams in flight
 end with all their audio, byte for byte what an undisturbed run gives; a call that arrives meanwhile
 is refused UNAVAILABLE with a retry hint (HTTP: 503 with Retry-After) and health reads NOT_SERVING;
-the process exits 0. One engine serves the module; the last test drains its core and worker."""
+the process exits 0. One engine serves the module; its last test drains its core and worker. A
+SynthesizeStream session in front of two engines (a frontend tier, its own cluster) outlives the
+drain of the engine speaking it."""
 
 from __future__ import annotations
 
@@ -180,13 +182,68 @@ def test_a_draining_gateway_finishes_http_and_websocket_streams_then_exits_0(eng
         gw.stop(5)
 
 
+# ---- SynthesizeStream sessions: the test speaks as it goes ---------------------------------------
+
+class Session:
+    """A SynthesizeStream call whose messages the test sends as it goes; responses read on demand."""
+
+    def __init__(self, stub, config: tts_pb2.SynthesizeRequest):
+        self._feed: queue.Queue = queue.Queue()
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(config=config))
+        self._responses = iter(stub.SynthesizeStream(iter(self._feed.get, None), timeout=120))
+        self.out = Synthesis()
+        self.summaries = 0
+        self._t0 = time.monotonic()
+
+    def say(self, text: str) -> None:
+        """The text, spoken now (FLUSH)."""
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(text=text))
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.FLUSH))
+
+    def end(self) -> Synthesis:
+        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.END))
+        self._feed.put(None)
+        for resp in self._responses:
+            add_response(self.out, resp, self._t0)
+        return self.out
+
+    def until_audio(self, sentences: int, whole: bool = False) -> None:
+        """Read until that many sentences have audio (whole: all of it, their summaries)."""
+        while len({max(s.index for s in self.out.sentences if s.first_sample <= c.first_sample)
+                   for c in self.out.chunks}) < sentences or whole and self.summaries < sentences:
+            resp = next(self._responses)
+            self.summaries += resp.HasField("summary")
+            add_response(self.out, resp, self._t0)
+
+
+def session_config(frames: int) -> tts_pb2.SynthesizeRequest:
+    """A seeded config whose reference (codes) gives its first sentence a known engine; audio from
+    each sentence's first frame on, so a sentence has most of its frames to go at its first audio."""
+    req = tts_pb2.SynthesizeRequest(min_frames=frames, max_frames=frames, language="English")
+    req.streaming.first_chunk_frames, req.streaming.chunk_frames = 1, 4
+    req.sampling.seed = 31
+    req.references.add(codes=rows_matrix(np.random.default_rng(3).integers(0, 64, (24, 12), dtype=np.int32)))
+    return req
+
+
+def spoken(config: tts_pb2.SynthesizeRequest, text: str) -> tts_pb2.SynthesizeRequest:
+    """The first sentence's request as the session builds it (scheduler_svc/synthesize_stream.py)."""
+    from scheduler_svc.synthesize_stream import Continuation
+    return Continuation(config, True, 0, 1000).request(0, text)
+
+
+SESSION_FRAMES = 12
+SENTENCES = ["The first sentence is long.", "A second one follows.", "And a third ends it."]
+
+
 # ---- engine: frontends + core + worker ----------------------------------------------------------
 
 def test_a_draining_engine_ends_every_stream_then_exits_0(engine, cluster):
     """SIGTERM to the core and its worker at once (one pod): the running and the queued requests
     finish, new calls are refused with the hint, and the SDK with a second server's address moves
     its call there; a request still running when the drain ends (here: a second SIGTERM, as at the
-    deadline) ends UNAVAILABLE."""
+    deadline) ends UNAVAILABLE. A SynthesizeStream session between sentences has no other engine:
+    its next sentence ends it UNAVAILABLE with the hint, saying the scheduler drains."""
     short = [seeded_request(seed=11, frames=IN_FLIGHT), seeded_request(seed=12, frames=FRAMES)]
     ref = reference(engine.stub, short)
     session = Session(engine.stub, seeded_request(text="", seed=13, frames=FRAMES))
@@ -249,59 +306,7 @@ def _until(check, timeout: float = 10.0) -> bool:
     return False
 
 
-# ---- a SynthesizeStream session across its engine's drain -----------------------------------------
-
-class Session:
-    """A SynthesizeStream call whose messages the test sends as it goes; responses read on demand."""
-
-    def __init__(self, stub, config: tts_pb2.SynthesizeRequest):
-        self._feed: queue.Queue = queue.Queue()
-        self._feed.put(tts_pb2.SynthesizeStreamRequest(config=config))
-        self._responses = iter(stub.SynthesizeStream(iter(self._feed.get, None), timeout=120))
-        self.out = Synthesis()
-        self.summaries = 0
-        self._t0 = time.monotonic()
-
-    def say(self, text: str) -> None:
-        """The text, spoken now (FLUSH)."""
-        self._feed.put(tts_pb2.SynthesizeStreamRequest(text=text))
-        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.FLUSH))
-
-    def end(self) -> Synthesis:
-        self._feed.put(tts_pb2.SynthesizeStreamRequest(signal=tts_pb2.END))
-        self._feed.put(None)
-        for resp in self._responses:
-            add_response(self.out, resp, self._t0)
-        return self.out
-
-    def until_audio(self, sentences: int, whole: bool = False) -> None:
-        """Read until that many sentences have audio (whole: all of it, their summaries)."""
-        while len({max(s.index for s in self.out.sentences if s.first_sample <= c.first_sample)
-                   for c in self.out.chunks}) < sentences or whole and self.summaries < sentences:
-            resp = next(self._responses)
-            self.summaries += resp.HasField("summary")
-            add_response(self.out, resp, self._t0)
-
-
-def session_config(frames: int) -> tts_pb2.SynthesizeRequest:
-    """A seeded config whose reference (codes) gives its first sentence a known engine; audio from
-    each sentence's first frame on, so a sentence has most of its frames to go at its first audio."""
-    req = tts_pb2.SynthesizeRequest(min_frames=frames, max_frames=frames, language="English")
-    req.streaming.first_chunk_frames, req.streaming.chunk_frames = 1, 4
-    req.sampling.seed = 31
-    req.references.add(codes=rows_matrix(np.random.default_rng(3).integers(0, 64, (24, 12), dtype=np.int32)))
-    return req
-
-
-def spoken(config: tts_pb2.SynthesizeRequest, text: str) -> tts_pb2.SynthesizeRequest:
-    """The first sentence's request as the session builds it (scheduler_svc/synthesize_stream.py)."""
-    from scheduler_svc.synthesize_stream import Continuation
-    return Continuation(config, True, 0, 1000).request(0, text)
-
-
-SESSION_FRAMES = 12
-SENTENCES = ["The first sentence is long.", "A second one follows.", "And a third ends it."]
-
+# ---- a session in a frontend tier: its engine drains ----------------------------------------------
 
 def test_a_session_outlives_full_queues_and_the_drain_of_its_engine():
     """Two engines behind a frontend tier, as Kubernetes runs them, each running one request at a
@@ -313,7 +318,7 @@ def test_a_session_outlives_full_queues_and_the_drain_of_its_engine():
     sentence ends UNAVAILABLE with the retry hint, saying why, once it has been refused for twice
     engine_refresh."""
     with Cluster(worker_args=["--dtype", "float32", "--max-batch", "4", "--kv-slots", "8192"], engines=2,
-                 scheduler_args=["--drain-seconds", str(DRAIN_S), "--engine-refresh", "1", "--max-running", "1",
+                 scheduler_args=["--drain-seconds", str(DRAIN_S), "--engine-refresh-s", "1", "--max-running", "1",
                                  "--max-queue", "1", "--max-expected-wait-s", "0"]) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
         engines = {c.service(f"engine{i}").address: (c.service(f"engine{i}"), c.service(f"worker{i}"))
@@ -362,10 +367,12 @@ def test_a_session_outlives_full_queues_and_the_drain_of_its_engine():
         session.until_audio(1)
         core.proc.send_signal(signal.SIGTERM)
         worker.proc.send_signal(signal.SIGTERM)
+        retries = sum("trying again" in line for line in frontend.lines)
         session.say(SENTENCES[1])
         with pytest.raises(grpc.RpcError) as e:
             session.end()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and hint_of(e.value), e.value
         assert "draining" in e.value.details(), e.value.details()
+        assert sum("trying again" in line for line in frontend.lines) > retries
         assert len(session.out.sentences) == 2 and session.out.pcm().shape[0] == len(calm.pcm()) // 3
         assert core.proc.wait(30) == 0 and worker.proc.wait(30) == 0
