@@ -153,3 +153,11 @@ def test_with_no_omnivoice_worker_left_only_omnivoice_is_down(tiers):
         assert health_pb2_grpc.HealthStub(channel(tiers.address)).Check(
             health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
     assert served_by(tiers, moss_request(tiers.engine_names[1], tiers.engine_names))[1] == tiers.engine_names[1]
+
+
+def test_chorus_up_engines_serve_omnivoice_as_one_engine_does():
+    from chorus.layout import build, read_tables
+    launcher = build(read_tables(), {"cluster": {"engines": 2, "omnivoice_vocoders": 2}}).cluster_launcher()
+    assert launcher.omnivoice_worker.preset == "omnivoice-tiny" and launcher.omnivoice_vocoder_ports == [0, 0]
+    off = build(read_tables(), {"cluster": {"engines": 2, "omnivoice": False}}).cluster_launcher()
+    assert off.omnivoice_worker is None
