@@ -439,10 +439,11 @@ class Cluster:
             return []
         return [self._omnivoice_worker(tmp, "omnivoice-worker"), *self._omnivoice_vocoders(tmp)]
 
-    def _omnivoice_worker(self, tmp: str, name: str, engine: int = 0) -> Service:
+    def _omnivoice_worker(self, tmp: str, name: str, engine: int | None = None) -> Service:
         """An OmniVoice worker (engine: the index of the engine it serves, whose GPU "cuda" means)."""
+        device = self.omnivoice_worker.device
         worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None,
-                                     device=_engine_device(self.omnivoice_worker.device, engine))
+                                     device=device if engine is None else _engine_device(device, engine))
         if self._worker_curve and not worker.curve_secret_key:
             worker = dataclasses.replace(worker, curve_secret_key=self._worker_curve[0],
                                          curve_clients=self._worker_curve[1])

@@ -5,6 +5,7 @@ prompts and codec calls. A seeded OmniVoice request through the tier gives the b
 engine gives, on either engine; an engine whose OmniVoice worker is gone takes no OmniVoice request
 and keeps serving MOSS; with every OmniVoice worker gone only OmniVoice is NOT_SERVING."""
 
+import io
 import threading
 import time
 import urllib.request
@@ -12,12 +13,13 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
 from chorus.launcher import Cluster
-from chorus.v1 import tts_pb2, tts_pb2_grpc
+from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from chorus.wire import rows_matrix
 from gpu_worker.config import WorkerConfig
 from helpers import seeded_request
@@ -121,6 +123,24 @@ def test_omnivoice_through_the_tier_is_one_engines_omnivoice(tiers, omnivoice_cl
     assert out.audio_bytes == alone.audio_bytes
     assert np.array_equal(out.code_frames(), alone.code_frames())
     tiers.served.update(out=out, engine=engine)
+
+
+def test_an_omnivoice_voice_made_through_the_tier_clones(tiers):
+    wav = io.BytesIO()
+    sf.write(wav, np.random.default_rng(1).standard_normal(24000).astype(np.float32) * 0.1, 24000, format="WAV")
+    api = stub(tiers.address)
+    voice = api.CreateVoice(tts_pb2.CreateVoiceRequest(audio=common_pb2.AudioData(data=wav.getvalue()),
+                                                       model="omnivoice", transcript="A reference.", voice_id="ov"))
+    assert voice.model == OMNIVOICE and voice.frames > 0
+    req = omnivoice_request()
+    req.references[0].CopyFrom(tts_pb2.VoiceReference(voice_id="ov"))
+    out = synthesize(api, req, timeout=120)
+    assert out.header.model == OMNIVOICE and len(out.audio_bytes) > 0
+    moss = seeded_request(frames=3)
+    moss.references.add(voice_id="ov")
+    with pytest.raises(grpc.RpcError) as e:  # a voice belongs to its model's codec
+        synthesize(api, moss, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_an_engine_without_its_omnivoice_worker_serves_moss_alone(tiers):
