@@ -9,6 +9,7 @@ import io
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -19,12 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
 from chorus.launcher import Cluster
-from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
+from chorus.v1 import common_pb2, frontend_pb2, tts_pb2, tts_pb2_grpc, worker_pb2
 from chorus.wire import rows_matrix
 from gpu_worker.config import WorkerConfig
 from helpers import seeded_request
 from scheduler_svc import engine_picker
-from scheduler_svc.engine_pool import affinity_key
+from scheduler_svc.engine_pool import EnginePool, affinity_key
 from test_tiers import metrics_ports
 from vocoder_svc.config import VocoderConfig
 
@@ -181,3 +182,25 @@ def test_chorus_up_engines_serve_omnivoice_as_one_engine_does():
     assert launcher.omnivoice_worker.preset == "omnivoice-tiny" and launcher.omnivoice_vocoder_ports == [0, 0]
     off = build(read_tables(), {"cluster": {"engines": 2, "omnivoice": False}}).cluster_launcher()
     assert off.omnivoice_worker is None
+
+
+def test_omnivoice_requests_go_only_to_engines_that_schedule_it():
+    """A pool of an engine with an OmniVoice worker, one without, and one whose OmniVoice worker is down
+    (their links' state as CoreClient holds it: the link is the real thing the other tests run)."""
+    def engine(endpoint, omnivoice: bool, down=()):
+        hello = frontend_pb2.CoreHello(worker=worker_pb2.Hello(model_name="moss"))
+        if omnivoice:
+            hello.canvas_workers.add(model_name=OMNIVOICE)
+        return SimpleNamespace(endpoint=endpoint, up=True, draining=False, hello=hello, down=set(down),
+                               in_flight=0, queued=0)
+
+    pool = EnginePool(["tcp://a", "tcp://b", "tcp://c"], parent=True)
+    pool.engines = {"tcp://a": engine("tcp://a", False), "tcp://b": engine("tcp://b", True),
+                    "tcp://c": engine("tcp://c", True, down=[OMNIVOICE])}
+    pool.hello = pool.engines["tcp://b"].hello
+    assert [c.endpoint for c in pool._live(OMNIVOICE)] == ["tcp://b"]
+    assert [c.endpoint for c in pool._live()] == ["tcp://a", "tcp://b", "tcp://c"]
+    assert pool._pick(None, OMNIVOICE, set()).endpoint == "tcp://b"
+    assert pool.down == set()
+    pool.engines["tcp://b"].down = {OMNIVOICE}
+    assert pool.down == {OMNIVOICE}
