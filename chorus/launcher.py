@@ -323,10 +323,10 @@ class Cluster:
         return out
 
     def _start_tiers(self, env: dict[str, str], timeout: float) -> "Cluster":
-        """workers and vocoders, then an engine core per worker, then the frontend tier on one port."""
-        if self.colocate_vocoder or self.shared_decoder or self.omnivoice_worker is not None:
-            raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder, and "
-                              "no OmniVoice")
+        """workers and vocoders (with OmniVoice: a worker of it per engine, and its codec vocoders shared
+        by all), then an engine core per worker, then the frontend tier on one port."""
+        if self.colocate_vocoder or self.shared_decoder:
+            raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder")
         worker, vocoder, scheduler = self.configs()
         self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
         tmp = self._tmp.name
@@ -339,21 +339,25 @@ class Cluster:
         py = [sys.executable, "-m"]
         workers = []
         for i in range(self.engines):
-            # "cuda": a GPU per engine
-            own = dataclasses.replace(worker, bind=f"tcp://{self.host}:0",
-                                      device=f"cuda:{i}" if worker.device == "cuda" else worker.device)
+            own = dataclasses.replace(worker, bind=f"tcp://{self.host}:0", device=_engine_device(worker.device, i))
             workers.append(Service(f"worker{i}", py + ["chorus.colocate", "--config-proto", write_worker_proto(
                 own, None, os.path.join(tmp, f"worker{i}.pb"))]))
+        clip_workers = [self._omnivoice_worker(tmp, f"omnivoice-worker{i}", i) for i in range(self.engines)
+                        if self.omnivoice_worker is not None]
         vocoders = self._vocoder_services(vocoder, [None] * len(self.vocoder_ports))
-        self.services = [*workers, *vocoders]
+        clip_vocoders = self._omnivoice_vocoders(tmp)
+        self.services = [*workers, *clip_workers, *vocoders, *clip_vocoders]
         metrics = self.engine_metrics_ports or [0] * self.engines
         try:
             self._start_all(self.services, env, timeout)
             engines = []
             for i, (w, mport) in enumerate(zip(workers, metrics)):
+                # the frontends, not the cores, call the vocoders: an engine's core needs only its workers
                 core = dataclasses.replace(scheduler, host=self.host, port=0, metrics_port=mport, worker=w.address,
                                            vocoder=[v.address for v in vocoders], frontends=0,
                                            frontend_link=f"tcp://{self.host}:0")
+                if clip_workers:
+                    core.omnivoice_worker = [clip_workers[i].address]
                 engines.append(Service(f"engine{i}", py + ["scheduler_svc.server", "--config-proto", write_proto(
                     core, os.path.join(tmp, f"engine{i}.pb"))]))
             self.services += engines
@@ -362,6 +366,8 @@ class Cluster:
             self._reservation, port = _reserve_port(self.host, self.scheduler_port)
             front = dataclasses.replace(tier, host=self.host, port=port, engines=[e.address for e in engines],
                                         vocoder=[v.address for v in vocoders])
+            if clip_vocoders:
+                front.omnivoice_vocoder = [v.address for v in clip_vocoders]
             front_metrics = [*(self.frontend_metrics_ports or []), *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
                 dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
@@ -431,19 +437,30 @@ class Cluster:
         """The OmniVoice worker, then its vocoder replicas; [] when OmniVoice is not served."""
         if self.omnivoice_worker is None:
             return []
-        py = [sys.executable, "-m"]
-        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None)
+        return [self._omnivoice_worker(tmp, "omnivoice-worker"), *self._omnivoice_vocoders(tmp)]
+
+    def _omnivoice_worker(self, tmp: str, name: str, engine: int | None = None) -> Service:
+        """An OmniVoice worker (engine: the index of the engine it serves, whose GPU "cuda" means)."""
+        device = self.omnivoice_worker.device
+        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None,
+                                     device=device if engine is None else _engine_device(device, engine))
         if self._worker_curve and not worker.curve_secret_key:
             worker = dataclasses.replace(worker, curve_secret_key=self._worker_curve[0],
                                          curve_clients=self._worker_curve[1])
-        out = [Service("omnivoice-worker", py + ["chorus.colocate", "--config-proto", write_worker_proto(
-            worker, None, os.path.join(tmp, "omnivoice-worker.pb"))])]
+        return Service(name, [sys.executable, "-m", "chorus.colocate", "--config-proto", write_worker_proto(
+            worker, None, os.path.join(tmp, f"{name}.pb"))])
+
+    def _omnivoice_vocoders(self, tmp: str) -> list[Service]:
+        """The OmniVoice codec's vocoder replicas, one per port; [] when OmniVoice is not served."""
+        if self.omnivoice_worker is None:
+            return []
         vocoder = self.omnivoice_vocoder or VocoderConfig()
+        out = []
         for i, port in enumerate(self.omnivoice_vocoder_ports):
             name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
             replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=0, attach_decoder=None)
-            out.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
-                                           write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
+            out.append(Service(name, [sys.executable, "-m", "vocoder_svc.server", "--config-proto",
+                                      write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
                                drain=replica.grace + DRAIN_MARGIN_S))
         return out
 
@@ -501,6 +518,11 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _engine_device(device: str, engine: int) -> str:
+    """An engine's process's device: "cuda" is a GPU per engine (engine i's on cuda:i)."""
+    return f"cuda:{engine}" if device == "cuda" else device
 
 
 def _public_key_file(public: bytes) -> str:
