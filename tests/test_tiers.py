@@ -253,6 +253,7 @@ def test_a_killed_engine_fails_only_its_own_streams(tiers):
         req.min_frames = req.max_frames = 120
     requests = homes[victim.address] + homes[tiers.service("engine1").address]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
+    victim.proc.wait(timeout=30)  # reaped: served_by reads the metrics of live engines only
     assert all(isinstance(r, grpc.RpcError) for r in results[:2]), results
     assert {e.code() for e in results[:2]} == {grpc.StatusCode.UNAVAILABLE}
     assert all(not isinstance(r, grpc.RpcError) and r.summary.frames == 12 for r in results[2:]), results
