@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import Client, Retry, channel, synthesize
-from chorus.launcher import Service
+from chorus.processes import Service
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from helpers import make_cluster, metric, seeded_request

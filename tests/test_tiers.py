@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Cluster, read_metrics
+from chorus.launcher import Cluster
+from chorus.processes import read_metrics
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from chorus.wire import rows_matrix
 from helpers import seeded_request
@@ -177,7 +178,7 @@ def test_the_gateway_speaks_through_the_frontend_tier(tiers):
 
 
 def test_a_launched_gateway_refuses_a_tls_scheduler():
-    from chorus.launcher import LaunchError
+    from chorus.processes import LaunchError
     from scheduler_svc.config import SchedulerConfig
     with pytest.raises(LaunchError, match="--scheduler-tls-dir"):
         Cluster(scheduler=SchedulerConfig(tls_dir="/nonexistent"), gateway_port=0).start()

@@ -23,7 +23,7 @@ import pytest
 import soundfile as sf
 
 from chorus.client import channel, synthesize
-from chorus.launcher import free_port
+from chorus.processes import free_port
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
 from chorus.voice_store import (StoreFull, StoredVoice, VoiceExists, VoiceStoreError, check_url, default_url,
                                 open_store, shown_url)
