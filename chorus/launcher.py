@@ -225,7 +225,10 @@ class Cluster:
         vocoders = self._vocoder_services(vocoder, [None] * len(self.vocoder_ports))
         clip_vocoders = self._omnivoice_vocoders(tmp)
         self.services = [*workers, *clip_workers, *vocoders, *clip_vocoders]
-        metrics = self.engine_metrics_ports or [0] * self.engines
+        # scheduler.metrics_port P: the engines' cores serve /metrics on P, P+1, ..., the frontend tier
+        # processes on the ports after them (one port per process: they share no registry)
+        base = scheduler.metrics_port
+        metrics = self.engine_metrics_ports or [base + i if base else 0 for i in range(self.engines)]
         try:
             self._start_all(self.services, env, timeout)
             engines = []
@@ -246,7 +249,9 @@ class Cluster:
                                         vocoder=[v.address for v in vocoders])
             if clip_vocoders:
                 front.omnivoice_vocoder = [v.address for v in clip_vocoders]
-            front_metrics = [*(self.frontend_metrics_ports or []), *[0] * self.frontend_tier]
+            front_metrics = [*(self.frontend_metrics_ports or [base + self.engines + i if base else 0
+                                                               for i in range(self.frontend_tier)]),
+                             *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
                 dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
                 for i in range(self.frontend_tier)]
