@@ -7,126 +7,24 @@ it (so ephemeral ports work) and relays every line with a prefix.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Collection
 
 from chorus.config import parse, write_proto
+from chorus.processes import LaunchError, Service
 from gpu_worker.config import WorkerConfig
 from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
-READY = re.compile(r"\bready on (\S+)")
 DRAIN_MARGIN_S = 5.0  # a service's exit after its drain
-
-
-class LaunchError(RuntimeError):
-    pass
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def child_pids(pid: int) -> list[int]:
-    """The live child processes of pid (Linux /proc; [] elsewhere)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
-def _die_with_parent() -> None:
-    """In a service's process before exec: SIGTERM when the thread that started it ends, so a
-    launcher killed without a chance to clean up (SIGKILL, OOM) leaves no service behind."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Service:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    address: str | None = None
-    lines: list[str] = field(default_factory=list)
-    drain: float = 10.0  # seconds it may take to exit after SIGTERM (its drain) before it is killed
-    _ready: threading.Event = field(default_factory=threading.Event)
-
-    def start(self, echo: bool, env: dict[str, str], die_with_parent: bool = False) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent if die_with_parent else None)
-        threading.Thread(target=self._pump, args=(echo,), daemon=True).start()
-
-    def _pump(self, echo: bool) -> None:
-        assert self.proc and self.proc.stdout
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if len(self.lines) > 2000:
-                del self.lines[:1000]
-            if echo:
-                print(f"[{self.name}] {line}", flush=True)
-            m = READY.search(line)
-            if m and not self._ready.is_set():
-                self.address = m.group(1)
-                self._ready.set()
-        self._ready.set()  # exited: wake the waiter, which checks the return code
-
-    def wait_ready(self, timeout: float) -> str:
-        if not self._ready.wait(timeout):
-            raise LaunchError(f"{self.name} not ready after {timeout:.0f}s:\n" + "\n".join(self.lines[-30:]))
-        if self.address is None:
-            raise LaunchError(f"{self.name} exited with code {self.proc.poll()}:\n" + "\n".join(self.lines[-30:]))
-        return self.address
-
-    def cpu_seconds(self, children: bool = True) -> float | None:
-        """CPU time (user + system, all threads) the process has used so far, with its live child
-        processes' (the scheduler's frontends) unless children=False; None off Linux."""
-        if self.proc is None:
-            return None
-        pids = [self.proc.pid] + (child_pids(self.proc.pid) if children else [])
-        total = [process_cpu_seconds(p) for p in pids]
-        return None if total[0] is None else sum(t for t in total if t is not None)
-
-    def stop(self, timeout: float | None = None) -> None:
-        """SIGTERM, and a kill if it has not exited after `timeout` (None: its drain) seconds."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(self.drain if timeout is None else timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def same_device(a: str, b: str) -> bool:
@@ -153,26 +51,6 @@ def colocation(choice: str, device: str, vocoder_device: str | None, replicas: i
     if on and "step_frames" not in given:
         vocoder.step_frames = vocoder.first_chunk_frames
     return on, vocoder
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (for a service started next)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> dict[str, float]:
-    """A service's Prometheus samples without labels ({name: value}), e.g. counters' `_total`
-    and histograms' `_count` / `_sum`. Raises OSError when nothing answers."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name and not name.startswith("#") and "{" not in name:
-            out[name] = float(value)
-    return out
 
 
 @dataclass
@@ -323,10 +201,10 @@ class Cluster:
         return out
 
     def _start_tiers(self, env: dict[str, str], timeout: float) -> "Cluster":
-        """workers and vocoders, then an engine core per worker, then the frontend tier on one port."""
-        if self.colocate_vocoder or self.shared_decoder or self.omnivoice_worker is not None:
-            raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder, and "
-                              "no OmniVoice")
+        """workers and vocoders (with OmniVoice: a worker of it per engine, and its codec vocoders shared
+        by all), then an engine core per worker, then the frontend tier on one port."""
+        if self.colocate_vocoder or self.shared_decoder:
+            raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder")
         worker, vocoder, scheduler = self.configs()
         self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
         tmp = self._tmp.name
@@ -339,21 +217,28 @@ class Cluster:
         py = [sys.executable, "-m"]
         workers = []
         for i in range(self.engines):
-            # "cuda": a GPU per engine
-            own = dataclasses.replace(worker, bind=f"tcp://{self.host}:0",
-                                      device=f"cuda:{i}" if worker.device == "cuda" else worker.device)
+            own = dataclasses.replace(worker, bind=f"tcp://{self.host}:0", device=_engine_device(worker.device, i))
             workers.append(Service(f"worker{i}", py + ["chorus.colocate", "--config-proto", write_worker_proto(
                 own, None, os.path.join(tmp, f"worker{i}.pb"))]))
+        clip_workers = [self._omnivoice_worker(tmp, f"omnivoice-worker{i}", i) for i in range(self.engines)
+                        if self.omnivoice_worker is not None]
         vocoders = self._vocoder_services(vocoder, [None] * len(self.vocoder_ports))
-        self.services = [*workers, *vocoders]
-        metrics = self.engine_metrics_ports or [0] * self.engines
+        clip_vocoders = self._omnivoice_vocoders(tmp)
+        self.services = [*workers, *clip_workers, *vocoders, *clip_vocoders]
+        # scheduler.metrics_port P: the engines' cores serve /metrics on P, P+1, ..., the frontend tier
+        # processes on the ports after them (one port per process: they share no registry)
+        base = scheduler.metrics_port
+        metrics = self.engine_metrics_ports or [base + i if base else 0 for i in range(self.engines)]
         try:
             self._start_all(self.services, env, timeout)
             engines = []
             for i, (w, mport) in enumerate(zip(workers, metrics)):
+                # the frontends, not the cores, call the vocoders: an engine's core needs only its workers
                 core = dataclasses.replace(scheduler, host=self.host, port=0, metrics_port=mport, worker=w.address,
                                            vocoder=[v.address for v in vocoders], frontends=0,
                                            frontend_link=f"tcp://{self.host}:0")
+                if clip_workers:
+                    core.omnivoice_worker = [clip_workers[i].address]
                 engines.append(Service(f"engine{i}", py + ["scheduler_svc.server", "--config-proto", write_proto(
                     core, os.path.join(tmp, f"engine{i}.pb"))]))
             self.services += engines
@@ -362,7 +247,11 @@ class Cluster:
             self._reservation, port = _reserve_port(self.host, self.scheduler_port)
             front = dataclasses.replace(tier, host=self.host, port=port, engines=[e.address for e in engines],
                                         vocoder=[v.address for v in vocoders])
-            front_metrics = [*(self.frontend_metrics_ports or []), *[0] * self.frontend_tier]
+            if clip_vocoders:
+                front.omnivoice_vocoder = [v.address for v in clip_vocoders]
+            front_metrics = [*(self.frontend_metrics_ports or [base + self.engines + i if base else 0
+                                                               for i in range(self.frontend_tier)]),
+                             *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
                 dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
                 for i in range(self.frontend_tier)]
@@ -431,19 +320,30 @@ class Cluster:
         """The OmniVoice worker, then its vocoder replicas; [] when OmniVoice is not served."""
         if self.omnivoice_worker is None:
             return []
-        py = [sys.executable, "-m"]
-        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None)
+        return [self._omnivoice_worker(tmp, "omnivoice-worker"), *self._omnivoice_vocoders(tmp)]
+
+    def _omnivoice_worker(self, tmp: str, name: str, engine: int | None = None) -> Service:
+        """An OmniVoice worker (engine: the index of the engine it serves, whose GPU "cuda" means)."""
+        device = self.omnivoice_worker.device
+        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None,
+                                     device=device if engine is None else _engine_device(device, engine))
         if self._worker_curve and not worker.curve_secret_key:
             worker = dataclasses.replace(worker, curve_secret_key=self._worker_curve[0],
                                          curve_clients=self._worker_curve[1])
-        out = [Service("omnivoice-worker", py + ["chorus.colocate", "--config-proto", write_worker_proto(
-            worker, None, os.path.join(tmp, "omnivoice-worker.pb"))])]
+        return Service(name, [sys.executable, "-m", "chorus.colocate", "--config-proto", write_worker_proto(
+            worker, None, os.path.join(tmp, f"{name}.pb"))])
+
+    def _omnivoice_vocoders(self, tmp: str) -> list[Service]:
+        """The OmniVoice codec's vocoder replicas, one per port; [] when OmniVoice is not served."""
+        if self.omnivoice_worker is None:
+            return []
         vocoder = self.omnivoice_vocoder or VocoderConfig()
+        out = []
         for i, port in enumerate(self.omnivoice_vocoder_ports):
             name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
             replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=0, attach_decoder=None)
-            out.append(Service(name, py + ["vocoder_svc.server", "--config-proto",
-                                           write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
+            out.append(Service(name, [sys.executable, "-m", "vocoder_svc.server", "--config-proto",
+                                      write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
                                drain=replica.grace + DRAIN_MARGIN_S))
         return out
 
@@ -501,6 +401,11 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _engine_device(device: str, engine: int) -> str:
+    """An engine's process's device: "cuda" is a GPU per engine (engine i's on cuda:i)."""
+    return f"cuda:{engine}" if device == "cuda" else device
 
 
 def _public_key_file(public: bytes) -> str:

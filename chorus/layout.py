@@ -71,8 +71,8 @@ class ClusterConfig:
     quiet: bool = setting(False, "do not relay the services' logs")
     curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
                          "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
-    engines: int = setting(0, "engines, each a worker and a scheduler core (frontends = 0), behind a frontend tier; "
-                           "they serve MOSS alone (0 = one scheduler with its own frontends)", metavar="N", minimum=0)
+    engines: int = setting(0, "engines, each a worker (and an OmniVoice worker) and a scheduler core (frontends = 0), "
+                           "behind a frontend tier (0 = one scheduler with its own frontends)", metavar="N", minimum=0)
     gateways: int = setting(1, "with engines: frontend tier processes (`chorus frontend`) sharing the public port",
                             metavar="N", minimum=1)
     http_port: int | None = setting(None, "start the HTTP gateway (`chorus gateway`) on this port in front of the "
@@ -80,12 +80,12 @@ class ClusterConfig:
 
     @property
     def serves_omnivoice(self) -> bool:
-        return not self.engines and (self.omnivoice or self.omnivoice_model is not None)
+        return self.omnivoice or self.omnivoice_model is not None
 
     def validate(self) -> None:
-        if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder or self.omnivoice_model):
-            raise ConfigError("cluster.engines: engines use vocoder replicas of their own and serve MOSS alone: "
-                              "leave colocate_vocoder, shared_vocoder_decoder and omnivoice_model unset")
+        if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder):
+            raise ConfigError("cluster.engines: engines use vocoder replicas of their own: leave colocate_vocoder "
+                              "and shared_vocoder_decoder unset")
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
             raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
                               "colocated decoder is the worker's; a shared one is a process of its own)")

@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -114,9 +114,8 @@ class VoiceStore(ABC):
     def get(self, owner: str, voice_id: str) -> StoredVoice | None:
         if "\0" in owner + voice_id:
             return None  # put never stores one
-        row = self._read(lambda sql: sql.one("SELECT voice FROM voices WHERE owner = ? AND voice_id = ?",
-                                             owner, voice_id))
-        return StoredVoice.FromString(bytes(row[0])) if row else None
+        return _voice(self._read(lambda sql: sql.one(
+            "SELECT voice, created_at FROM voices WHERE owner = ? AND voice_id = ?", owner, voice_id)))
 
     def delete(self, owner: str, voice_id: str) -> StoredVoice | None:
         """Remove the voice; what was removed, or None when the owner has no such id."""
@@ -124,10 +123,10 @@ class VoiceStore(ABC):
             return None
 
         def delete(sql: _Sql) -> StoredVoice | None:
-            row = sql.one("SELECT voice FROM voices WHERE owner = ? AND voice_id = ?", owner, voice_id)
+            row = sql.one("SELECT voice, created_at FROM voices WHERE owner = ? AND voice_id = ?", owner, voice_id)
             if row:
                 sql.run("DELETE FROM voices WHERE owner = ? AND voice_id = ?", owner, voice_id)
-            return StoredVoice.FromString(bytes(row[0])) if row else None
+            return _voice(row)
         return self._write(owner, delete)
 
     def list(self, owner: str) -> list[StoredVoice]:
@@ -158,10 +157,21 @@ class VoiceStore(ABC):
         self.close()
 
 
+def _voice(row) -> StoredVoice | None:
+    """A (voice, created_at) row as the voice with its created time; None for no row."""
+    if not row:
+        return None
+    voice = StoredVoice.FromString(bytes(row[0]))
+    voice.created_at = _unix_seconds(row[1])
+    return voice
+
+
 def _unix_seconds(created_at) -> int:
     """A created_at column's value in unix seconds: SQLite's ISO 8601 text in UTC, PostgreSQL's datetime."""
     if isinstance(created_at, str):
         created_at = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
+    if created_at.tzinfo is None:  # SQLite's CURRENT_TIMESTAMP is UTC without a zone: not local time
+        created_at = created_at.replace(tzinfo=timezone.utc)
     return int(created_at.timestamp())
 
 

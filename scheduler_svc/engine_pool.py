@@ -67,6 +67,11 @@ def _count(event: str, ttfa_s: float, outcome: str) -> None:
         metrics.FRONTEND_REQUESTS.labels(outcome or "cancelled").inc()
 
 
+def _models(hello: frontend_pb2.CoreHello) -> set[str]:
+    """The models an engine schedules: its worker's, and its canvas workers'."""
+    return {hello.worker.model_name, *(h.model_name for h in hello.canvas_workers)}
+
+
 @dataclass
 class _Stream:
     """A call's reports, held until its engine is known (so one engine counts it start to end)."""
@@ -158,13 +163,14 @@ class EnginePool:
         self.health_changed.set()
 
     def _live(self, model: str | None = None) -> list[CoreClient]:
-        """Engines that take requests (for model: whose worker for it answers), by endpoint."""
+        """Engines that take requests (for model: that schedule it and whose worker for it answers), by
+        endpoint. An engine whose OmniVoice worker is down still takes MOSS requests, and the reverse."""
         if self.hello is None:
             return []
         model = model or self.hello.worker.model_name
         return [c for _, c in sorted(self.engines.items())
                 if c.up and not c.draining and c.hello.worker.model_name == self.hello.worker.model_name
-                and model not in c.down]
+                and model in _models(c.hello) and model not in c.down]
 
     def _pick(self, key: bytes | None, model: str | None, refused: set[str]) -> CoreClient | None:
         live = {c.endpoint: c for c in self._live(model) if c.endpoint not in refused}
@@ -177,8 +183,7 @@ class EnginePool:
         """Models no live engine serves."""
         if self.hello is None:
             return set()
-        models = {self.hello.worker.model_name, *(h.model_name for h in self.hello.canvas_workers)}
-        return {m for m in models if not self._live(m)}
+        return {m for m in _models(self.hello) if not self._live(m)}
 
     @property
     def draining(self) -> bool:

@@ -399,6 +399,9 @@ async def _omnivoice(args: SchedulerConfig, core: EnginePool, cfg: MossTTSLocalC
         return models, None
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 
+    if not args.omnivoice_vocoder:  # a frontend tier's engines schedule OmniVoice; the tier decodes it
+        raise SystemExit(f"frontend {index}: the engines serve {core.hello.canvas_workers[0].model_name} but "
+                         f"scheduler.omnivoice_vocoder is empty: give an OmniVoice codec vocoder's address")
     clips = ClipVocoders(args.omnivoice_vocoder, tls_dir=args.vocoder_tls_dir)
     if index == 0:
         log.info("waiting for the OmniVoice vocoder at %s", clips.replicas[0].address)

@@ -7,8 +7,10 @@ what a core's own frontend does (scheduler_svc/frontend.py: validation, prompts,
 the client's audio) against every engine (a scheduler core with frontends = 0 and its worker) that
 --engines names, picking one per request: the same voice or reference goes to the same engine,
 whose radix cache holds its prefix, unless that engine carries too much more than the mean load
-(scheduler_svc/engine_picker.py). It takes the [scheduler] settings; grpc health is SERVING while
-one engine is up. Several processes may share --port (SO_REUSEPORT); each serves its own Prometheus
+(scheduler_svc/engine_picker.py). When the engines schedule OmniVoice, it builds OmniVoice's prompts
+and decodes its canvases on --omnivoice-vocoder, and sends each OmniVoice request to an engine whose
+OmniVoice worker answers. It takes the [scheduler] settings; grpc health is SERVING while one engine
+is up (per model: while one engine's worker for it answers). Several processes may share --port (SO_REUSEPORT); each serves its own Prometheus
 metrics on --metrics-port (calls by outcome, time to first audio, picks per engine, live engines).
 """
 

@@ -9,7 +9,8 @@ import time
 import zmq
 
 from chorus.client import channel
-from chorus.launcher import Cluster, free_port, read_metrics
+from chorus.launcher import Cluster
+from chorus.processes import free_port, read_metrics
 from chorus.v1 import tts_pb2, vocoder_pb2, vocoder_pb2_grpc, worker_pb2
 
 

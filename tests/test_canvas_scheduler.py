@@ -395,7 +395,7 @@ def _omnivoice_preset() -> bool:
 def test_canvases_through_a_real_omnivoice_worker():
     """The tiny OmniVoice worker process: canvases of different lengths, steps and guidance packed
     together each end with a full canvas, and one alone gets exactly the codes it gets packed."""
-    from chorus.launcher import Service, free_port
+    from chorus.processes import Service, free_port
     from chorus.omnivoice.prompt import plan_pieces
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from chorus.launcher import child_pids
+from chorus.processes import child_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from chorus.client import AsyncClient, AudioFile, Client, Retry, channel, synthesize
-from chorus.launcher import free_port
+from chorus.processes import free_port
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 from helpers import seeded_request, wait_until_idle
 

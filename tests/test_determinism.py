@@ -95,7 +95,7 @@ def test_a_restarted_worker_never_serves_a_stale_prefix(baseline):
     new process's first journal says so (another incarnation): the scheduler drops that step, which
     attended to rows the new worker never wrote, empties its cache and re-prefills. The request's
     frames equal the baseline's."""
-    from chorus.launcher import Service, free_port
+    from chorus.processes import Service, free_port
 
     with make_cluster(WORKER, worker_port=free_port()) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
@@ -137,7 +137,7 @@ def test_a_worker_restart_mid_request_loses_no_audio(scheduler_args):
     one that works, or the client's 120 s deadline runs out), re-prefills the request's prompt and
     frames on it, and the request goes on: its frames equal those of the same request run without a
     restart."""
-    from chorus.launcher import Service, free_port
+    from chorus.processes import Service, free_port
 
     req = workload()[0]
     req.min_frames = req.max_frames = 300

@@ -24,7 +24,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import Client, Retry, Synthesis, add_response, channel, synthesize
-from chorus.launcher import Cluster, Service
+from chorus.launcher import Cluster
+from chorus.processes import Service
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from chorus.wire import rows_matrix

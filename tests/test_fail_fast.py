@@ -41,7 +41,7 @@ def _stream(stub, req, out: dict, started: threading.Event) -> None:
 
 
 def test_a_killed_worker_fails_fast_and_a_new_one_brings_the_service_back():
-    from chorus.launcher import Service, free_port
+    from chorus.processes import Service, free_port
 
     with make_cluster(["--dtype", "float64"], FAST, worker_port=free_port()) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))

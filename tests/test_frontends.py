@@ -17,7 +17,7 @@ import soundfile as sf
 
 from chorus.client import synthesize
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc
-from chorus.launcher import Service, child_pids
+from chorus.processes import Service, child_pids
 from chorus.voice_store import open_store
 from helpers import make_cluster, metric, seeded_request, still_running, wait_until_idle
 

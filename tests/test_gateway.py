@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Service, free_port
+from chorus.processes import Service, free_port
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 from helpers import make_cluster, metric, wait_until_idle
 

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from chorus.config import parse
-from chorus.launcher import Service
+from chorus.processes import Service
 from chorus.omnivoice.config import OmniVoiceConfig, tiny_config
 from chorus.omnivoice.knobs import UnmaskKnobs
 from chorus.v1 import worker_pb2

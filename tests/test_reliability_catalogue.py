@@ -26,7 +26,7 @@ import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Service
+from chorus.processes import Service
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2
 from gpu_worker.config import WorkerConfig
 from helpers import make_cluster, seeded_request, wait_until_idle
@@ -589,7 +589,7 @@ def test_afterwards_the_service_is_healthy_idle_and_gives_the_same_audio(service
     assert wait_until_idle(service) == (0, 0, 0, 0)  # KV slots, running, worker states, vocoder streams
     for gauge in ("chorus_canvas_queue_depth", "chorus_canvas_running", "chorus_canvas_rows_used"):
         assert labelled_sum(service, gauge) == 0, gauge
-    from chorus.launcher import read_metrics
+    from chorus.processes import read_metrics
     m = read_metrics(service.metrics_port)
     assert m["chorus_queue_depth"] == 0 and m["chorus_running_requests"] == 0 and m["chorus_kv_slots_used"] == 0
     assert m["chorus_kv_slots_free"] + m["chorus_kv_slots_cached"] == m["chorus_kv_slots_total"]

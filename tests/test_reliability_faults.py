@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Service, child_pids, free_port
+from chorus.processes import Service, child_pids, free_port
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2_grpc
 from helpers import make_cluster, seeded_request, wait_until_idle

@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from chorus.client import channel, synthesize
-from chorus.launcher import Cluster, read_metrics
+from chorus.launcher import Cluster
+from chorus.processes import read_metrics
 from chorus.v1 import common_pb2, tts_pb2, tts_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 from chorus.wire import rows_matrix
 from helpers import seeded_request
@@ -177,7 +178,7 @@ def test_the_gateway_speaks_through_the_frontend_tier(tiers):
 
 
 def test_a_launched_gateway_refuses_a_tls_scheduler():
-    from chorus.launcher import LaunchError
+    from chorus.processes import LaunchError
     from scheduler_svc.config import SchedulerConfig
     with pytest.raises(LaunchError, match="--scheduler-tls-dir"):
         Cluster(scheduler=SchedulerConfig(tls_dir="/nonexistent"), gateway_port=0).start()
@@ -253,6 +254,7 @@ def test_a_killed_engine_fails_only_its_own_streams(tiers):
         req.min_frames = req.max_frames = 120
     requests = homes[victim.address] + homes[tiers.service("engine1").address]
     results = _run_all(tiers, requests, on_started=victim.proc.kill)  # a hang would end DEADLINE_EXCEEDED
+    victim.proc.wait(timeout=30)  # reaped: served_by reads the metrics of live engines only
     assert all(isinstance(r, grpc.RpcError) for r in results[:2]), results
     assert {e.code() for e in results[:2]} == {grpc.StatusCode.UNAVAILABLE}
     assert all(not isinstance(r, grpc.RpcError) and r.summary.frames == 12 for r in results[2:]), results

@@ -433,7 +433,7 @@ def test_decode_process_death_fails_over_byte_identical():
     bytes): SIGKILL of one replica's decode process mid-stream ends its calls UNAVAILABLE, the
     scheduler replays them on the other replica, every client's audio is byte-identical to the
     fault-free run, and the replica whose decoder died exits non-zero."""
-    from chorus.launcher import child_pids
+    from chorus.processes import child_pids
 
     slots_args = ["--engine", "slots", "--slots", "4", "--buckets", "4", "--graphs", "off"]
     c = make_cluster(worker_args=["--dtype", "float32", "--max-batch", "8", "--kv-slots", "16384"],

@@ -53,7 +53,7 @@ from chorus.bench.report import level_metrics, percentile, plot, readme_rows
 from chorus.bench.sweep import run_levels
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 from chorus.config import ConfigError, given_fields
-from chorus.launcher import free_port
+from chorus.processes import free_port
 from chorus.layout import SERVICES, given, load
 from chorus.provenance import cpu_model, git_revision
 

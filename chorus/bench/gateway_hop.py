@@ -28,7 +28,8 @@ import httpx
 
 from chorus.bench.common import write_json
 from chorus.client import channel
-from chorus.launcher import Cluster, Service
+from chorus.launcher import Cluster
+from chorus.processes import Service
 from chorus.v1 import tts_pb2, tts_pb2_grpc
 
 TEXT = "Hello, this is a short sentence for the benchmark."

@@ -21,7 +21,7 @@ import time
 import grpc
 
 from chorus.bench.common import write_json
-from chorus.launcher import process_cpu_seconds
+from chorus.processes import process_cpu_seconds
 from chorus.v1 import vocoder_pb2, vocoder_pb2_grpc
 
 CHUNK_BYTES = 25 * 3840 * 2 * 2  # 25 frames x 3840 samples x 2 channels x int16

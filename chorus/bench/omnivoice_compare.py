@@ -190,7 +190,7 @@ def services_part(ckpt: Path, duration: float, warmup: float, logs: bool, overri
     from chorus import bench
     from chorus.bench.layouts import resolve
     from chorus.config import merge
-    from chorus.launcher import free_port
+    from chorus.processes import free_port
     from chorus.layout import build
 
     named = resolve("o1-1gpu")

@@ -22,7 +22,7 @@ import tempfile
 
 from chorus.bench import cpu_fixture
 from chorus.bench.common import write_json
-from chorus.launcher import Service, free_port, read_metrics
+from chorus.processes import Service, free_port, read_metrics
 from gpu_worker.loader import PRESETS
 from chorus.bench.relay_bench import _serve as instant_vocoder
 from chorus.bench.scheduler_bench import _instant_worker as instant_worker

@@ -4,7 +4,7 @@ the counters read before and after the level."""
 
 from __future__ import annotations
 
-from chorus.launcher import read_metrics
+from chorus.processes import read_metrics
 
 STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum": "step_seconds",
                   "chorus_lookahead_steps_total": "lookahead_steps", "chorus_frames_generated_total": "frames",

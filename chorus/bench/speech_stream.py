@@ -32,7 +32,8 @@ from websockets.sync.client import connect
 from chorus.bench.common import write_json
 from chorus.client import Client
 from chorus.v1 import tts_pb2
-from chorus.launcher import Cluster, Service
+from chorus.launcher import Cluster
+from chorus.processes import Service
 from chorus.sentences import SentenceCutter
 
 TEXT = ("Hello, this is the first sentence of the answer. The second one follows it closely, "

@@ -27,7 +27,7 @@ def measured(results: dict, workload: str, mode: str, value: float) -> bool:
 async def run_levels(args: argparse.Namespace, address: str, seed: int, results: dict,
                      services: list | None = None, metrics_port: int | None = None,
                      vocoder_metrics_ports: list[int] | None = None, saved=None) -> None:
-    """services: the launched processes (chorus.launcher.Service), whose CPU use each level records;
+    """services: the launched processes (chorus.processes.Service), whose CPU use each level records;
     metrics_port: the scheduler's Prometheus port, whose step counters each level records;
     vocoder_metrics_ports: the vocoders' ones, whose decode-step counters each level records;
     saved(): called after each level (the JSON is rewritten). Levels results holds already are

@@ -22,7 +22,7 @@ import numpy as np
 
 from chorus.bench.common import write_json
 
-from chorus.launcher import Service, free_port, read_metrics
+from chorus.processes import Service, free_port, read_metrics
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 
