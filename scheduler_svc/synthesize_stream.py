@@ -8,7 +8,9 @@ transcript, whole pieces within `continuation_seconds`), so voice and prosody ca
 cut; a piece longer than that starts again from the config's voice. OmniVoice has no
 continuation: each sentence is a plain request with the same reference. With a seed, piece i
 uses seed + i, and where the text is cut depends on the text alone, so the audio is the same
-however the text was split into messages.
+however the text was split into messages. Each piece is placed on an engine as any request is, and
+one refused before its audio began (queues full, its engine draining) is tried again: a session
+outlives the drain of the engine that spoke its earlier pieces.
 
 The client hears one stream: one header, audio numbered from the stream's start (a WAV stream
 has one WAV header), codes likewise when it asked for them; SynthesizeStream adds a
