@@ -240,7 +240,7 @@ class Cluster:
                 if clip_workers:
                     core.omnivoice_worker = [clip_workers[i].address]
                 engines.append(Service(f"engine{i}", py + ["scheduler_svc.server", "--config-proto", write_proto(
-                    core, os.path.join(tmp, f"engine{i}.pb"))]))
+                    core, os.path.join(tmp, f"engine{i}.pb"))], drain=core.drain_seconds + DRAIN_MARGIN_S))
             self.services += engines
             self._start_all(engines, env, timeout)
             from scheduler_svc.server import _reserve_port  # noqa: PLC0415 - the cores' own way to share a port
@@ -253,8 +253,8 @@ class Cluster:
                                                                for i in range(self.frontend_tier)]),
                              *[0] * self.frontend_tier]
             fronts = [Service(f"frontend{i}", py + ["scheduler_svc.frontend_tier", "--config-proto", write_proto(
-                dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))])
-                for i in range(self.frontend_tier)]
+                dataclasses.replace(front, metrics_port=front_metrics[i]), os.path.join(tmp, f"frontend{i}.pb"))],
+                drain=front.drain_seconds + DRAIN_MARGIN_S) for i in range(self.frontend_tier)]
             self.services += fronts
             self._start_all(fronts, env, timeout)
             self._start_gateway(self.frontend_tier, env, timeout)
