@@ -133,6 +133,14 @@ class SchedulerConfig:
     max_expected_wait_s: float = setting(5.0, "a request whose expected queue wait passes this many seconds gets "
                                          "RESOURCE_EXHAUSTED with a retry hint (0 = only max_queue refuses)",
                                          metavar="S", minimum=0)
+    # ---- per caller: each frontend process counts its own calls (the deployment's limit is this times them)
+    max_calls_per_owner: int = setting(0, "calls one API key owner may have open in each frontend process; more get "
+                                       "RESOURCE_EXHAUSTED (0 = no cap)", metavar="N", minimum=0)
+    calls_per_minute_per_owner: float = setting(0.0, "calls one API key owner may start a minute in each frontend "
+                                                "process; faster get RESOURCE_EXHAUSTED (0 = no limit)",
+                                                metavar="N", minimum=0)
+    call_burst_per_owner: int = setting(10, "calls an owner may start at once before calls_per_minute_per_owner "
+                                        "paces them", metavar="N", minimum=1)
 
     def link_message_bytes(self) -> int:
         """The largest message either end of the core-frontend link sends under these limits: a

@@ -275,6 +275,11 @@ class EnginePool:
         if event == "start":
             _stream.set(_Stream())
             return
+        if event == "refused":  # a caller's limit refused the call before it reached an engine
+            live = self._live()
+            if live:
+                live[0].report(event, outcome=outcome)
+            return
         stream = _stream.get() or _Stream()
         engine = stream.engine
         if engine is None and event == "end":

@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chorus.api_keys import ApiKeyInterceptor, ApiKeys, KeyFileError, caller
+from chorus.caller_limits import CallerLimits, Limit
 from chorus.drain import RETRY_HINT_S, Drain
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.omnivoice import knobs as ov
@@ -73,11 +74,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                  limits: Limits, codec: vocoder_pb2.VocoderInfo, voices: VoiceLibrary,
                  first_chunk_frames_loaded: int = 0, models: ServedModels | None = None,
                  omnivoice: OmniVoiceFrontend | None = None, backlog: Backlog | None = None,
-                 keys: ApiKeys | None = None, pieces: PieceLimits | None = None):
+                 keys: ApiKeys | None = None, pieces: PieceLimits | None = None,
+                 caller_limits: CallerLimits | None = None):
         """codec: a vocoder replica's Info; the pool's chunk defaults (vocoders.chunks) are those of
         streams whose client leaves streaming.* unset. voices: the stored voices. models: every served
         model (None: the MOSS model alone); omnivoice: the OmniVoice path, where models has OmniVoice
-        models; keys: the API keys, whose owners own voices (None: no keys; every voice is everyone's)."""
+        models; keys: the API keys, whose owners own voices (None: no keys; every voice is everyone's);
+        caller_limits: each owner's cap on open calls and call starts (None: none)."""
         self.core = core
         self.voices = voices
         self.models = models or ServedModels([ServedModel(cfg.name, MOSS)])
@@ -92,6 +95,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.frame_rate = codec.sample_rate / codec.samples_per_frame
         self.keys = keys
         self.streams = TextStreams(self, pieces or PieceLimits())  # SynthesizeStream, long-form Synthesize
+        self.caller_limits = caller_limits or CallerLimits(Limit())
 
     def _caller(self, context) -> str:
         """The owner of the call's API key ("" without keys); the interceptor has checked the key."""
@@ -187,11 +191,18 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
             yield response
 
     async def _answer(self, responses, context: grpc.aio.ServicerContext):
-        """The call's responses (from responses()), its failures as statuses, reported to the core."""
-        self._caller(context)
-        self.core.report("start")
+        """The call's responses (from responses()), its failures as statuses, reported to the core. A
+        caller over its limits is refused first, before any work."""
+        owner = self._caller(context)
+        refusal = self.caller_limits.admit(owner, time.monotonic())
+        if refusal is not None:
+            log.info("caller %s refused: %s", printable(owner) or "(no key)", refusal.message)
+            self.core.report("refused", outcome=refusal.limit)
+            set_retry_hint(context, refusal.retry_after)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
         outcome = ""
         try:
+            self.core.report("start")
             async for response in responses():
                 yield response
             outcome = "ok"
@@ -206,6 +217,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
                 set_retry_hint(context, RETRY_HINT_S)
             await context.abort(e.code, str(e))
         finally:
+            self.caller_limits.release(owner)
             self.core.report("end", outcome=outcome)
 
     async def _synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext):
@@ -462,7 +474,9 @@ async def serve(args: SchedulerConfig, core_endpoint: str | None, index: int) ->
     add_service(
         TextToSpeechServicer(core, vocoders, cfg, tokenizer, limits, codec, voices, args.first_chunk_frames_loaded,
                              models, omnivoice, backlog, keys,
-                             PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)})),
+                             PieceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PieceLimits)}),
+                             CallerLimits(Limit(args.max_calls_per_owner, args.calls_per_minute_per_owner,
+                                                args.call_burst_per_owner))),
         server, tts_pb2, "TextToSpeech")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -307,6 +307,8 @@ class FrontendLink(EventSink, CanvasSink):
             metrics.ACTIVE_STREAMS.inc()
         elif r.event == "first_audio":
             metrics.TTFA_SECONDS.observe(r.ttfa_s)
+        elif r.event == "refused":
+            metrics.CALLER_REFUSALS.labels(r.outcome).inc()
         elif r.event == "end":
             metrics.ACTIVE_STREAMS.dec()
             if r.outcome:

@@ -47,6 +47,10 @@ TURNAROUND_MS = Histogram("chorus_scheduler_turnaround_ms", "Journal received to
                           registry=REGISTRY, buckets=(0.5, 1, 2, 3, 5, 8, 12, 20, 50, 100))
 LOOKAHEAD_STEPS = Counter("chorus_lookahead_steps", "Steps sent before the previous journal returned",
                           registry=REGISTRY)
+# Calls a frontend refused for their caller's limits (chorus/caller_limits.py), by the config key; no
+# owner label (owners are unbounded): the frontend's log line names the owner.
+CALLER_REFUSALS = Counter("chorus_caller_refusals", "Calls refused by their API key owner's limit, before any work: "
+                          "max_calls_per_owner or calls_per_minute_per_owner", ["limit"], registry=REGISTRY)
 # OmniVoice: one series per OmniVoice worker, labelled by its model name.
 CANVAS_QUEUE_DEPTH = Gauge("chorus_canvas_queue_depth", "OmniVoice canvases waiting for admission", ["model"],
                            registry=REGISTRY)
