@@ -96,6 +96,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         self.keys = keys
         self.streams = TextStreams(self, pieces or PieceLimits())  # SynthesizeStream, long-form Synthesize
         self.caller_limits = caller_limits or CallerLimits(Limit())
+        self._refusal_logged = float("-inf")  # a noisy caller's refusals: a log line a second at most
 
     def _caller(self, context) -> str:
         """The owner of the call's API key ("" without keys); the interceptor has checked the key."""
@@ -194,9 +195,12 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServicer):
         """The call's responses (from responses()), its failures as statuses, reported to the core. A
         caller over its limits is refused first, before any work."""
         owner = self._caller(context)
-        refusal = self.caller_limits.admit(owner, time.monotonic())
+        now = time.monotonic()
+        refusal = self.caller_limits.admit(owner, now)
         if refusal is not None:
-            log.info("caller %s refused: %s", printable(owner) or "(no key)", refusal.message)
+            if now - self._refusal_logged >= 1.0:
+                self._refusal_logged = now
+                log.info("caller %s refused: %s", printable(owner) or "(no key)", refusal.message)
             self.core.report("refused", outcome=refusal.limit)
             set_retry_hint(context, refusal.retry_after)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
