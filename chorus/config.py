@@ -294,6 +294,16 @@ def parse(cls, args: list[str] | argparse.Namespace | None = None, file: str | N
     return obj
 
 
+def parse_command_line(cls, parser: argparse.ArgumentParser, argv: list[str] | None):
+    """(the checked cls, the namespace) of a service's command line; a ConfigError exits through
+    parser.error, with the usage and the message naming what is wrong."""
+    ns = parser.parse_args(argv)
+    try:
+        return parse(cls, ns), ns
+    except ConfigError as e:
+        parser.error(str(e))
+
+
 def given_fields(cls, argv: list[str]) -> dict[str, Any]:
     """Only the fields that flags in argv set: {field: value}."""
     parser = argparse.ArgumentParser(prog=cls.TABLE, add_help=False)

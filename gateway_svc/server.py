@@ -36,7 +36,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from chorus.api_keys import bearer_interceptors
-from chorus.config import ConfigError, add_config_flags, parse
+from chorus.config import add_config_flags, parse_command_line
 from chorus.drain import CUT_MARGIN_S, RETRY_HINT_S, Drain
 from chorus.retry_hint import retry_after_header
 from chorus.tls import aio_channel
@@ -348,10 +348,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m gateway_svc.serve
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p, GatewayConfig)
-    try:
-        cfg = parse(GatewayConfig, p.parse_args(argv))
-    except ConfigError as e:
-        p.error(str(e))
+    cfg, _ = parse_command_line(GatewayConfig, p, argv)
     asyncio.run(serve(cfg))
     return 0
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from chorus.config import ConfigError, add_config_flags, parse
+from chorus.config import add_config_flags, parse_command_line
 from chorus.sizing import (CPU_KV_SLOTS, CPU_MAX_BATCH, CPU_VOCODER_SLOTS, CodecFootprint, ModelFootprint, Sizing,
                            size_worker)
 from chorus.v1 import worker_pb2
@@ -195,10 +195,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
 def main(argv: list[str] | None = None, prog: str = "python -m gpu_worker.server") -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_arguments(p)
-    try:
-        config = parse(WorkerConfig, p.parse_args(argv))
-    except ConfigError as e:
-        p.error(str(e))
+    config, _ = parse_command_line(WorkerConfig, p, argv)
     run(config)
 
 

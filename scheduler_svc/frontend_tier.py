@@ -23,7 +23,7 @@ import sys
 
 from prometheus_client import start_http_server
 
-from chorus.config import ConfigError, add_config_flags, parse
+from chorus.config import add_config_flags, parse_command_line
 from scheduler_svc import frontend, metrics
 from scheduler_svc.config import SchedulerConfig
 
@@ -45,11 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m scheduler_svc.frontend_tier") -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    ns = p.parse_args(argv)
-    try:
-        config = parse(SchedulerConfig, ns)
-    except ConfigError as e:
-        p.error(str(e))
+    config, _ = parse_command_line(SchedulerConfig, p, argv)
     if not config.engines:
         p.error("--engines: give at least one engine (tcp://HOST:PORT of a core's frontend_link, or "
                 "dns:///NAME:PORT)")

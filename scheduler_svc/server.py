@@ -40,7 +40,7 @@ import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from chorus.config import ConfigError, add_config_flags, parse, write_proto
+from chorus.config import add_config_flags, parse_command_line, write_proto
 from chorus import curve
 from chorus.curve import CurveError
 from chorus.moss_config import MossTTSLocalConfig
@@ -297,11 +297,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m scheduler_svc.ser
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    ns = p.parse_args(argv)
-    try:
-        config = parse(SchedulerConfig, ns)
-    except ConfigError as e:
-        p.error(str(e))
+    config, ns = parse_command_line(SchedulerConfig, p, argv)
     run(config, ns.core, ns.frontend_index)
 
 

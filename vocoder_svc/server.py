@@ -92,7 +92,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from chorus.v1 import vocoder_pb2
-from chorus.config import ConfigError, add_config_flags, parse
+from chorus.config import add_config_flags, parse_command_line
 from chorus.drain import Drain
 from chorus.request_decoding import add_service
 from chorus.tls import TlsError, add_port
@@ -232,10 +232,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vocoder_svc.serve
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    try:
-        config = parse(VocoderConfig, parser.parse_args(argv))
-    except ConfigError as e:
-        parser.error(str(e))
+    config, _ = parse_command_line(VocoderConfig, parser, argv)
     run(config)
 
 
