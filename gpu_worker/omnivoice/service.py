@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +150,7 @@ def run(args: WorkerConfig) -> None:
     print(f"worker ready on {endpoint} model={greeting.model_name} device={greeting.device} dtype={greeting.dtype}",
           flush=True)
     pending: tuple[bytes, PendingPlan] | None = None  # a launched plan whose journal is not sent yet
+    plans: deque[tuple[bytes, worker_pb2.StepPlan]] = deque()  # arrived, not launched yet
 
     def flush() -> None:
         nonlocal pending
@@ -159,44 +161,53 @@ def run(args: WorkerConfig) -> None:
             journal.incarnation = greeting.incarnation
             sock.send_multipart([ident, worker_pb2.WorkerEvent(journal=journal).SerializeToString()])
 
+    def answer(ident: bytes, cmd: worker_pb2.WorkerCommand) -> None:
+        reply = worker_pb2.WorkerEvent()
+        kind = cmd.WhichOneof("kind")
+        if kind == "hello":
+            if cmd.hello.release_all:  # a scheduler starting: nothing sent before it is wanted
+                plans.clear()
+                for request_id in list(engine.canvases) + list(engine.dropped):
+                    engine.release(request_id)
+            reply.hello.CopyFrom(greeting)
+        elif kind == "stats":
+            reply.stats.active_requests = len(engine)
+            reply.stats.steps = engine.steps
+        else:
+            reply.error = f"unknown command {kind!r}"
+        sock.send_multipart([ident, reply.SerializeToString()])
+
     try:
         while not link.stopping:
             # While a step runs on the GPU, wait for whichever comes first: its codes or the next
             # plan (the scheduler's lookahead), which is launched before the journal is built.
             if pending is not None and pending[1].ready():
                 flush()
-            if not sock.poll(0 if pending is not None else 200):
-                if pending is not None:
-                    time.sleep(0.0001)
-                continue
-            ident, payload = sock.recv_multipart()
-            reply = worker_pb2.WorkerEvent()
-            try:
-                cmd = worker_pb2.WorkerCommand.FromString(payload)
-            except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
-                flush()
-                reply.error = f"unparseable WorkerCommand: {e}"
-                sock.send_multipart([ident, reply.SerializeToString()])
-                continue
-            kind = cmd.WhichOneof("kind")
-            if kind == "step":
-                launched = launch(engine, cmd.step)
+            # Take in everything that arrived: plans wait their turn, in order; hello and stats are
+            # answered now (behind a queued plan they would wait a whole step).
+            timeout = 0 if pending is not None or plans else 200
+            while sock.poll(timeout):
+                timeout = 0
+                ident, payload = sock.recv_multipart()
+                try:
+                    cmd = worker_pb2.WorkerCommand.FromString(payload)
+                except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
+                    sock.send_multipart([ident, worker_pb2.WorkerEvent(
+                        error=f"unparseable WorkerCommand: {e}").SerializeToString()])
+                    continue
+                if cmd.WhichOneof("kind") == "step":
+                    plans.append((ident, cmd.step))
+                elif cmd.WhichOneof("kind") == "shutdown":
+                    flush()
+                    return
+                else:
+                    answer(ident, cmd)
+            if plans:
+                ident, plan = plans.popleft()
+                launched = launch(engine, plan)
                 flush()  # journals go out in plan order
                 pending = (ident, launched)
-                continue
-            flush()
-            if kind == "hello":
-                if cmd.hello.release_all:
-                    for request_id in list(engine.canvases) + list(engine.dropped):
-                        engine.release(request_id)
-                reply.hello.CopyFrom(greeting)
-            elif kind == "stats":
-                reply.stats.active_requests = len(engine)
-                reply.stats.steps = engine.steps
-            elif kind == "shutdown":
-                break
-            else:
-                reply.error = f"unknown command {kind!r}"
-            sock.send_multipart([ident, reply.SerializeToString()])
+            elif pending is not None:
+                time.sleep(0.0001)
     finally:
         link.close()
