@@ -4,13 +4,14 @@ against one OmniVoice worker.
 One asyncio task asks the policy for a plan, sends it, waits for its journal and hands the
 results back; the canvases that ended go to the sink (the frontend link), each once.
 
-Lookahead: with it on, up to `lookahead_depth` plans are in flight. The worker's step is short
-next to the round trip around it (the journal over ZeroMQ, the core applying it and planning,
-the plan back): with one plan in flight the worker idles for all of it, every step. The policy
-knows what a step leaves (every canvas advances one index; one on its last step ends), so the
-next plan is built and sent while the step runs, and the worker starts it as soon as the step is
-done. A cancelled canvas is released by the next plan built; a plan already sent may still step
-it (wasted work, its result dropped).
+Lookahead: with it on, up to `lookahead_depth` plans are in flight. On a GPU a step of a few
+canvases takes about as long as the round trip around it (the journal over ZeroMQ, the core
+applying it and planning, the plan back), and with one plan in flight the worker idles for that
+round trip every step (docs/performance-notes.md, OmniVoice). The policy knows what a step leaves
+(every canvas advances one index; one on its last step ends), so the next plan is built and sent
+while the step runs, and the worker starts it as soon as the step is done. A cancelled canvas is
+released by the next plan built; a plan already sent may still step it (wasted work, its result
+dropped).
 
 Worker trouble: a journal with an error fails the canvases of its plan (the worker dropped them
 and skips their steps in the plans already sent); a worker that stops answering fails them after
@@ -97,6 +98,7 @@ class CanvasScheduler:
         self.heartbeat.stop()
         if self._task:
             self._task.cancel()
+        self._abandon_inflight()
 
     def submit(self, start: worker_pb2.CanvasStart) -> Canvas:
         """Queue a canvas (request_id is assigned here). Raises InvalidCanvas, CanvasTooLarge, QueueFull, or
@@ -162,14 +164,14 @@ class CanvasScheduler:
                 await _first(self._wakeup.wait(), self.heartbeat.down.wait())
             return
         oldest = self.inflight[0]
-        if len(self.inflight) < self.depth:  # room for a plan: a new canvas need not wait for this journal
+        if len(self.inflight) < self.depth and self.heartbeat.up:  # room: a new canvas need not wait for it
             wake = asyncio.ensure_future(self._wakeup.wait())
             try:
                 await asyncio.wait({oldest.future, wake}, timeout=self.config.worker_probe or None,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 wake.cancel()
-            if not oldest.future.done() and self._wakeup.is_set() and self.heartbeat.up:
+            if not oldest.future.done() and self._wakeup.is_set():
                 return
         self.inflight.popleft()
         await self._receive(oldest)
@@ -237,7 +239,7 @@ class CanvasScheduler:
 
     def _fail_step(self, plan: worker_pb2.StepPlan, message: str) -> None:
         named = [s.request_id for s in plan.canvas_start] + [s.request_id for s in plan.canvas_step]
-        self._ended(self.policy.fail(list(dict.fromkeys(named)), message))
+        self._ended(self.policy.fail(named, message))  # each once: fail skips what is no longer running
 
     def _ended(self, canvases: list[Canvas]) -> None:
         now = time.monotonic()

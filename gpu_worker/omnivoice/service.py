@@ -5,7 +5,8 @@ Journal per plan, in plan order, with a CanvasResult per canvas_step in plan ord
 As the MOSS worker does (gpu_worker/server.py), a plan is launched as soon as it arrives, even
 while the previous step still runs on the GPU, and the previous plan's journal is sent after it:
 with the scheduler's lookahead the GPU never waits for the round trip. On the CPU a launch runs
-the whole step, and the journal goes out before the socket is read again.
+the whole step, and the journal goes out before the socket is read again. Hello and stats are
+answered as they arrive, not behind a plan waiting its turn.
 
 Like the MOSS worker it decides nothing: a plan it cannot run gets a Journal with `error`, and the
 canvases that plan named are dropped (the scheduler fails their requests). A plan sent before the
