@@ -4,9 +4,15 @@ A canvas (one request, or one piece of a long one) waits in FIFO order until its
 fit the worker's budget (Hello.max_packed_rows) beside the running ones and a batch slot is free
 (Hello.max_batch). Every step then runs every running canvas one unmasking step, each at its own
 step index with its own knobs: the forward does not depend on the index, so a canvas admitted
-now shares the step with one about to finish. A canvas is done after its own num_step steps; a
-done or cancelled canvas gives its rows back at once and is released on the worker by the next
-plan (the worker runs releases before starts). There is no KV, so nothing is ever retracted.
+now shares the step with one about to finish. A canvas is done after its own num_step steps.
+
+Plans may be built before the previous journals return (the driver's lookahead): a plan is built
+from the state the plans before it leave, whose outcome the policy knows in advance (a canvas
+runs exactly num_step steps). So a canvas gives its rows and batch slot back once its last step
+is planned, and the next plan may start another in them; a cancelled or failed canvas gives
+them back at once. A canvas the worker may hold is released by the next plan built (the worker
+runs releases before starts; a plan already sent may still step it, and its result is dropped).
+There is no KV, so nothing is ever retracted.
 
 Pure bookkeeping: no I/O, no clock, no metrics. Methods that end canvases return them; the
 driver tells their frontends.
@@ -97,7 +103,8 @@ class CanvasPolicy:
         self.max_running = hello.max_batch
         self.waiting: deque[Canvas] = deque()
         self.running: dict[int, Canvas] = {}
-        self.used_rows = 0
+        self.used_rows = 0                    # packed rows of the canvases the next plan steps
+        self.used_slots = 0                   # and how many they are
         self.pending_release: list[int] = []  # canvases the next plan frees on the worker
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
@@ -140,12 +147,14 @@ class CanvasPolicy:
             if canvas.steps_planned < canvas.num_step:
                 plan.canvas_step.add(request_id=canvas.id, step=canvas.steps_planned)
                 canvas.steps_planned += 1
+                if canvas.steps_planned == canvas.num_step:
+                    self._unbook(canvas)  # no later plan steps it
         if not (plan.release or plan.canvas_start or plan.canvas_step):
             return None
         return plan
 
     def _admit(self, plan: worker_pb2.StepPlan) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and self.used_slots < self.max_running:
             canvas = self.waiting[0]
             if self.max_rows is not None and self.used_rows + canvas.cost > self.max_rows:
                 break  # FIFO: wait for running canvases to finish
@@ -153,6 +162,7 @@ class CanvasPolicy:
             canvas.phase = CanvasPhase.RUNNING
             canvas.on_worker = True
             self.used_rows += canvas.cost
+            self.used_slots += 1
             self.running[canvas.id] = canvas
             plan.canvas_start.append(canvas.start)
 
@@ -196,10 +206,9 @@ class CanvasPolicy:
     def forget_worker(self, message: str, keep: Collection[int] = ()) -> list[Canvas]:
         """The worker restarted and its canvases are gone: every running canvas but those in `keep`
         (started on the new process) fails; a canvas cannot resume mid-unmasking, the client retries
-        the request. Waiting canvases stay queued for the new process."""
-        ended = self.fail([rid for rid in self.running if rid not in keep], message)
-        self.pending_release = []  # the new process never held these
-        return ended
+        the request. Waiting canvases stay queued for the new process. The failed canvases are still
+        released: a plan sent as the worker restarted may have started them on the new process."""
+        return self.fail([rid for rid in self.running if rid not in keep], message)
 
     def fail_waiting(self, message: str) -> list[Canvas]:
         """End every waiting canvas with an error (no worker will run them); returns them."""
@@ -213,10 +222,15 @@ class CanvasPolicy:
         self._end(canvas)
         return canvas
 
+    def _unbook(self, canvas: Canvas) -> None:
+        self.used_rows -= canvas.cost
+        self.used_slots -= 1
+
     def _end(self, canvas: Canvas) -> None:
+        if canvas.phase is CanvasPhase.RUNNING and canvas.steps_planned < canvas.num_step:
+            self._unbook(canvas)
         canvas.phase = CanvasPhase.DONE
-        if self.running.pop(canvas.id, None) is not None:
-            self.used_rows -= canvas.cost
+        self.running.pop(canvas.id, None)
         if canvas.on_worker:
             self.pending_release.append(canvas.id)
             canvas.on_worker = False

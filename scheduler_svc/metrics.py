@@ -62,6 +62,8 @@ CANVAS_PACKED_ROWS = Histogram("chorus_canvas_packed_rows", "Packed rows of each
                                                            32768))
 CANVAS_STEPS = Counter("chorus_canvas_steps", "OmniVoice unmasking steps run (each over all running canvases)",
                        ["model"], registry=REGISTRY)
+CANVAS_LOOKAHEAD_STEPS = Counter("chorus_canvas_lookahead_steps", "OmniVoice steps sent before the previous "
+                                "journal returned", ["model"], registry=REGISTRY)
 CANVAS_STEP_MS = Histogram("chorus_canvas_step_ms", "Worker time of OmniVoice steps (ms)", ["model"],
                            registry=REGISTRY, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
 CANVASES = Counter("chorus_canvases", "OmniVoice canvases ended, by outcome (ok, error, cancelled)",

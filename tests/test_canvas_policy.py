@@ -147,9 +147,9 @@ def test_a_restarted_worker_fails_the_running_canvases_and_keeps_the_waiting():
     a, b = p.add(canvas()), p.add(canvas())
     p.schedule()
     assert p.forget_worker("gone") == [a] and a.error == "gone"
-    assert not p.pending_release and list(p.waiting) == [b] and p.used_rows == 0
-    plan = p.schedule()
-    assert [s.request_id for s in plan.canvas_start] == [b.id] and not plan.release
+    assert list(p.waiting) == [b] and p.used_rows == 0
+    plan = p.schedule()  # the release is a no-op unless a plan in flight started `a` on the new process
+    assert [s.request_id for s in plan.canvas_start] == [b.id] and list(plan.release) == [a.id]
 
 
 def test_random_cancellations_leave_nothing_held():
@@ -178,3 +178,87 @@ def test_random_cancellations_leave_nothing_held():
     assert plan is None or not (plan.canvas_start or plan.canvas_step)
     assert p.used_rows == 0 and not p.running and not p.waiting and not p.pending_release
     assert finished > 10 and cancelled > 10
+
+
+def test_plans_ahead_of_their_journals_follow_the_state_the_earlier_plans_leave():
+    p = policy(rows=100, batch=2)
+    a, b, c, d = (p.add(canvas(num_step=n)) for n in (1, 3, 2, 2))  # 50 rows each: two fit
+    first = p.schedule()
+    assert [(s.request_id, s.step) for s in first.canvas_step] == [(a.id, 0), (b.id, 0)]
+    second = p.schedule()  # a's only step is in flight: its rows and slot go to c
+    assert [s.request_id for s in second.canvas_start] == [c.id]
+    assert [(s.request_id, s.step) for s in second.canvas_step] == [(b.id, 1), (c.id, 0)]
+    assert p.apply(journal(first, p)) == [a] and (a.codes == a.id).all()
+    third = p.schedule()  # b's last step is in `second`'s successor: planned here, then d takes its place
+    assert list(third.release) == [a.id] and not third.canvas_start
+    assert [(s.request_id, s.step) for s in third.canvas_step] == [(b.id, 2), (c.id, 1)]
+    fourth = p.schedule()
+    assert [s.request_id for s in fourth.canvas_start] == [d.id] and p.used_slots == 1
+    assert p.apply(journal(second, p)) == []
+    assert p.apply(journal(third, p)) == [b, c]
+    assert p.apply(journal(fourth, p)) == []
+    fifth = p.schedule()
+    assert sorted(fifth.release) == sorted([b.id, c.id]) and [(s.request_id, s.step) for s in fifth.canvas_step] \
+        == [(d.id, 1)]
+    assert p.apply(journal(fifth, p)) == [d] and list(p.schedule().release) == [d.id]
+    assert p.used_rows == 0 and p.used_slots == 0 and p.schedule() is None
+
+
+def test_a_cancel_between_plans_in_flight_releases_in_the_next_plan_built():
+    p = policy()
+    a, b = p.add(canvas(num_step=4)), p.add(canvas(num_step=4))
+    first, second = p.schedule(), p.schedule()
+    p.cancel(a)  # both plans in flight step it
+    third = p.schedule()
+    assert list(third.release) == [a.id] and [s.request_id for s in third.canvas_step] == [b.id]
+    for plan in (first, second, third):
+        assert p.apply(journal(plan, p)) == []  # a's results are dropped, b goes on
+    assert b.steps_done == 3 and a.codes is None and p.used_rows == b.cost
+
+
+def test_a_failed_plan_ends_its_canvases_once_while_the_next_is_in_flight():
+    p = policy()
+    a, b = p.add(canvas(num_step=3)), p.add(canvas(num_step=3))
+    first = p.schedule()
+    c = p.add(canvas(num_step=1))
+    second = p.schedule()
+    assert p.fail([s.request_id for s in first.canvas_step], "boom") == [a, b]
+    assert p.fail([s.request_id for s in first.canvas_step], "boom") == []
+    j = journal(second, p)  # the worker skips the dropped canvases' steps
+    del j.canvases[:]
+    j.canvases.add(request_id=c.id, step=0, finished=True).codes.CopyFrom(
+        rows_matrix(np.zeros((20, NUM_CODEBOOKS), np.int32)))
+    assert p.apply(j) == [c] and c.error is None
+    assert sorted(p.schedule().release) == sorted([a.id, b.id, c.id]) and p.used_rows == 0
+
+
+def test_random_cancellations_two_plans_in_flight_leave_nothing_held():
+    rng = random.Random(1)
+    p = policy(rows=400, batch=6, queue=1000)
+    inflight: list[worker_pb2.StepPlan] = []
+    live: list[Canvas] = []
+    finished = 0
+    for _ in range(150):
+        for _ in range(rng.randint(0, 2)):
+            live.append(p.add(canvas(text=rng.randint(1, 30), frames=rng.randint(1, 60),
+                                     num_step=rng.randint(1, 6))))
+        if live and rng.random() < 0.3:
+            p.cancel(rng.choice(live))
+        plan = p.schedule()
+        if plan is not None:
+            inflight.append(plan)
+            stepped = [p.running[s.request_id] for s in plan.canvas_step]
+            assert sum(c.cost for c in stepped) <= 400 and len(stepped) <= 6
+        if len(inflight) == 2 or (plan is None and inflight):
+            finished += len(p.apply(journal(inflight.pop(0), p)))
+        live = [c for c in live if c.phase is not CanvasPhase.DONE]
+        booked = [c for c in p.running.values() if c.steps_planned < c.num_step]
+        assert p.used_rows == sum(c.cost for c in booked) and p.used_slots == len(booked)
+    for plan in inflight:
+        finished += len(p.apply(journal(plan, p)))
+    for c in live:
+        p.cancel(c)
+    while (plan := p.schedule()) is not None:
+        assert not plan.canvas_start
+        p.apply(journal(plan, p))
+    assert p.used_rows == 0 and not p.running and not p.waiting and not p.pending_release and finished > 10

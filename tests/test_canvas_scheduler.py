@@ -3,12 +3,11 @@ over ZeroMQ, and FrontendLink answering a frontend's CanvasSubmit / Abort / hell
 
 Most tests use a fake worker (a ROUTER answering as gpu_worker does: canvases held between steps,
 a result per step in plan order, codes after the last step) so the rules are checked exactly; the
-last one runs the real gpu_worker with its omnivoice-tiny preset."""
+last ones run the real gpu_worker with its omnivoice-tiny preset, two plans in flight."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import sys
 import types
@@ -21,6 +20,7 @@ import zmq.asyncio
 from chorus.omnivoice.knobs import NUM_CODEBOOKS, UnmaskKnobs
 from chorus.v1 import frontend_pb2, worker_pb2
 from chorus.wire import matrix_array, rows_matrix
+from scheduler_svc import metrics
 from scheduler_svc.canvas_policy import canvas_rows
 from scheduler_svc.canvas_scheduler import RESTARTED, CanvasScheduler, CanvasSink
 from scheduler_svc.config import SchedulerConfig
@@ -107,23 +107,34 @@ class FakeWorker:
 class Collect(CanvasSink):
     def __init__(self):
         self.done = asyncio.Queue()
+        self.ended = []  # every canvas the sink heard of, to check each ends once
 
     def canvas_done(self, canvas):
+        self.ended.append(canvas)
         self.done.put_nowait(canvas)
 
+    def check_once(self) -> None:
+        assert len({id(c) for c in self.ended}) == len(self.ended), "a canvas ended twice"
 
-def run(test, **worker_kw):
+
+def lookahead_steps(model: str = "omnivoice-tiny") -> float:
+    return metrics.REGISTRY.get_sample_value("chorus_canvas_lookahead_steps_total", {"model": model}) or 0.0
+
+
+def run(test, lookahead=True, **worker_kw):
     """test(fake worker, its CanvasScheduler, the sink) on a fresh event loop."""
     async def main():
         ctx = zmq.asyncio.Context()
         fake = FakeWorker(ctx, **worker_kw)
         client = WorkerClient(fake.endpoint, ctx)
         sink = Collect()
-        config = SchedulerConfig(max_queue=8, worker_probe=0.5, restart_wait=1.0, step_timeout=5.0)
+        config = SchedulerConfig(max_queue=8, worker_probe=0.5, restart_wait=1.0, step_timeout=5.0,
+                                 lookahead=lookahead)
         sched = CanvasScheduler(client, await client.hello(), config, sink)
         sched.start()
         try:
             await asyncio.wait_for(test(fake, sched, sink), 30)
+            sink.check_once()
         finally:
             await sched.stop()
             await client.close()
@@ -167,6 +178,8 @@ def test_a_failed_step_fails_its_canvases_only():
 
 
 def test_a_restarted_worker_fails_the_running_canvases_and_serves_the_next():
+    """One plan in flight (lookahead off): the canvases the plan that met the new process started
+    are kept."""
     async def test(fake, sched, sink):
         fake.gate.clear()
         a = sched.submit(start_msg(num_step=4))
@@ -186,6 +199,27 @@ def test_a_restarted_worker_fails_the_running_canvases_and_serves_the_next():
         c = sched.submit(start_msg(seed=4))
         [done] = await drain(sink, 1)
         assert done is c and c.error is None
+    run(test, lookahead=False)
+
+
+def test_a_restart_with_two_plans_in_flight_fails_the_running_once_and_runs_the_waiting():
+    async def test(fake, sched, sink):
+        before = lookahead_steps()
+        fake.gate.clear()
+        a = sched.submit(start_msg(num_step=6, seed=2))                     # 26 rows
+        w = sched.submit(start_msg(num_step=2, frames=170, guidance=0, seed=3))  # 176 rows: waits for a
+        await fake.paused.wait()
+        while lookahead_steps() == before:  # plan 2 is sent while plan 1 waits at the worker
+            await asyncio.sleep(0.01)
+        assert lookahead_steps() == before + 1 and w in sched.policy.waiting
+        fake.restart()  # the new process meets plan 1 (a's start and step 0) and then plan 2 (a's step 1)
+        fake.gate.set()
+        [done] = await drain(sink, 1)
+        assert done is a and a.error == RESTARTED  # plan 2 names a too: nothing is kept
+        [done] = await drain(sink, 1)
+        assert done is w and w.error is None and (w.codes == 3).all()
+        await asyncio.sleep(0.1)
+        assert not fake.canvases and sink.done.empty()
     run(test)
 
 
@@ -385,53 +419,176 @@ def test_the_core_process_greets_its_omnivoice_workers():
 
 # ---- the real worker --------------------------------------------------------------------------
 
-def _omnivoice_preset() -> bool:
-    from gpu_worker.config import WorkerConfig
-    return "omnivoice-tiny" in next(f for f in dataclasses.fields(WorkerConfig) if f.name == "preset"
-                                    ).metadata["choices"]
+class RealWorker:
+    """The tiny OmniVoice worker process, in float64, on one endpoint."""
+
+    def __init__(self):
+        from chorus.processes import Service, free_port
+
+        self.service = Service("omnivoice-worker", [
+            sys.executable, "-m", "gpu_worker.server", "--preset", "omnivoice-tiny", "--bind",
+            f"tcp://127.0.0.1:{free_port()}", "--dtype", "float64"])
+        self.endpoint = self._start()
+
+    def _start(self) -> str:
+        self.service.start(echo=False, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+        return self.service.wait_ready(300)
+
+    def kill(self) -> None:
+        self.service.proc.kill()
+        self.service.proc.wait(10)
+
+    def start_again(self) -> None:
+        """A new process (another incarnation) on the same endpoint."""
+        from chorus.processes import Service
+
+        self.service = Service(self.service.name, self.service.argv)
+        assert self._start() == self.endpoint
 
 
-@pytest.mark.skipif(not _omnivoice_preset(), reason="gpu_worker has no omnivoice-tiny preset yet")
-def test_canvases_through_a_real_omnivoice_worker():
-    """The tiny OmniVoice worker process: canvases of different lengths, steps and guidance packed
-    together each end with a full canvas, and one alone gets exactly the codes it gets packed."""
-    from chorus.processes import Service, free_port
+@pytest.fixture(scope="module")
+def real_worker():
+    worker = RealWorker()
+    try:
+        yield worker
+    finally:
+        worker.service.stop()
+
+
+def run_real(worker: RealWorker, test, max_batch: int | None = None, **config):
+    """test(its CanvasScheduler, the sink, the plans sent) against the real worker, which first drops
+    whatever an earlier scheduler left (as the core's first hello does). max_batch: the scheduler's
+    own, below the worker's."""
+    async def main():
+        client = WorkerClient(worker.endpoint)
+        sent: list[worker_pb2.StepPlan] = []
+        step = client.step
+
+        def record(plan, timeout=None):
+            sent.append(plan)
+            return step(plan, timeout=timeout)
+
+        client.step = record
+        hello = await client.hello(timeout=60, release_all=True)
+        assert hello.architecture == "omnivoice" and hello.max_packed_rows > 0
+        if max_batch is not None:
+            hello.max_batch = max_batch
+        sink = Collect()
+        sched = CanvasScheduler(client, hello, SchedulerConfig(**config), sink)
+        sched.start()
+        try:
+            await asyncio.wait_for(test(sched, sink, sent), 240)
+            sink.check_once()
+            while (await client.stats()).active_requests:  # every canvas released on the worker
+                await asyncio.sleep(0.02)
+        finally:
+            await sched.stop()
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_canvases_through_a_real_omnivoice_worker_with_and_without_lookahead(real_worker):
+    """Canvases of different lengths, steps and guidance packed together each end with a full canvas,
+    and a seeded one (position noise on) gets the same codes alone, packed beside canvases at other
+    step indices, with one plan in flight or two."""
     from chorus.omnivoice.prompt import plan_pieces
     from chorus.omnivoice.tokenizer import load_omnivoice_tokenizer
 
-    port = free_port()
-    worker = Service("omnivoice-worker", [sys.executable, "-m", "gpu_worker.server", "--preset", "omnivoice-tiny",
-                                          "--bind", f"tcp://127.0.0.1:{port}", "--dtype", "float64"])
-    worker.start(echo=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        endpoint = worker.wait_ready(300)
+    tokenizer = load_omnivoice_tokenizer(None)
+    pieces = [plan_pieces(tokenizer, text)[0] for text in ("Hello there.", "你好，世界。", "A short one.")]
+    starts = [worker_pb2.CanvasStart(
+        text_ids=p.text_ids, target_frames=p.target_frames, seed=40 + i, knobs=UnmaskKnobs(
+            num_step=[16, 4, 3][i], guidance_scale=[2.0, 0.0, 1.5][i], position_temperature=[0, 5, 0][i]).to_proto())
+        for i, p in enumerate(pieces)]
+    codes = {}
 
-        async def main():
-            client = WorkerClient(endpoint)
-            sink = Collect()
-            sched = CanvasScheduler(client, await client.hello(timeout=60), SchedulerConfig(), sink)
-            assert sched.hello.architecture == "omnivoice" and sched.hello.max_packed_rows > 0
-            sched.start()
-            try:
-                tokenizer = load_omnivoice_tokenizer(None)
-                pieces = [plan_pieces(tokenizer, text)[0] for text in ("Hello there.", "你好，世界。", "A short one.")]
-                starts = [worker_pb2.CanvasStart(
-                    text_ids=p.text_ids, target_frames=p.target_frames, seed=40 + i, knobs=UnmaskKnobs(
-                        num_step=2 + i, guidance_scale=[2.0, 0.0, 1.5][i], position_temperature=0).to_proto())
-                    for i, p in enumerate(pieces)]
-                packed = [sched.submit(worker_pb2.CanvasStart.FromString(s.SerializeToString())) for s in starts]
-                await asyncio.wait_for(drain(sink, 3), 240)
-                alone = sched.submit(worker_pb2.CanvasStart.FromString(starts[1].SerializeToString()))
-                await asyncio.wait_for(drain(sink, 1), 240)
-                for c in packed + [alone]:
-                    assert c.error is None, c.error
-                    assert c.codes.shape == (c.start.target_frames, NUM_CODEBOOKS)
-                    assert ((0 <= c.codes) & (c.codes < 1024)).all()  # no mask token left
-                assert (alone.codes == packed[1].codes).all()
-            finally:
-                await sched.stop()
-                await client.close()
+    def copy(start):
+        return worker_pb2.CanvasStart.FromString(start.SerializeToString())
 
-        asyncio.run(main())
-    finally:
-        worker.stop()
+    for lookahead in (False, True):
+        async def test(sched, sink, sent):
+            before = lookahead_steps()
+            alone = sched.submit(copy(starts[1]))
+            await drain(sink, 1)
+            neighbours = [sched.submit(copy(starts[i])) for i in (0, 2)]
+            while neighbours[0].steps_done < 2:  # the seeded canvas joins them at other step indices
+                await asyncio.sleep(0.005)
+            packed = sched.submit(copy(starts[1]))
+            await drain(sink, 3)
+            assert neighbours[0].t_started < packed.t_started < neighbours[0].t_finished
+            for c in [alone, packed, *neighbours]:
+                assert c.error is None, c.error
+                assert c.codes.shape == (c.start.target_frames, NUM_CODEBOOKS)
+                assert ((0 <= c.codes) & (c.codes < 1024)).all()  # no mask token left
+            codes[lookahead] = (alone.codes, packed.codes, neighbours[0].codes)
+            assert (lookahead_steps() > before) == lookahead  # two plans in flight exactly when on
+
+        run_real(real_worker, test, lookahead=lookahead)
+    seeded = codes[False][0]
+    for c in (codes[False][1], codes[True][0], codes[True][1]):
+        assert np.array_equal(c, seeded)
+    assert np.array_equal(codes[True][2], codes[False][2])
+
+
+def test_a_failed_plan_with_the_next_in_flight_fails_only_its_canvases(real_worker):
+    """Plan 1 starts a canvas the worker refuses (a text id past the vocabulary) beside x; plan 2,
+    sent before plan 1's journal, steps x again and starts z in the slot the refused canvas's only
+    step left: the worker skips x's step and runs z's; x and the refused canvas fail once each."""
+    async def test(sched, sink, sent):
+        before = lookahead_steps()
+        bad = worker_pb2.CanvasStart(text_ids=[5, 10**6], target_frames=8, seed=1,
+                                     knobs=UnmaskKnobs(num_step=1).to_proto())
+        y = sched.submit(bad)
+        x = sched.submit(start_msg(num_step=3, seed=2))
+        z = sched.submit(start_msg(num_step=2, seed=3))
+        done = await drain(sink, 3)
+        assert [s.request_id for s in sent[0].canvas_start] == [y.id, x.id]
+        assert [s.request_id for s in sent[1].canvas_start] == [z.id]
+        assert [(s.request_id, s.step) for s in sent[1].canvas_step] == [(x.id, 1), (z.id, 0)]
+        assert lookahead_steps() > before
+        assert set(map(id, done)) == {id(x), id(y), id(z)}
+        for c in (x, y):
+            assert c.error.startswith("OmniVoice worker step failed") and "text_ids" in c.error
+        assert z.error is None and z.codes.shape == (10, NUM_CODEBOOKS) and (z.codes < 1024).all()
+        assert {x.id, y.id} <= {rid for p in sent for rid in p.release}
+
+    run_real(real_worker, test, max_batch=2)
+
+
+def test_cancelling_a_canvas_whose_next_step_is_in_flight(real_worker):
+    async def test(sched, sink, sent):
+        x = sched.submit(start_msg(num_step=64, seed=5))
+        while x.steps_done < 2:
+            await asyncio.sleep(0.005)
+        assert any(s.request_id == x.id for f in sched.inflight for s in f.plan.canvas_step)
+        cancelled_at = len(sent)
+        sched.cancel(x)
+        z = sched.submit(start_msg(num_step=2, seed=6))
+        [done] = await drain(sink, 1)
+        assert done is z and z.error is None and x.cancelled and x.codes is None
+        assert any(x.id in p.release for p in sent[cancelled_at:])
+        assert not any(s.request_id == x.id for p in sent[cancelled_at:] for s in p.canvas_step)
+
+    run_real(real_worker, test)
+
+
+def test_a_worker_restart_with_two_plans_in_flight(real_worker):
+    """The worker process dies with two plans out and another takes its endpoint: the running canvas
+    ends RESTARTED once, the waiting one runs on the new process. (Heartbeat off: the late journal's
+    hello finds the new process.)"""
+    async def test(sched, sink, sent):
+        x = sched.submit(start_msg(num_step=64, seed=7))
+        w = sched.submit(start_msg(num_step=3, seed=8))  # waits: the scheduler runs one canvas at a time
+        before = lookahead_steps()
+        while x.steps_done < 1 or lookahead_steps() == before:
+            await asyncio.sleep(0.005)
+        assert sched.inflight and w in sched.policy.waiting
+        real_worker.kill()
+        await asyncio.get_running_loop().run_in_executor(None, real_worker.start_again)
+        [done] = await drain(sink, 1)
+        assert done is x and x.error == RESTARTED
+        [done] = await drain(sink, 1)
+        assert done is w and w.error is None and w.codes.shape == (10, NUM_CODEBOOKS)
+
+    run_real(real_worker, test, max_batch=1, worker_heartbeat=0, worker_probe=0.3)

@@ -4,6 +4,7 @@ test_omnivoice_model.py), and the same tokens whatever else shares the packed st
 
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -32,6 +33,15 @@ def request(text: str, seed: int, **knobs) -> tts_pb2.SynthesizeRequest:
     return req
 
 
+def lookahead_steps(cluster) -> float:
+    """The core's OmniVoice steps sent before the previous journal returned."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f'chorus_canvas_lookahead_steps_total{{model="{MODEL}"}} '):
+                return float(line.split()[-1])
+    return 0.0
+
+
 def test_the_served_canvas_is_the_engines_canvas(stub):
     text, knobs = "A greedy canvas through every service.", dict(num_step=6, position_temperature=0.0)
     served = synthesize(stub, request(text, 5, **knobs), timeout=300).code_frames()
@@ -43,10 +53,12 @@ def test_the_served_canvas_is_the_engines_canvas(stub):
     assert np.array_equal(served, outcome.codes)
 
 
-def test_a_request_gets_the_same_tokens_alone_and_packed_beside_others(stub):
+def test_a_request_gets_the_same_tokens_alone_and_packed_beside_others(stub, omnivoice_cluster):
     """Seeded noise (position and class temperature on): the same canvas alone and joining two
     requests mid-way, one without guidance and one with other knobs, so it runs at other step
-    indices beside documents of other shapes."""
+    indices beside documents of other shapes; the core keeps two steps in flight (lookahead) all
+    along, and the tokens equal the engine's own, one step at a time (the first test)."""
+    before = lookahead_steps(omnivoice_cluster)
     mine = request("Packing must not change a single token.", 77, num_step=8, class_temperature=0.7)
     alone = synthesize(stub, mine, timeout=300).code_frames()
     others = [request("A neighbour without guidance that runs for a while longer.", 1, num_step=24,
@@ -60,6 +72,7 @@ def test_a_request_gets_the_same_tokens_alone_and_packed_beside_others(stub):
     for t in threads:
         t.join()
     assert np.array_equal(packed, alone)
+    assert lookahead_steps(omnivoice_cluster) > before
     other_seed = synthesize(stub, request("Packing must not change a single token.", 78, num_step=8,
                                           class_temperature=0.7), timeout=300).code_frames()
     assert not np.array_equal(other_seed, alone)

@@ -20,7 +20,7 @@ from chorus.wire import matrix_array, rows_matrix
 from gpu_worker.config import WorkerConfig
 from gpu_worker.omnivoice.engine import CanvasEngine, CanvasSpec
 from gpu_worker.omnivoice.loader import build_omnivoice
-from gpu_worker.omnivoice.service import build_engine, execute, hello, serves_omnivoice
+from gpu_worker.omnivoice.service import build_engine, execute, finish, hello, launch, serves_omnivoice
 
 torch.set_num_threads(1)
 MASK = 1024
@@ -84,6 +84,21 @@ def test_plans_become_journals_in_plan_order():
     j = execute(engine, _plan(9, start=[_start(5, 3)], step=[(5, 0)]))
     assert not j.error and len(engine) == 1
     assert not execute(engine, _plan(10, release=[5, 6])).error and len(engine) == 0
+
+
+def test_a_plan_sent_before_a_failure_was_heard_skips_the_dropped_canvases():
+    engine = CanvasEngine(build_omnivoice(preset="tiny", seed=1), max_batch=4, max_packed_rows=400)
+    assert not execute(engine, _plan(1, start=[_start(1, 5), _start(2, 5)], step=[(1, 0), (2, 0)])).error
+    failed = launch(engine, _plan(2, start=[_start(3, 4, knobs=UnmaskKnobs(num_step=0))], step=[(1, 1), (3, 0)]))
+    later = launch(engine, _plan(3, start=[_start(4, 4)], step=[(1, 2), (2, 1), (3, 1), (4, 0)]))
+    j = finish(engine, failed)
+    assert "num_step" in j.error and not j.canvases and engine.dropped == {1, 3}
+    j = finish(engine, later)  # launched before the failure was sent: 1 and 3 skipped, 2 and 4 run
+    assert not j.error and sorted(j.skipped) == [1, 3]
+    assert [(c.request_id, c.step) for c in j.canvases] == [(2, 1), (4, 0)]
+    assert not execute(engine, _plan(4, release=[1, 3], step=[(2, 2), (4, 1)])).error and not engine.dropped
+    j = execute(engine, _plan(5, step=[(1, 3)]))  # released: a step of it is a bad plan again
+    assert "no canvas is held" in j.error
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +172,15 @@ def test_the_worker_process_runs_canvases(worker):
     assert not _ask(worker, step=_plan(22, release=[32])).journal.error
     assert _ask(worker, stats=worker_pb2.StatsRequest()).stats.active_requests == 0
     assert _ask(worker, hello=worker_pb2.HelloRequest()).hello.incarnation == greeting.incarnation
+
+    # Two plans sent at once, the first failing (41 fits alone, not beside 40): journals in plan order, the
+    # second runs what the first did not drop.
+    assert not _ask(worker, step=_plan(23, start=[_start(40, 4)], step=[(40, 0)])).journal.error
+    for plan in (_plan(24, start=[_start(41, 290)], step=[(40, 1), (41, 0)]),
+                 _plan(25, start=[_start(42, 4)], step=[(40, 2), (41, 1), (42, 0)])):
+        worker.send(worker_pb2.WorkerCommand(step=plan).SerializeToString())
+    first, second = (worker_pb2.WorkerEvent.FromString(worker.recv()).journal for _ in range(2))
+    assert (first.step_id, second.step_id) == (24, 25) and first.error.count("canvas_step: ") == 1
+    assert not second.error and sorted(second.skipped) == [40, 41] and [c.request_id for c in second.canvases] == [42]
+    assert not _ask(worker, step=_plan(26, release=[40, 41, 42])).journal.error
+    assert _ask(worker, stats=worker_pb2.StatsRequest()).stats.active_requests == 0

@@ -7,11 +7,17 @@ each other, positions restart per document, and its noise comes from its own (se
 generator. A canvas is dropped once its last step has run (its codes go out in that outcome);
 release() drops one earlier and is a no-op for a canvas no longer held.
 
+A step runs in two halves so the worker can overlap them: `launch` checks the step, queues its
+work and the device-to-host copy of the canvases it finishes (on CUDA into pinned memory, behind
+an event: nothing waits), and `finish` waits for that copy and returns the outcomes. The next
+step may be launched before the previous one is finished: each step reads the canvases as the
+steps queued before it leave them (the stream orders them on the device).
+
 On CUDA the forward's attention is flashinfer's ragged prefill (attention.py), over the step
 padded to its bucket, and with cuda_graphs the forward up to the final norm replays from the
 bucket's CUDA graph (graphs.py; without, it runs eagerly in the same bucket, with the same
 kernels); the audio head and the unmasking (batched_unmask.py) run eagerly after it. The only
-device-to-host copy of a step is a finished canvas's codes.
+device-to-host copy of a step is the finished canvases' codes.
 """
 
 from __future__ import annotations
@@ -55,6 +61,20 @@ class CanvasOutcome:
 
 
 @dataclass
+class PendingStep:
+    """A launched step: its (request_id, step, finished) in item order, and the codes of the
+    canvases it finished ([sum of their frames, C], in item order) on their way to the host."""
+
+    items: list[tuple[int, int, bool]]
+    frames: list[int]                      # target frames of each finished canvas, in item order
+    codes: Tensor | None = None            # host tensor, filled once `done`
+    done: torch.cuda.Event | None = None   # the step's end on the device; None on the CPU (already done)
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+@dataclass
 class Canvas:
     spec: CanvasSpec
     ids: Tensor               # int64 [C, P + T]: the cond document; the canvas is its last T columns
@@ -93,6 +113,7 @@ class CanvasEngine:
 
             self.bucketed = BucketedForward(model, self.attention, max_packed_rows, max_batch, replay=cuda_graphs)
         self.canvases: dict[int, Canvas] = {}
+        self.dropped: set[int] = set()  # canvases of failed plans whose steps are skipped until released
         self.steps = 0
 
     def __len__(self) -> int:
@@ -134,10 +155,21 @@ class CanvasEngine:
 
     def release(self, request_id: int) -> None:
         self.canvases.pop(request_id, None)
+        self.dropped.discard(request_id)
+
+    def drop(self, request_id: int) -> None:
+        """A failed plan's canvas: released, and remembered until the scheduler releases it, so the
+        plans it sent before it heard of the failure can skip its steps (`dropped`)."""
+        self.canvases.pop(request_id, None)
+        self.dropped.add(request_id)
 
     def step(self, items: list[tuple[int, int]]) -> list[CanvasOutcome]:
-        """Run step `step` of each listed (request_id, step) in one packed forward; outcomes in
-        item order. Checked before anything changes: a bad list changes no canvas."""
+        """launch + finish: one step, synchronously."""
+        return self.finish(self.launch(items))
+
+    def launch(self, items: list[tuple[int, int]]) -> PendingStep:
+        """Queue step `step` of each listed (request_id, step) in one packed forward. Checked before
+        anything changes: a bad list changes no canvas."""
         running = self._check(items)
         # A step that reveals nothing (a tiny canvas) needs no logits: its documents stay out.
         scored = [(c, k) for c, k in running if c.counts[k] > 0]
@@ -146,15 +178,36 @@ class CanvasEngine:
         for c, k in running:
             c.steps_done = k + 1
         finished = [c for c, _ in running if c.steps_done == c.spec.knobs.num_step]
-        codes = {}
+        pending = PendingStep([(c.spec.request_id, k, c.steps_done == c.spec.knobs.num_step) for c, k in running],
+                              [c.target for c in finished])
         if finished:  # one device-to-host copy for every canvas this step finishes
-            done = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.cpu().numpy()
-            for c, block in zip(finished, np.split(done, np.cumsum([c.target for c in finished])[:-1])):
-                codes[c.spec.request_id] = block.copy()
+            codes = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.contiguous()
+            pending.codes = self._to_host(codes)
+            for c in finished:
                 del self.canvases[c.spec.request_id]
+        if self.device.type == "cuda":  # the step is done (codes on the host) when this event is
+            pending.done = torch.cuda.Event()
+            pending.done.record()
         self.steps += 1
-        return [CanvasOutcome(c.spec.request_id, k, c.spec.request_id in codes, codes.get(c.spec.request_id))
-                for c, k in running]
+        return pending
+
+    def finish(self, pending: PendingStep) -> list[CanvasOutcome]:
+        """Wait for the step's codes; its outcomes in item order."""
+        blocks = iter(())
+        if pending.codes is not None:
+            if pending.done is not None:
+                pending.done.synchronize()
+            blocks = iter(np.split(pending.codes.numpy(), np.cumsum(pending.frames)[:-1]))
+        return [CanvasOutcome(rid, k, finished, next(blocks).copy() if finished else None)
+                for rid, k, finished in pending.items]
+
+    def _to_host(self, codes: Tensor) -> Tensor:
+        """A host tensor the codes are queued to (pinned on CUDA: the copy does not wait)."""
+        if self.device.type != "cuda":
+            return codes
+        host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+        host.copy_(codes, non_blocking=True)
+        return host
 
     def _check(self, items: list[tuple[int, int]]) -> list[tuple[Canvas, int]]:
         if len(items) > self.max_batch:

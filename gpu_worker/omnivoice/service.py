@@ -1,9 +1,17 @@
 """The gpu_worker process serving OmniVoice: binds a ZeroMQ ROUTER, answers hello/stats/shutdown and
 runs each StepPlan when it arrives (release, then canvas_start, then one packed canvas_step), one
-Journal per plan with a CanvasResult per canvas_step in plan order.
+Journal per plan, in plan order, with a CanvasResult per canvas_step in plan order.
 
-Like the MOSS worker it decides nothing: a plan it cannot run gets a Journal with `error`, the
-canvases that plan named are dropped (the scheduler aborts their requests), and it keeps serving.
+As the MOSS worker does (gpu_worker/server.py), a plan is launched as soon as it arrives, even
+while the previous step still runs on the GPU, and the previous plan's journal is sent after it:
+with the scheduler's lookahead the GPU never waits for the round trip. On the CPU a launch runs
+the whole step, and the journal goes out before the socket is read again. Hello and stats are
+answered as they arrive, not behind a plan waiting its turn.
+
+Like the MOSS worker it decides nothing: a plan it cannot run gets a Journal with `error`, and the
+canvases that plan named are dropped (the scheduler fails their requests). A plan sent before the
+scheduler heard of that failure may still name them: their steps are skipped (listed in the
+journal's `skipped`, no result) and the rest of that plan runs, until a plan releases them.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +33,7 @@ from chorus.v1 import worker_pb2
 from chorus.wire import matrix_array, rows_matrix
 from gpu_worker.config import WorkerConfig
 from gpu_worker.worker_socket import WorkerSocket
-from gpu_worker.omnivoice.engine import CanvasEngine, CanvasError, CanvasSpec
+from gpu_worker.omnivoice.engine import CanvasEngine, CanvasError, CanvasSpec, PendingStep
 
 log = logging.getLogger("chorus.worker")
 
@@ -75,8 +85,21 @@ def canvas_spec(m: worker_pb2.CanvasStart) -> CanvasSpec:
                       target_frames=m.target_frames, knobs=UnmaskKnobs.from_proto(m.knobs), seed=m.seed)
 
 
-def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
-    """Run one plan; never raises for a bad plan (the Journal says what failed)."""
+@dataclass
+class PendingPlan:
+    """A launched plan: its journal so far, and its step on the way (None: nothing to step, or failed)."""
+
+    journal: worker_pb2.Journal
+    step: PendingStep | None
+    t0: float
+
+    def ready(self) -> bool:
+        return self.step is None or self.step.ready()
+
+
+def launch(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> PendingPlan:
+    """Start one plan; never raises for a bad plan (its journal says what failed, and the canvases
+    it named are dropped)."""
     t0 = time.perf_counter()
     journal = worker_pb2.Journal(step_id=plan.step_id)
     try:
@@ -87,21 +110,35 @@ def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journ
             engine.release(rid)
         for start in plan.canvas_start:
             engine.start(canvas_spec(start))
-        outcomes = engine.step([(s.request_id, s.step) for s in plan.canvas_step]) if plan.canvas_step else []
+        items = [(s.request_id, s.step) for s in plan.canvas_step if s.request_id not in engine.dropped]
+        journal.skipped.extend(s.request_id for s in plan.canvas_step if s.request_id in engine.dropped)
+        step = engine.launch(items) if items else None
     except Exception as e:  # noqa: BLE001 - a failing plan must not take the worker down
         if not isinstance(e, CanvasError):
             log.exception("canvas step %d failed", plan.step_id)
         for rid in [s.request_id for s in plan.canvas_start] + [s.request_id for s in plan.canvas_step]:
-            engine.release(rid)
-        journal.error = f"{type(e).__name__}: {e}"
+            engine.drop(rid)
+        failed = worker_pb2.Journal(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        return PendingPlan(failed, None, t0)
+    return PendingPlan(journal, step, t0)
+
+
+def finish(engine: CanvasEngine, pending: PendingPlan) -> worker_pb2.Journal:
+    """Wait for the plan's step and complete its journal."""
+    journal = pending.journal
+    if journal.error:
         return journal
-    for o in outcomes:
+    for o in engine.finish(pending.step) if pending.step is not None else []:
         result = journal.canvases.add(request_id=o.request_id, step=o.step, finished=o.finished)
         if o.codes is not None:
             result.codes.CopyFrom(rows_matrix(o.codes))
-    journal.step_ms = (time.perf_counter() - t0) * 1000
+    journal.step_ms = (time.perf_counter() - pending.t0) * 1000
     return journal
 
+
+def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journal:
+    """launch + finish: one plan, synchronously."""
+    return finish(engine, launch(engine, plan))
 
 
 def run(args: WorkerConfig) -> None:
@@ -113,34 +150,65 @@ def run(args: WorkerConfig) -> None:
     sock, endpoint = link.sock, link.endpoint
     print(f"worker ready on {endpoint} model={greeting.model_name} device={greeting.device} dtype={greeting.dtype}",
           flush=True)
+    pending: tuple[bytes, PendingPlan] | None = None  # a launched plan whose journal is not sent yet
+    plans: deque[tuple[bytes, worker_pb2.StepPlan]] = deque()  # arrived, not launched yet
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            ident, launched = pending
+            pending = None
+            journal = finish(engine, launched)
+            journal.incarnation = greeting.incarnation
+            sock.send_multipart([ident, worker_pb2.WorkerEvent(journal=journal).SerializeToString()])
+
+    def answer(ident: bytes, cmd: worker_pb2.WorkerCommand) -> None:
+        reply = worker_pb2.WorkerEvent()
+        kind = cmd.WhichOneof("kind")
+        if kind == "hello":
+            if cmd.hello.release_all:  # a scheduler starting: nothing sent before it is wanted
+                plans.clear()
+                for request_id in list(engine.canvases) + list(engine.dropped):
+                    engine.release(request_id)
+            reply.hello.CopyFrom(greeting)
+        elif kind == "stats":
+            reply.stats.active_requests = len(engine)
+            reply.stats.steps = engine.steps
+        else:
+            reply.error = f"unknown command {kind!r}"
+        sock.send_multipart([ident, reply.SerializeToString()])
+
     try:
         while not link.stopping:
-            if not sock.poll(200):
-                continue
-            ident, payload = sock.recv_multipart()
-            reply = worker_pb2.WorkerEvent()
-            try:
-                cmd = worker_pb2.WorkerCommand.FromString(payload)
-            except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
-                reply.error = f"unparseable WorkerCommand: {e}"
-                sock.send_multipart([ident, reply.SerializeToString()])
-                continue
-            kind = cmd.WhichOneof("kind")
-            if kind == "step":
-                reply.journal.CopyFrom(execute(engine, cmd.step))
-                reply.journal.incarnation = greeting.incarnation
-            elif kind == "hello":
-                if cmd.hello.release_all:
-                    for request_id in list(engine.canvases):
-                        engine.release(request_id)
-                reply.hello.CopyFrom(greeting)
-            elif kind == "stats":
-                reply.stats.active_requests = len(engine)
-                reply.stats.steps = engine.steps
-            elif kind == "shutdown":
-                break
-            else:
-                reply.error = f"unknown command {kind!r}"
-            sock.send_multipart([ident, reply.SerializeToString()])
+            # While a step runs on the GPU, wait for whichever comes first: its codes or the next
+            # plan (the scheduler's lookahead), which is launched before the journal is built.
+            if pending is not None and pending[1].ready():
+                flush()
+            # Take in everything that arrived: plans wait their turn, in order; hello and stats are
+            # answered now (behind a queued plan they would wait a whole step).
+            timeout = 0 if pending is not None or plans else 200
+            while sock.poll(timeout):
+                timeout = 0
+                ident, payload = sock.recv_multipart()
+                try:
+                    cmd = worker_pb2.WorkerCommand.FromString(payload)
+                except Exception as e:  # noqa: BLE001 - a bad frame must not kill the worker
+                    sock.send_multipart([ident, worker_pb2.WorkerEvent(
+                        error=f"unparseable WorkerCommand: {e}").SerializeToString()])
+                    continue
+                if cmd.WhichOneof("kind") == "step":
+                    plans.append((ident, cmd.step))
+                elif cmd.WhichOneof("kind") == "shutdown":
+                    flush()
+                    return
+                else:
+                    answer(ident, cmd)
+            if plans:
+                ident, plan = plans.popleft()
+                launched = launch(engine, plan)
+                flush()  # journals go out in plan order
+                pending = (ident, launched)
+            elif pending is not None:
+                time.sleep(0.0001)
     finally:
         link.close()
