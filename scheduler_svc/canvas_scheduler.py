@@ -161,7 +161,7 @@ class CanvasScheduler:
         self._wakeup.clear()
         if not self.inflight:
             if not sent:
-                await _first(self._wakeup.wait(), self.heartbeat.down.wait())
+                await self.heartbeat.wake_or_down(self._wakeup)
             return
         oldest = self.inflight[0]
         if len(self.inflight) < self.depth and self.heartbeat.up:  # room: a new canvas need not wait for it
@@ -304,13 +304,3 @@ class CanvasScheduler:
         metrics.CANVAS_QUEUE_DEPTH.labels(**self._labels).set(len(p.waiting))
         metrics.CANVAS_RUNNING.labels(**self._labels).set(len(p.running))
         metrics.CANVAS_ROWS_USED.labels(**self._labels).set(p.used_rows)
-
-
-async def _first(*aws) -> None:
-    """Wait for the first of these awaitables; cancel the rest."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()

@@ -68,6 +68,15 @@ class Heartbeat:
             log.error("the %s worker at %s is gone: %s", self.name, self.worker.endpoint, why)
         self.changed(up)
 
+    async def wake_or_down(self, wakeup: asyncio.Event) -> None:
+        """Wait until wakeup is set (a scheduler's new work) or the worker is found gone."""
+        tasks = [asyncio.ensure_future(wakeup.wait()), asyncio.ensure_future(self.down.wait())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def new_incarnation(self, known: int, timeout: float) -> int | None:
         """The incarnation of a new worker process answering hello within `timeout`, or None when
         nothing answers or the process the driver knows (`known`) does (alive, busy or stuck)."""

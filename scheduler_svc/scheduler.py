@@ -166,7 +166,7 @@ class Scheduler:
             await self._receive(self.inflight.popleft())
         elif not sent:
             self._wakeup.clear()
-            await _first(self._wakeup.wait(), self.heartbeat.down.wait())
+            await self.heartbeat.wake_or_down(self._wakeup)
 
     def _lookahead_eligible(self) -> bool:
         last = self.inflight[-1].step.plan
@@ -344,13 +344,3 @@ class Scheduler:
             if delta:
                 counter.inc(delta)
         self._published = dataclasses.replace(p.counts)
-
-
-async def _first(*waits) -> None:
-    """Wait until the first of these coroutines is done; cancel the others."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
