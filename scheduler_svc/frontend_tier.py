@@ -24,7 +24,7 @@ import sys
 from prometheus_client import start_http_server
 
 from chorus.config import add_config_flags, parse_command_line
-from scheduler_svc import frontend, metrics
+from scheduler_svc import frontend_process, metrics
 from scheduler_svc.config import SchedulerConfig
 
 
@@ -35,7 +35,7 @@ def run(args: SchedulerConfig) -> None:
             start_http_server(args.metrics_port, addr=args.host, registry=metrics.FRONTEND_REGISTRY)
         except OSError as e:
             raise SystemExit(f"frontend: scheduler.metrics_port {args.metrics_port}: {e}") from None
-    asyncio.run(frontend.serve(args, None, 0))
+    asyncio.run(frontend_process.serve(args, None, 0))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ and serves only grpc health and metrics of its own.
 The core (this process) owns the Scheduler (queue, admission, KV, radix cache,
 lookahead, the ZeroMQ link to the gpu_worker), a CanvasScheduler per OmniVoice
 worker and the one Prometheus endpoint (voices live in the frontends' store). It starts --frontends
-frontend processes (scheduler_svc/frontend.py) that all serve the gRPC port:
+frontend processes (scheduler_svc/frontend_process.py) that all serve the gRPC port:
 validation, prompt building, the vocoder streams and the client's audio, the
 per-frame work that one Python process cannot carry at full GPU throughput. They reach the core
 over a ZeroMQ ipc socket (protos/chorus/v1/frontend.proto). The core prints
@@ -45,7 +45,7 @@ from chorus import curve
 from chorus.curve import CurveError
 from chorus.moss_config import MossTTSLocalConfig
 from chorus.v1 import worker_pb2
-from scheduler_svc import frontend, metrics
+from scheduler_svc import frontend, frontend_process, metrics
 from scheduler_svc.canvas_scheduler import CanvasScheduler
 from scheduler_svc.frontend_link import FrontendLink
 from scheduler_svc.model_routing import MOSS, OMNIVOICE, UnknownModel
@@ -287,7 +287,7 @@ async def _serve_engine(args: SchedulerConfig, link: FrontendLink, schedulers: l
 def run(args: SchedulerConfig, core: str | None = None, frontend_index: int = 0) -> None:
     """Serve until SIGINT/SIGTERM: the core, or with `core` (its endpoint) one of its frontends."""
     if core:
-        frontend.run(args, core, frontend_index)
+        frontend_process.run(args, core, frontend_index)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     asyncio.run(serve(args))

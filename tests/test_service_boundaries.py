@@ -147,7 +147,7 @@ def _run_isolated(code: str) -> str:
 
 
 def test_a_frontend_process_does_not_import_torch():
-    assert _run_isolated("import sys, scheduler_svc.frontend; print('torch' in sys.modules)") == "False"
+    assert _run_isolated("import sys, scheduler_svc.frontend_process; print('torch' in sys.modules)") == "False"
 
 
 def test_the_gateway_does_not_import_torch():
