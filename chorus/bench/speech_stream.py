@@ -1,7 +1,7 @@
 """First-audio latency of streamed text in, over the WebSocket speech stream and over gRPC
 SynthesizeStream (which the WebSocket is a client of), on the CPU tiny model.
 
-    python -m chorus.bench.speech_stream --sessions 20 --out benchmarks/results/speech_stream_cpu.json
+    python -m chorus.bench.speech_stream --sessions=20 --out benchmarks/results/speech_stream_cpu.json
 
 Each session sends a three-sentence text a word at a time, `--word-ms` apart (an LLM's pace), then
 `end`. The first sentence is complete when the piece that lets the cutter decide arrives (the next
