@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import time
 
+import grpc
 import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chorus.client import channel
 from chorus.launcher import Cluster
@@ -88,3 +90,23 @@ def still_running(pids: list[int], timeout: float) -> list[int]:
     while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     return alive
+
+
+def health(address: str, service: str = "chorus.v1.TextToSpeech") -> int:
+    """The server's grpc health status for service; -1 when nothing answers (yet)."""
+    ch = channel(address)
+    try:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+    except grpc.RpcError:
+        return -1
+    finally:
+        ch.close()
+
+
+def wait_health(address: str, want: int, timeout: float) -> float:
+    """Seconds until health reads want; fails after timeout."""
+    t0 = time.monotonic()
+    while health(address) != want:
+        assert time.monotonic() - t0 < timeout, f"health is not {want} after {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0

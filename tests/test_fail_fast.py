@@ -7,26 +7,13 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from chorus.client import channel
 from chorus.v1 import tts_pb2_grpc
-from helpers import make_cluster, seeded_request, wait_until_idle
+from helpers import health, make_cluster, seeded_request, wait_health, wait_until_idle
 
 FAST = ["--worker-heartbeat-s", "0.5", "--worker-probe-s", "2", "--restart-wait-s", "2"]
-
-
-def _health(address: str) -> int:
-    return health_pb2_grpc.HealthStub(channel(address)).Check(
-        health_pb2.HealthCheckRequest(service="chorus.v1.TextToSpeech"), timeout=5).status
-
-
-def _wait_health(address: str, want: int, timeout: float) -> float:
-    t0 = time.monotonic()
-    while _health(address) != want:
-        assert time.monotonic() - t0 < timeout, f"health is not {want} after {timeout} s"
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def _stream(stub, req, out: dict, started: threading.Event) -> None:
@@ -45,7 +32,7 @@ def test_a_killed_worker_fails_fast_and_a_new_one_brings_the_service_back():
 
     with make_cluster(["--dtype", "float64"], FAST, worker_port=free_port()) as c:
         stub = tts_pb2_grpc.TextToSpeechStub(channel(c.address))
-        assert _health(c.address) == health_pb2.HealthCheckResponse.SERVING
+        assert health(c.address) == health_pb2.HealthCheckResponse.SERVING
         results = [{}, {}]
         started = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=_stream, args=(stub, seeded_request(seed=i, frames=2000), results[i],
@@ -62,7 +49,7 @@ def test_a_killed_worker_fails_fast_and_a_new_one_brings_the_service_back():
         for r in results:
             assert r["code"] == grpc.StatusCode.UNAVAILABLE, r
             assert "worker" in r["details"] and r["t"] - killed < 10, r
-        assert _wait_health(c.address, health_pb2.HealthCheckResponse.NOT_SERVING, 10) < 10
+        assert wait_health(c.address, health_pb2.HealthCheckResponse.NOT_SERVING, 10) < 10
 
         t0 = time.monotonic()
         try:
@@ -76,7 +63,7 @@ def test_a_killed_worker_fails_fast_and_a_new_one_brings_the_service_back():
         c.services[c.services.index(old)] = new  # the cluster stops the new one at the end
         new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
         new.wait_ready(120)
-        _wait_health(c.address, health_pb2.HealthCheckResponse.SERVING, 30)
+        wait_health(c.address, health_pb2.HealthCheckResponse.SERVING, 30)
         frames = [r for r in stub.Synthesize(seeded_request(frames=6), timeout=60) if r.HasField("summary")]
         assert frames[0].summary.frames == 6
         assert wait_until_idle(c) == (0, 0, 0, 0)

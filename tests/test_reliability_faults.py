@@ -15,13 +15,13 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from chorus.client import channel, synthesize
 from chorus.processes import Service, child_pids, free_port
 from chorus.retry_hint import KEY as RETRY_KEY
 from chorus.v1 import tts_pb2_grpc
-from helpers import make_cluster, seeded_request, wait_until_idle
+from helpers import health, make_cluster, seeded_request, wait_health, wait_until_idle
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 
@@ -43,25 +43,6 @@ def service():
         yield c
 
 
-def _health(address: str) -> int:
-    ch = channel(address)
-    try:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="chorus.v1.TextToSpeech"), timeout=5).status
-    except grpc.RpcError:
-        return -1  # nothing answers (yet)
-    finally:
-        ch.close()
-
-
-def _wait_health(address: str, want: int, timeout: float) -> float:
-    t0 = time.monotonic()
-    while _health(address) != want:
-        assert time.monotonic() - t0 < timeout, f"health is not {want} after {timeout} s"
-        time.sleep(0.1)
-    return time.monotonic() - t0
-
-
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
@@ -75,16 +56,16 @@ def _scheduler_pids(cluster) -> list[int]:
 # ---- a vocoder pool with no live replica ------------------------------------------------------
 
 def test_health_follows_the_vocoder_pool(service):
-    assert _health(service.address) == SERVING
+    assert health(service.address) == SERVING
     old = service.service("vocoder")
     old.proc.kill()
     old.proc.wait()
-    assert _wait_health(service.address, NOT_SERVING, 10) < 5
+    assert wait_health(service.address, NOT_SERVING, 10) < 5
     new = Service("vocoder", old.argv)  # its config names the same port
     service.services[service.services.index(old)] = new
     new.start(False, dict(os.environ, PYTHONUNBUFFERED="1"))
     new.wait_ready(120)
-    _wait_health(service.address, SERVING, 15)
+    wait_health(service.address, SERVING, 15)
     stub = tts_pb2_grpc.TextToSpeechStub(channel(service.address))
     assert synthesize(stub, seeded_request(seed=5, frames=6), timeout=120).audio_bytes == service.golden
 
@@ -192,7 +173,7 @@ def test_a_killed_scheduler_process_is_unavailable_then_restarted(supervised, vi
     while service.restarts == restarts and time.monotonic() - t1 < 60:  # the orphaned frontends may
         time.sleep(0.1)                                                   # answer health for a moment
     assert service.restarts == restarts + 1
-    _wait_health(address, SERVING, 90)
+    wait_health(address, SERVING, 90)
     print(f"{victim}: streams ended in {t1 - t0:.1f} s, serving again after {time.monotonic() - t1:.1f} s")
     stub = tts_pb2_grpc.TextToSpeechStub(channel(address))
     assert synthesize(stub, seeded_request(seed=5, frames=6), timeout=120).audio_bytes == service.golden

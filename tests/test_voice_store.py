@@ -138,6 +138,7 @@ def test_each_owner_sees_only_its_own(url):
     with open_store(url) as store:
         store.put(voice("same", owner="alice", seed=1))
         store.put(voice("same", owner="bob", seed=2))  # one id, two owners: two voices
+        time.sleep(0.01)  # created a clock tick later (SQLite keeps milliseconds; a tie lists by id)
         store.put(voice("hers", owner="alice"))
         assert [v.voice_id for v in store.list("alice")] == ["same", "hers"]
         assert [v.voice_id for v in store.list("bob")] == ["same"] and store.list("") == []
