@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 from chorus.moss_config import BackboneConfig, LocalConfig, MossTTSLocalConfig
 from gpu_worker import kernels
 from gpu_worker.attention import AttentionBatch, AttentionBackend
+from gpu_worker.linears import fuse_linears, fused_linear
 from gpu_worker.sampler_kernel import fused_sample
 
 
@@ -83,33 +83,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)  # one launch on CUDA, torch_ops.rms_norm elsewhere
-
-
-def fuse_linears(linears: tuple[nn.Linear, ...]) -> None:
-    """Re-home bias-free Linears that read the same input into one weight tensor,
-    each module's weight becoming a view of its rows: one GEMM instead of several
-    (a decode step is launch-bound), with state-dict names and memory unchanged."""
-    fused = torch.cat([m.weight.data for m in linears])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
-        start += rows
-
-
-def fused_linear(x: Tensor, linears: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
-    """x through every Linear: one GEMM when their weights are adjacent views
-    (fuse_linears), else one each."""
-    first = linears[0].weight
-    rows = [m.weight.shape[0] for m in linears]
-    storage = first.untyped_storage().data_ptr()
-    offsets = np.cumsum([0] + rows[:-1]) * first.shape[1] + first.storage_offset()
-    fused = all(m.weight.is_contiguous() and m.weight.untyped_storage().data_ptr() == storage
-                and m.weight.storage_offset() == off for m, off in zip(linears, offsets))
-    if not fused:
-        return tuple(m(x) for m in linears)
-    weight = first.as_strided((sum(rows), first.shape[1]), first.stride())
-    return F.linear(x, weight).split(rows, dim=-1)
 
 
 class Qwen3Attention(nn.Module):

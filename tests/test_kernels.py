@@ -398,7 +398,7 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embed_rows(dtype):
-    from gpu_worker.model import fuse_linears
+    from gpu_worker.linears import fuse_linears
     gen = torch.Generator().manual_seed(9)
     V, H, n_vq, pad = 16, 40, 3, 16
     text = torch.nn.Embedding(50, H, _weight=torch.randn(50, H, generator=gen).to(dtype))

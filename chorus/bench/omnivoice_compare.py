@@ -50,7 +50,7 @@ def write_checkpoint(directory: Path, seed: int) -> Path:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     model = build_omnivoice(preset="full", load_format="dummy", dtype="float16", device="cuda", seed=seed)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # fused views: own storage each
     tensors[OFFSETS] = torch.arange(model.cfg.num_codebooks) * model.cfg.audio_vocab_size
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))

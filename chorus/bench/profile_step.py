@@ -18,7 +18,7 @@ from gpu_worker.attention import AttentionBatch
 from gpu_worker.engine import Engine
 from gpu_worker.state_pool import sample_and_commit
 from gpu_worker.loader import build_model
-from gpu_worker.model import fused_linear
+from gpu_worker.linears import fused_linear
 from gpu_worker.sampler import sample
 from chorus.bench.common import cuda_kernels, graph_time, replay_ms, write_json
 from chorus.wire import rows_matrix

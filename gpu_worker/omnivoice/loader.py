@@ -21,7 +21,7 @@ from chorus.omnivoice.config import PRESETS, OmniVoiceConfig
 from gpu_worker.loader import resolve_dtype
 from gpu_worker.safetensors_headers import CheckpointError, read_headers, read_tensors
 from gpu_worker.model import init_random_weights
-from gpu_worker.omnivoice.model import OmniVoiceModel
+from gpu_worker.omnivoice.model import OmniVoiceModel, fuse_projections
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 OFFSETS = "codebook_layer_offsets"
@@ -92,4 +92,5 @@ def build_omnivoice(*, model_dir: str | Path | None = None, preset: str = "tiny"
         load_checkpoint(model, model_dir)
     else:
         init_random_weights(model, seed)
+    fuse_projections(model)
     return model.eval()

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from chorus.omnivoice.config import OmniVoiceConfig
 from chorus.triton_support import KERNEL_DTYPES
 from gpu_worker import kernels
+from gpu_worker.linears import fuse_linears, fused_linear
 
 ROW_MULTIPLE = 4
 KERNELS = "auto"  # "auto": gpu_worker/kernels.py's fused kernels on CUDA when triton imports; "torch": never
@@ -117,9 +118,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(rows, self.n_kv, self.head_dim)
+        q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv, self.head_dim)
+        v = v.view(rows, self.n_kv, self.head_dim)
         if fused(x):  # q/k norms and RoPE in one launch; k and v land in fresh [rows, KV, d] buffers
             half = self.head_dim // 2
             k_out, v_out = torch.empty_like(k), torch.empty_like(v)
@@ -141,7 +142,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
         return self.down_proj(kernels.silu_mul(gate, up, impl="auto") if fused(x) else F.silu(gate) * up)
 
 
@@ -225,3 +226,11 @@ class OmniVoiceModel(nn.Module):
         attend = attention.plan(doc_lens) if attention is not None else \
             (lambda q, k, v: document_attention(q, k, v, doc_lens))
         return self.head(self.hidden(ids, audio_mask, positions, attend), gather)
+
+
+def fuse_projections(model: OmniVoiceModel) -> None:
+    """q/k/v and gate/up of every layer as one GEMM each (gpu_worker/linears.py); call after the
+    weights are in place."""
+    for layer in model.llm.layers:
+        fuse_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        fuse_linears((layer.mlp.gate_proj, layer.mlp.up_proj))
