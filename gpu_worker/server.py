@@ -65,6 +65,9 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
         if args.host_vocoder_decoder:
             raise SystemExit("worker.host_vocoder_decoder: an OmniVoice worker hosts no vocoder decoder (its codec "
                              "runs in a vocoder_svc replica)")
+        if args.quantization != "none":
+            raise SystemExit(f"worker.quantization = {args.quantization}: FP8 covers MOSS-TTS Local's backbone; an "
+                             "OmniVoice worker computes in --dtype (float16 on a GPU)")
         return omnivoice.run(args)
     if args.host_vocoder_decoder and sidecar is None:
         raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
@@ -80,7 +83,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
     free = torch.cuda.mem_get_info(torch.device(args.device)) if auto and torch.device(args.device).type == "cuda" \
         else None
     model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
-                        dtype=args.dtype, device=args.device, seed=args.seed)
+                        dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
     sizing = size(args, model, free, hosted, hosted_slots)
     if auto:
         print(f"sized: max_batch {sizing.max_batch}, kv_slots {sizing.kv_slots}"
@@ -117,8 +120,8 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
 
     link = WorkerSocket(args)
     sock, endpoint = link.sock, link.endpoint
-    print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}",
-          flush=True)
+    print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}"
+          + (f" quantization={args.quantization}" if args.quantization != "none" else ""), flush=True)
     pending: tuple[bytes, PendingStep] | None = None  # a launched step whose journal is not sent yet
     watchdog = StallWatchdog(stall_limit(args.stall_exit_s, engine.device.type), "a worker step")
 

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"], help="dummy = random weights")
     p.add_argument("--device", default="cuda", help="torch device")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: the backbone's GEMMs in e4m3 (as gpu_worker --quantization)")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
                    help="as gpu_worker --attention")
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
@@ -118,7 +120,7 @@ class Bench:
         if torch.device(args.device).index is not None:
             torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
         self.model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
-                                 dtype=args.dtype, device=args.device, seed=0)
+                                 dtype=args.dtype, device=args.device, seed=0, quantization=args.quantization)
         self.cfg = self.model.cfg
         max_b = max(self.batches)
         # every request holds its context plus one row per decode step of every point it joins
@@ -153,22 +155,23 @@ class Bench:
               flush=True)
 
     # ---- floors ----------------------------------------------------------------
-    def weight_elements(self) -> int:
-        """Weights a decode step must read (elements): every weight but the text embedding table, and
-        the local transformer's once per local position (n_vq per frame: each position depends on
-        the code sampled at the one before, and its 150 MB do not stay in L2), except the first
-        block's c_attn at the n_vq - 1 fed-back positions, whose output the model gathers from
-        precompute_code_qkv's table. The matmul FLOPs of a row are twice this."""
+    def weight_elements(self, size=torch.Tensor.numel) -> int:
+        """Weights a decode step must read (elements; size=nbytes: bytes): every weight but the text
+        embedding table, and the local transformer's once per local position (n_vq per frame: each
+        position depends on the code sampled at the one before, and its 150 MB do not stay in L2),
+        except the first block's c_attn at the n_vq - 1 fed-back positions, whose output the model
+        gathers from precompute_code_qkv's table. The matmul FLOPs of a row are twice the elements."""
         lt = self.model.local_transformer
         skip = self.model.transformer.embed_tokens.weight
-        local = sum(p.numel() for p in lt.parameters())
-        other = sum(p.numel() for p in self.model.parameters() if p is not skip) - local
+        local = sum(size(p) for p in lt.parameters())
+        other = sum(size(p) for p in self.model.parameters() if p is not skip) - local
         c_attn = lt.h[0].attn.c_attn
-        gathered = c_attn.weight.numel() + c_attn.bias.numel() if lt.code_qkv is not None else 0
+        gathered = size(c_attn.weight) + size(c_attn.bias) if lt.code_qkv is not None else 0
         return other + (local * self.cfg.n_vq - gathered * (self.cfg.n_vq - 1))
 
     def weight_bytes(self) -> int:
-        return self.weight_elements() * (torch.finfo(self.engine.dtype).bits // 8)
+        """As stored: e4m3 backbone weights (--quantization fp8) count one byte each."""
+        return self.weight_elements(lambda p: p.numel() * p.element_size())
 
     def step_floor(self, bs: int, ctx: float) -> tuple[float, float]:
         """(bytes floor, FLOPs floor) in seconds for a decode step of bs requests at context ctx."""
