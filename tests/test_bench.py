@@ -246,7 +246,8 @@ def test_launch_without_a_layout_builds_the_profile():
 def test_the_cpu_smoke_layout_runs_end_to_end(tmp_path):
     """Real services on the CPU, launched and stopped by chorus bench --layout."""
     out = tmp_path / "smoke.json"
-    cli_main(["bench", "--layout", "cpu-smoke", "--no-progress", "--seed", "3", "--out", str(out)])
+    # A count, not the layout's 2 s: on a loaded CI machine a request can outlast a 2 s window.
+    cli_main(["bench", "--layout", "cpu-smoke", "--no-progress", "--seed", "3", "--requests", "3", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["complete"] and data["layout"]["name"] == "cpu-smoke" and data["config"]["layout"] == "cpu-smoke"
     assert data["server"]["launched"] and data["server"]["launch_configs"]["cluster"]["device"] == "cpu"
