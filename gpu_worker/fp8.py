@@ -95,9 +95,18 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
 
 
+def check_device(device: torch.device) -> None:
+    """FP8 GEMMs need e4m3 tensor cores: compute capability 8.9 (Ada) or later on CUDA."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"quantization fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: run without it")
+
+
 def quantize_linears(module: nn.Module) -> int:
     """Replace every Linear under module by an Fp8Linear, one at a time (the bf16 weight is freed
     as its e4m3 copy lands); returns how many."""
+    check_device(next(module.parameters()).device)
     targets = [(parent, name) for parent in module.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     for parent, name in targets:

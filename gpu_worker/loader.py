@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from chorus.moss_config import PRESETS, MossTTSLocalConfig
-from gpu_worker.fp8 import quantize_linears
+from gpu_worker.fp8 import check_device, quantize_linears
 from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights, precompute_code_qkv
 from gpu_worker.safetensors_headers import CheckpointError, read_headers, read_tensors  # noqa: F401 (CheckpointError: re-exported)
 
@@ -132,6 +132,10 @@ def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_form
     quantization 'fp8' then stores the backbone's Linears in e4m3 (gpu_worker/fp8.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose none or fp8")
+    if quantization == "fp8":
+        check_device(torch.device(device))  # before the weights are read
     if model_dir:
         cfg = MossTTSLocalConfig.from_pretrained(model_dir)
     else:
@@ -150,8 +154,6 @@ def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_form
         init_random_weights(model, seed)
     if quantization == "fp8":
         quantize_linears(model.transformer)  # the backbone's GEMMs; the local transformer and heads stay
-    elif quantization != "none":
-        raise ValueError(f"unknown quantization {quantization!r}; choose none or fp8")
     fuse_projections(model)
     precompute_code_qkv(model)
     return model.eval()
