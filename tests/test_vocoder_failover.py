@@ -377,7 +377,7 @@ def test_relay_failover_resumes_at_the_exact_sample(fault):
         pool = VocoderPool([servers[0][1], servers[1][1]], probe_interval=3600)
         try:
             codec = await pool.info(timeout=10)
-            kw = dict(rate=16000, fmt=tts_pb2.FLOAT32, return_codes=True, stall_timeout=0.5)
+            kw = dict(rate=16000, fmt=tts_pb2.FLOAT32, return_codes=True, stall_timeout=2.0)
             bad.fault = None
             want = await _relay_run(pool, codec, frames, **kw)
             bad.fault = fault
