@@ -89,19 +89,20 @@ def frame_agreement(bf16, fp8, device: str, requests: int, steps: int, seed: int
                for n in rng.integers(40, 120, requests)]
     cuda = device.startswith("cuda")
 
-    def engine(model, graphs: bool) -> Engine:
+    def engine(model, graphs: bool) -> Engine:  # each run releases its requests: an engine serves many runs
         return Engine(model, num_kv_slots=requests * 1024 + 1024, max_batch=max(4, requests), max_context=1024,
                       cuda_graphs=graphs, page_size=16)
 
-    base = run_requests(engine(bf16, cuda), prompts, steps)
-    quant = run_requests(engine(fp8, cuda), prompts, steps)
+    engines = {"bf16": engine(bf16, cuda), "fp8": engine(fp8, cuda)}
+    base = run_requests(engines["bf16"], prompts, steps)
+    quant = run_requests(engines["fp8"], prompts, steps)
     report = {"requests": requests, "steps": steps, "fp8_vs_bf16": _compare(base, quant)}
     # A request's seed follows its place in run_requests' batch: each one compared leads its batch.
-    for name, model in (("bf16", bf16), ("fp8", fp8)):
+    for name, e in engines.items():
         alone, batched = [], []
         for i in range(min(2, requests)):
-            alone.append(run_requests(engine(model, cuda), [prompts[i]], steps)[0])
-            batched.append(run_requests(engine(model, cuda), [prompts[i]] + prompts[:i] + prompts[i + 1:], steps)[0])
+            alone.append(run_requests(e, [prompts[i]], steps)[0])
+            batched.append(run_requests(e, [prompts[i]] + prompts[:i] + prompts[i + 1:], steps)[0])
         report[f"{name}_alone_vs_batched"] = _compare(alone, batched)
     if cuda:
         report["fp8_graphed_vs_eager"] = _compare(quant, run_requests(engine(fp8, False), prompts, steps))
