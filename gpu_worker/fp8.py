@@ -82,10 +82,9 @@ class Fp8Linear(nn.Module):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("Fp8Linear: a Linear with a bias is not quantized")
-        w = linear.weight.data.to(torch.float32)
-        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
-        self.weight = nn.Parameter((w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        q, scale = quantize_rows_torch(linear.weight.data)  # a weight row is an output channel
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale[:, 0], requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
