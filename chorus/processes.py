@@ -121,14 +121,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> dict[str, float]:
+def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0,
+                 labelled: bool = False) -> dict[str, float]:
     """A service's Prometheus samples without labels ({name: value}), e.g. counters' `_total`
-    and histograms' `_count` / `_sum`. Raises OSError when nothing answers."""
+    and histograms' `_count` / `_sum`; labelled: those with labels too, each name summed over its
+    label sets (a model's and every other model's steps together). Raises OSError when nothing
+    answers."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
         text = r.read().decode()
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name and not name.startswith("#") and "{" not in name:
-            out[name] = float(value)
+        sample, _, value = line.rpartition(" ")
+        if not sample or sample.startswith("#"):
+            continue
+        name, brace, _ = sample.partition("{")
+        if brace and not labelled:
+            continue
+        out[name] = out.get(name, 0.0) + float(value)
     return out

@@ -5,6 +5,7 @@ import json
 
 from chorus import bench
 from chorus.bench import layouts
+from chorus.bench.server_counters import canvas_stats, scheduler_counters
 
 
 def test_o_workloads_run_end_to_end(omnivoice_cluster, tmp_path):
@@ -12,7 +13,11 @@ def test_o_workloads_run_end_to_end(omnivoice_cluster, tmp_path):
     args = bench.parse_args(["--server", omnivoice_cluster.address, "--warmup", "0", "--no-progress", "--seed", "3",
                              "--workload", "O1,O2,O3", "--concurrency", "2", "--requests", "2", "--frames", "10",
                              "--num-step", "4", "--voices", "2", "--out", str(out)])
+    before = scheduler_counters(omnivoice_cluster.metrics_port)
     bench.run_bench(args)
+    steps = canvas_stats(before, scheduler_counters(omnivoice_cluster.metrics_port), wall=1.0)
+    assert steps["steps_per_s"] > 0 and steps["packed_rows_per_step"] > 0 and steps["worker_step_ms"] > 0
+    assert steps["canvases_per_s"] >= 6  # per second of a 1 s "level": the canvases the three levels ended
     data = json.loads(out.read_text())
     assert [lv["workload"] for lv in data["levels"]] == ["O1", "O2", "O3"]
     assert all(lv["errors"] == 0 and lv["completed"] == 2 for lv in data["levels"]), \

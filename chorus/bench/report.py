@@ -151,6 +151,12 @@ def server_lines(lv: dict) -> list[str]:
             lines.append(f"worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
                          f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
                          f"{st['prefill_rows_per_prefill_step']:.0f} rows each)")
+    cs = lv.get("canvas_steps")  # absent from results written before canvas steps were recorded
+    if cs:
+        worker = f", worker {cs['worker_step_ms']:.1f} ms a step" if cs["worker_step_ms"] is not None else ""
+        lines.append(f"canvas steps: {cs['steps_per_s']:.0f}/s, {cs['packed_rows_per_step']:.0f} packed rows a step"
+                     f"{worker}, lookahead {100 * cs['lookahead_share']:.0f}%, "
+                     f"{cs['canvases_per_s']:.1f} canvases ended a second")
     vs = lv["vocoder_steps"]
     if vs and vs["step_ms"] is not None:
         lines.append(f"vocoder steps: {vs['steps_per_s']:.0f}/s, {vs['streams_per_step']:.1f} streams/step, "

@@ -12,7 +12,12 @@ STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum"
                   "chorus_worker_prefill_step_ms_count": "prefill_steps",
                   "chorus_worker_prefill_step_ms_sum": "prefill_ms", "chorus_prefill_rows_total": "prefill_rows",
                   "chorus_scheduler_turnaround_ms_count": "turnarounds",
-                  "chorus_scheduler_turnaround_ms_sum": "turnaround_ms"}
+                  "chorus_scheduler_turnaround_ms_sum": "turnaround_ms",
+                  # OmniVoice's canvas steps (labelled by model: summed over the models)
+                  "chorus_canvas_steps_total": "canvas_steps",
+                  "chorus_canvas_lookahead_steps_total": "canvas_lookahead_steps",
+                  "chorus_canvas_step_ms_count": "canvas_timed_steps", "chorus_canvas_step_ms_sum": "canvas_step_ms",
+                  "chorus_canvas_packed_rows_sum": "canvas_rows", "chorus_canvases_total": "canvases"}
 
 
 def scheduler_counters(port: int | None) -> dict[str, float] | None:
@@ -20,7 +25,7 @@ def scheduler_counters(port: int | None) -> dict[str, float] | None:
     if port is None:
         return None
     try:
-        samples = read_metrics(port, timeout=2)
+        samples = read_metrics(port, timeout=2, labelled=True)
     except OSError:
         return None
     return {key: samples[name] for name, key in STEP_COUNTERS.items() if name in samples}
@@ -85,3 +90,18 @@ def step_stats(before: dict[str, float] | None, after: dict[str, float] | None, 
             "worker_prefill_step_ms": per("prefill_ms", "prefill_steps"),
             "prefill_step_share": d["prefill_steps"] / steps if steps else None,
             "prefill_rows_per_prefill_step": per("prefill_rows", "prefill_steps")}
+
+
+def canvas_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
+    """What OmniVoice's canvas steps did over a level (None when none ran): steps per second, packed
+    rows a step, the worker's time a step (launch to journal), the share sent before the previous
+    journal returned, and canvases ended per second."""
+    if not before or not after or wall <= 0:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_COUNTERS.values() if k.startswith("canvas")}
+    steps = d["canvas_steps"]
+    if not steps:
+        return None
+    return {"steps_per_s": steps / wall, "packed_rows_per_step": d["canvas_rows"] / steps,
+            "worker_step_ms": d["canvas_step_ms"] / d["canvas_timed_steps"] if d["canvas_timed_steps"] else None,
+            "lookahead_share": d["canvas_lookahead_steps"] / steps, "canvases_per_s": d["canvases"] / wall}

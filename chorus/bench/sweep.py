@@ -10,7 +10,8 @@ import time
 
 from chorus.bench.load import Level, Progress, Runner
 from chorus.bench.report import level_metrics, server_lines, table_header, table_row, ttfa_breakdown
-from chorus.bench.server_counters import scheduler_counters, step_stats, vocoder_counters, vocoder_stats
+from chorus.bench.server_counters import (canvas_stats, scheduler_counters, step_stats, vocoder_counters,
+                                          vocoder_stats)
 from chorus.bench.workloads import WORKLOADS
 
 
@@ -62,6 +63,7 @@ async def run_levels(args: argparse.Namespace, address: str, seed: int, results:
                 except asyncio.CancelledError:
                     pass
             wall = runner.now() - wall0
+            steps1 = scheduler_counters(metrics_port)
             if args.requests is not None:
                 ends = [r["t_end_s"] for r in level.records if r["measured"]]
                 window = (level.t_warm, max(ends) if ends else level.t_warm)
@@ -80,7 +82,8 @@ async def run_levels(args: argparse.Namespace, address: str, seed: int, results:
                   "server_cpu": {name: (t - server_cpu0[name]) / wall if t is not None and wall > 0
                                  and server_cpu0[name] is not None else None
                                  for name, t in _service_cpu(services).items()},
-                  "scheduler_steps": step_stats(steps0, scheduler_counters(metrics_port), wall),
+                  "scheduler_steps": step_stats(steps0, steps1, wall),
+                  "canvas_steps": canvas_stats(steps0, steps1, wall),
                   "vocoder_steps": vocoder_stats(vsteps0, vocoder_counters(vocoder_metrics_ports), wall)}
             results["levels"].append(lv)
             for r in level.records:
