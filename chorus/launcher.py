@@ -84,6 +84,8 @@ class Cluster:
     omnivoice_worker: WorkerConfig | None = None
     omnivoice_vocoder: VocoderConfig | None = None
     omnivoice_vocoder_ports: list[int] = field(default_factory=lambda: [0])
+    # Prometheus ports of the OmniVoice codec's replicas, one per port above; None: no metrics endpoints
+    omnivoice_vocoder_metrics_ports: list[int] | None = None
     # CURVE on the worker links with a key pair made for this run (a worker or scheduler config that
     # names its own keys keeps them).
     curve: bool = False
@@ -339,9 +341,10 @@ class Cluster:
             return []
         vocoder = self.omnivoice_vocoder or VocoderConfig()
         out = []
-        for i, port in enumerate(self.omnivoice_vocoder_ports):
+        metrics = self.omnivoice_vocoder_metrics_ports or [0] * len(self.omnivoice_vocoder_ports)
+        for i, (port, mport) in enumerate(zip(self.omnivoice_vocoder_ports, metrics)):
             name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
-            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=0, attach_decoder=None)
+            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport, attach_decoder=None)
             out.append(Service(name, [sys.executable, "-m", "vocoder_svc.server", "--config-proto",
                                       write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
                                drain=replica.grace + DRAIN_MARGIN_S))

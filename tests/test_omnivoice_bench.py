@@ -37,3 +37,17 @@ def test_the_omnivoice_layouts_put_omnivoice_on_the_gpu():
     assert one.omnivoice_vocoder.preset == "higgs-full" and one.worker.device == "cpu"
     assert layouts.resolve("o3-1gpu").settings["workload"] == ["O3"]
     assert layouts.resolve("o1-1gpu-eager").services().omnivoice_worker.cuda_graphs is False
+
+
+def test_a_launched_o1_run_says_where_its_time_went(tmp_path):
+    """Launched, a level records the canvas steps (from the scheduler's metrics) and the codec's
+    clips (from the OmniVoice vocoder's)."""
+    out = tmp_path / "o1.json"
+    bench.run_bench(bench.parse_args(["--launch", "--profile", "cpu", "--workload", "O1", "--concurrency", "1",
+                                      "--requests", "2", "--frames", "10", "--num-step", "4", "--warmup", "0",
+                                      "--no-progress", "--seed", "3", "--out", str(out)]))
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["completed"] == 2 and lv["errors"] == 0
+    canvas, codec = lv["canvas_steps"], lv["vocoder_steps"]
+    assert canvas["steps_per_s"] > 0 and canvas["worker_step_ms"] > 0 and canvas["canvases_per_s"] > 0
+    assert codec["clips_per_s"] > 0 and codec["clips_per_batch"] >= 1 and codec["clip_batch_ms"] > 0

@@ -131,9 +131,19 @@ def _launch_cluster(args: argparse.Namespace, named: BenchLayout | None):
     if metrics_port is None:
         metrics_port = layout.scheduler.metrics_port = free_port()
     layout.scheduler.port = 0
-    cluster = layout.cluster_launcher(vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)])
+    omnivoice_vocoders = layout.cluster.omnivoice_vocoders if layout.omnivoice_worker is not None else 0
+    cluster = layout.cluster_launcher(
+        vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)],
+        omnivoice_vocoder_metrics_ports=[free_port() for _ in range(omnivoice_vocoders)] or None)
     cluster.echo = args.server_logs
     return layout, cluster, metrics_port
+
+
+def vocoder_ports(cluster) -> list[int] | None:
+    """Every launched vocoder replica's Prometheus port, MOSS's and OmniVoice's codec's (None: none)."""
+    if cluster is None:
+        return None
+    return [*(cluster.vocoder_metrics_ports or []), *(cluster.omnivoice_vocoder_metrics_ports or [])] or None
 
 
 def _config(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -219,7 +229,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             address = args.server or "127.0.0.1:50051"
         results["server"]["address"] = address
         asyncio.run(run_levels(args, address, seed, results, cluster.services if cluster is not None else None,
-                               metrics_port, cluster.vocoder_metrics_ports if cluster is not None else None, save))
+                               metrics_port, vocoder_ports(cluster), save))
         results["complete"] = True
     except KeyboardInterrupt:
         print("\ninterrupted; writing what was measured", file=sys.stderr)

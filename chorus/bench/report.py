@@ -151,7 +151,7 @@ def server_lines(lv: dict) -> list[str]:
             lines.append(f"worker: decode steps {st['worker_decode_step_ms']:.1f} ms, steps with prefill "
                          f"{st['worker_prefill_step_ms']:.1f} ms ({100 * st['prefill_step_share']:.0f}% of steps, "
                          f"{st['prefill_rows_per_prefill_step']:.0f} rows each)")
-    cs = lv.get("canvas_steps")  # absent from results written before canvas steps were recorded
+    cs = lv.get("canvas_steps")  # results files of an older chorus have none
     if cs:
         worker = f", worker {cs['worker_step_ms']:.1f} ms a step" if cs["worker_step_ms"] is not None else ""
         lines.append(f"canvas steps: {cs['steps_per_s']:.0f}/s, {cs['packed_rows_per_step']:.0f} packed rows a step"
@@ -165,6 +165,9 @@ def server_lines(lv: dict) -> list[str]:
                         f"{vs['queue_wait_ms']:.1f} ms" if vs.get("frames_per_step") else "")
                      + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
                         if vs.get("launched_ahead_share") is not None else ""))
+    if vs and vs.get("clip_batch_ms") is not None:
+        lines.append(f"codec clips: {vs['clips_per_s']:.1f}/s, {vs['clips_per_batch']:.1f} a batch, "
+                     f"{vs['clip_batch_ms']:.1f} ms a batch")
     return lines
 
 

@@ -36,7 +36,10 @@ VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_voco
                      "chorus_vocoder_audio_seconds_total": "audio_s",
                      "chorus_vocoder_decode_step_frames_sum": "frames",
                      "chorus_vocoder_queue_wait_ms_sum": "queue_wait_ms",
-                     "chorus_vocoder_steps_launched_ahead_total": "launched_ahead"}
+                     "chorus_vocoder_steps_launched_ahead_total": "launched_ahead",
+                     # whole clips (OmniVoice's codec)
+                     "chorus_vocoder_clips_total": "clips", "chorus_vocoder_clip_decode_ms_count": "clip_batches",
+                     "chorus_vocoder_clip_decode_ms_sum": "clip_batch_ms"}
 
 
 def vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
@@ -62,13 +65,19 @@ def vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | Non
         return None
     d = {k: after[k] - before[k] for k in VOCODER_COUNTERS.values()}
     steps = d["steps"]
+    if not steps and not d["clips"]:
+        return None
     return {"steps_per_s": steps / wall, "streams_per_step": d["streams"] / steps if steps else None,
             "step_ms": d["step_ms"] / steps if steps else None, "audio_s_per_s": d["audio_s"] / wall,
             # frames per stream in a step, and how long a step's oldest chunk waited for it
             "frames_per_step": d["frames"] / steps if steps else None,
             "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None,
             # the share of steps launched while the one before still ran
-            "launched_ahead_share": d["launched_ahead"] / steps if steps else None}
+            "launched_ahead_share": d["launched_ahead"] / steps if steps else None,
+            # whole clips: how many a second, how many a batch, a batch's wall time (decode and post-processing)
+            "clips_per_s": d["clips"] / wall,
+            "clips_per_batch": d["clips"] / d["clip_batches"] if d["clip_batches"] else None,
+            "clip_batch_ms": d["clip_batch_ms"] / d["clip_batches"] if d["clip_batches"] else None}
 
 
 def step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
