@@ -33,6 +33,9 @@ from scheduler_svc.config import SchedulerConfig
 from vocoder_svc.config import VocoderConfig
 
 DEFAULT_PROFILE = "cpu"
+# Frontend processes beside a GPU worker unless the scheduler table says: a frontend spends 70-120 us
+# of CPU a frame (README, Architecture), and at 256 streams one H200 makes ~11,000 frames a second.
+GPU_FRONTENDS = 4
 SERVICES = {"worker": WorkerConfig, "vocoder": VocoderConfig, "scheduler": SchedulerConfig}
 OMNIVOICE_SERVICES = {"omnivoice_worker": WorkerConfig, "omnivoice_vocoder": VocoderConfig}
 TABLES = ("cluster", *SERVICES, *OMNIVOICE_SERVICES)
@@ -193,6 +196,8 @@ def build(tables: dict[str, Any], overrides: dict[str, dict[str, Any]] | None = 
         if device.startswith("cuda"):  # 0: sized from the GPU's memory at start-up (chorus/sizing.py)
             for key in (("max_batch", "kv_slots") if table is worker else ("slots",)):
                 table.setdefault(key, 0)
+    if worker.get("device", "cpu").startswith("cuda") and not cluster.engines:
+        scheduler.setdefault("frontends", GPU_FRONTENDS)
     scheduler.update(service_flags.get("scheduler", {}))
     configs = {name: cls(**values[name]) for name, cls in SERVICES.items()}
     choice = "off" if cluster.engines else cluster.colocate_vocoder  # an engine's vocoders are their own

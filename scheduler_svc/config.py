@@ -72,7 +72,8 @@ class SchedulerConfig:
                                              "stream's first chunk unless the client asks (0 = the vocoder's)",
                                              metavar="N", minimum=0, maximum=MAX_CHUNK_FRAMES)
     frontends: int = setting(1, "frontend processes serving the gRPC port (0 = an engine: frontend tier processes "
-                             "reach it on frontend_link; the port serves grpc health only)", minimum=0)
+                             "reach it on frontend_link; the port serves grpc health only); a chorus up layout "
+                             "whose worker is on a GPU runs 4 unless it sets this", minimum=0)
     drain_seconds: float = setting(25.0, "seconds the running and queued requests get to finish on SIGTERM (below "
                                    "terminationGracePeriodSeconds)", minimum=0)
     omnivoice_worker: list[str] = setting([], "ZeroMQ endpoint of an OmniVoice gpu_worker; repeat the flag for "

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from chorus.config import ConfigError, from_proto, message_class, parse, profile_names, settings, to_proto
+from chorus.config import ConfigError, from_proto, merge, message_class, parse, profile_names, settings, to_proto
 from chorus.layout import build, read_tables
 from gateway_svc.config import GatewayConfig
 from gpu_worker.config import WorkerConfig
@@ -111,6 +111,10 @@ def test_every_profile_builds_and_the_high_load_one_is_the_readme_layout():
     assert one.colocate and (one.vocoder.launch_ahead_streams, one.vocoder.step_frames) == (0, 5)
     cpu = build(read_tables())
     assert (cpu.worker.device, cpu.worker.dtype, cpu.colocate) == ("cpu", "float32", False)
+    # Beside a GPU worker four frontends relay the audio unless the scheduler table says otherwise.
+    assert (one.scheduler.frontends, cpu.scheduler.frontends) == (4, 1)
+    two = merge(read_tables(profile="one-gpu"), {"scheduler": {"frontends": 2}})
+    assert build(two).scheduler.frontends == 2
 
 
 def test_a_file_starts_from_a_profile_and_its_keys_win(tmp_path):
