@@ -57,7 +57,7 @@ def test_a_killed_worker_fails_fast_and_a_new_one_brings_the_service_back():
             raise AssertionError("a request was accepted with no worker")
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNAVAILABLE and "not answering" in e.details(), e
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 5  # at once: not the call's 30 s deadline, with room for a loaded machine
 
         new = Service("worker", old.argv)
         c.services[c.services.index(old)] = new  # the cluster stops the new one at the end
