@@ -72,7 +72,10 @@ def speak(url: str, cfg: dict, messages: list[dict], pause=None) -> Session:
     with websockets_sync.connect(url + "/v1/audio/speech/stream", open_timeout=30) as ws:
         ws.send(json.dumps(cfg))
         for m in messages:
-            ws.send(json.dumps(m))
+            try:
+                ws.send(json.dumps(m))
+            except ConnectionClosed:  # the server refused an earlier message and closed: its events still read
+                break
             if pause:
                 time.sleep(pause())
         return receive(ws, Session())
