@@ -27,7 +27,6 @@ from chorus.sizing import (CPU_KV_SLOTS, CPU_MAX_BATCH, CPU_VOCODER_SLOTS, Codec
 from chorus.v1 import worker_pb2
 from chorus.watchdog import StallWatchdog, stall_limit
 from gpu_worker.config import WorkerConfig
-from gpu_worker.fp8 import check_device
 from gpu_worker.worker_socket import WorkerSocket
 from gpu_worker.engine import Engine, PendingStep
 from gpu_worker.loader import build_model
@@ -83,13 +82,11 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
     auto = not (args.max_batch and args.kv_slots and (hosted is None or hosted_slots))
     free = torch.cuda.mem_get_info(torch.device(args.device)) if auto and torch.device(args.device).type == "cuda" \
         else None
-    if args.quantization == "fp8":
-        try:
-            check_device(torch.device(args.device))
-        except ValueError as e:
-            raise SystemExit(f"worker.quantization: {e}") from None
-    model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
-                        dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    try:
+        model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
+                            dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
+    except ValueError as e:  # a setting the model or the device cannot take (e.g. fp8 on an old GPU)
+        raise SystemExit(f"worker: {e}") from None
     sizing = size(args, model, free, hosted, hosted_slots)
     if auto:
         print(f"sized: max_batch {sizing.max_batch}, kv_slots {sizing.kv_slots}"

@@ -34,7 +34,7 @@ def hidden_error(bf16, fp8, device: str, rows: int = 256, seed: int = 0) -> dict
 
     bb = bf16.cfg.backbone
     rng = np.random.default_rng(seed)
-    ids = np.concatenate([rng.integers(0, bf16.cfg.backbone.vocab_size, (rows, 1)),
+    ids = np.concatenate([rng.integers(0, bb.vocab_size, (rows, 1)),
                           rng.integers(0, bf16.cfg.audio_vocab_size, (rows, bf16.cfg.n_vq))], 1)
     ids = torch.from_numpy(ids).to(device)
     batch = AttentionBatch.build([SequenceSpan(list(range(rows)), rows)], torch.device(device))
