@@ -69,13 +69,14 @@ def quantize_kernel_check(device: str) -> bool:
 
 
 def _compare(a, b) -> dict:
+    from chorus.bench.gpu_checks import first_divergence
+
     frames = sum(len(f) for f in a)
     same = sum(x == y for fa, fb in zip(a, b) for x, y in zip(fa, fb))
     cells = sum(len(x) for fa in a for x in fa)
     same_cells = sum(u == v for fa, fb in zip(a, b) for x, y in zip(fa, fb) for u, v in zip(x, y))
-    first = [next((i for i, (x, y) in enumerate(zip(fa, fb)) if x != y), None) for fa, fb in zip(a, b)]
     return {"identical_frames": same, "frames": frames, "identical_cells": same_cells, "cells": cells,
-            "first_differing_frame": first}
+            "first_differing_frame": first_divergence(a, b)}
 
 
 def frame_agreement(bf16, fp8, device: str, requests: int, steps: int, seed: int = 1) -> dict:
