@@ -95,14 +95,6 @@ if HAVE_TRITON:
             b = x.to(tl.uint32, bitcast=True)
             r = tl.where(x != x, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
             return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        elif dtype == tl.float8e4nv:
-            # The interpreter's fp32 -> e4m3 cast truncates too: round onto e4m3's grid first,
-            # normals on the bits (3 mantissa bits kept), subnormals (below 2^-6: steps of 2^-9) by
-            # adding 2^14 (whose ulp is 2^-9) to the magnitude and taking it away.
-            b = x.to(tl.uint32, bitcast=True)
-            normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-            small = (tl.abs(x) + 16384.0) - 16384.0
-            return tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -small, small), normal).to(dtype)
         else:
             return x.to(dtype)
 

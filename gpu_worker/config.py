@@ -60,16 +60,10 @@ class WorkerConfig:
                                      "fill (weights, KV, workspace, a hosted decoder)", minimum=0.05, maximum=1.0)
     drain_seconds: float = setting(30.0, "seconds after SIGTERM the worker keeps serving its connected schedulers "
                                    "(it exits as soon as none is connected)", minimum=0)
-    quantization: str = setting("none", "fp8: the backbone's GEMMs with e4m3 weights (a scale per output row) "
-                                "and activations (a scale per row), needs --dtype bfloat16; judge audio quality on "
-                                "a real checkpoint before serving it", choices=("none", "fp8"))
 
     def validate(self) -> None:
         if not (self.bind.startswith(("tcp://", "ipc://", "inproc://"))):
             raise ConfigError(f"worker.bind = {self.bind!r}: give a ZeroMQ endpoint such as tcp://127.0.0.1:5560")
-        if self.quantization == "fp8" and self.dtype != "bfloat16":
-            raise ConfigError(f"worker.quantization = fp8 computes in bfloat16: give --dtype bfloat16 (got "
-                              f"{self.dtype})")
         if bool(self.curve_secret_key) != bool(self.curve_clients):
             raise ConfigError("worker.curve_secret_key and worker.curve_clients go together: give both (CURVE on) "
                               "or neither")

@@ -3,9 +3,7 @@
 q/k/v read the same normed rows, as do gate/up: with their weights re-homed into one tensor
 (each module's weight a view of its rows) a layer runs two GEMMs where it ran five, the
 state-dict names and the memory unchanged. At a decode step's batch the step is launch-bound;
-at a packed OmniVoice step one wide GEMM fills the GPU better than three narrow ones. The
-modules may be plain Linears or gpu_worker.fp8.Fp8Linear (weights and per-row scales re-homed
-together).
+at a packed OmniVoice step one wide GEMM fills the GPU better than three narrow ones.
 """
 
 from __future__ import annotations
@@ -14,21 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu_worker.fp8 import Fp8Linear, fp8_linear
-
 
 def fuse_linears(modules: tuple[nn.Module, ...]) -> None:
-    """Re-home the weights (and the FP8 scales) of bias-free modules that read the same input
-    into one tensor each (also embedding tables, for one-launch lookups); call after the weights
-    are in place."""
-    names = ("weight", "weight_scale") if all(isinstance(m, Fp8Linear) for m in modules) else ("weight",)
-    for name in names:
-        joined = nn.Parameter(torch.cat([getattr(m, name).data for m in modules]), requires_grad=False)
-        start = 0
-        for m in modules:
-            rows = getattr(m, name).shape[0]
-            setattr(m, name, nn.Parameter(joined.data[start:start + rows], requires_grad=False))
-            start += rows
+    """Re-home the weights of bias-free modules that read the same input into one tensor (also
+    embedding tables, for one-launch lookups); call after the weights are in place."""
+    joined = nn.Parameter(torch.cat([m.weight.data for m in modules]), requires_grad=False)
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(joined.data[start:start + rows], requires_grad=False)
+        start += rows
 
 
 def joined(tensors: list[Tensor]) -> Tensor | None:
@@ -47,10 +40,4 @@ def fused_linear(x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...
     weight = joined([m.weight for m in modules])
     if weight is None:
         return tuple(m(x) for m in modules)
-    rows = [m.weight.shape[0] for m in modules]
-    if isinstance(modules[0], Fp8Linear):
-        scale = joined([m.weight_scale for m in modules])
-        if scale is None:
-            return tuple(m(x) for m in modules)
-        return fp8_linear(x, weight, scale).split(rows, dim=-1)
-    return F.linear(x, weight).split(rows, dim=-1)
+    return F.linear(x, weight).split([m.weight.shape[0] for m in modules], dim=-1)

@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from chorus.moss_config import PRESETS, MossTTSLocalConfig
-from gpu_worker.fp8 import check_device, quantize_linears
 from gpu_worker.model import MossTTSLocal, fuse_projections, init_random_weights, precompute_code_qkv
 from gpu_worker.safetensors_headers import CheckpointError, read_headers, read_tensors  # noqa: F401 (CheckpointError: re-exported)
 
@@ -124,18 +123,12 @@ def load_checkpoint(model: MossTTSLocal, model_dir: str | Path) -> None:
 
 
 def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_format: str = "auto",
-                dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                quantization: str = "none") -> MossTTSLocal:
+                dtype: str = "float32", device: str = "cpu", seed: int = 0) -> MossTTSLocal:
     """`model_dir` wins over `preset`; load_format 'dummy' gives random weights at the
     checkpoint's (or preset's) real size without reading any weight file. The model
-    is built on the meta device and materialised once, on `device`, in `dtype`;
-    quantization 'fp8' then stores the backbone's Linears in e4m3 (gpu_worker/fp8.py)."""
+    is built on the meta device and materialised once, on `device`, in `dtype`."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
-    if quantization not in ("none", "fp8"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose none or fp8")
-    if quantization == "fp8":
-        check_device(torch.device(device))  # before the weights are read
     if model_dir:
         cfg = MossTTSLocalConfig.from_pretrained(model_dir)
     else:
@@ -152,8 +145,6 @@ def build_model(*, model_dir: str | None = None, preset: str = "tiny", load_form
         load_checkpoint(model, Path(model_dir))
     else:
         init_random_weights(model, seed)
-    if quantization == "fp8":
-        quantize_linears(model.transformer)  # the backbone's GEMMs; the local transformer and heads stay
     fuse_projections(model)
     precompute_code_qkv(model)
     return model.eval()

@@ -65,9 +65,6 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
         if args.host_vocoder_decoder:
             raise SystemExit("worker.host_vocoder_decoder: an OmniVoice worker hosts no vocoder decoder (its codec "
                              "runs in a vocoder_svc replica)")
-        if args.quantization != "none":
-            raise SystemExit(f"worker.quantization = {args.quantization}: FP8 covers MOSS-TTS Local's backbone; an "
-                             "OmniVoice worker computes in --dtype (float16 on a GPU)")
         return omnivoice.run(args)
     if args.host_vocoder_decoder and sidecar is None:
         raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
@@ -84,8 +81,8 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
         else None
     try:
         model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
-                            dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization)
-    except ValueError as e:  # a setting the model or the device cannot take (e.g. fp8 on an old GPU)
+                            dtype=args.dtype, device=args.device, seed=args.seed)
+    except ValueError as e:  # a setting the model cannot take
         raise SystemExit(f"worker: {e}") from None
     sizing = size(args, model, free, hosted, hosted_slots)
     if auto:
@@ -123,8 +120,7 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
 
     link = WorkerSocket(args)
     sock, endpoint = link.sock, link.endpoint
-    print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}"
-          + (f" quantization={args.quantization}" if args.quantization != "none" else ""), flush=True)
+    print(f"worker ready on {endpoint} model={model.cfg.name} device={engine.device} dtype={args.dtype}", flush=True)
     pending: tuple[bytes, PendingStep] | None = None  # a launched step whose journal is not sent yet
     watchdog = StallWatchdog(stall_limit(args.stall_exit_s, engine.device.type), "a worker step")
 

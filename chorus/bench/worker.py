@@ -38,8 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"], help="dummy = random weights")
     p.add_argument("--device", default="cuda", help="torch device")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                   help="fp8: the backbone's GEMMs in e4m3 (as gpu_worker --quantization)")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"],
                    help="as gpu_worker --attention")
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page (as gpu_worker --page-size)")
@@ -120,7 +118,7 @@ class Bench:
         if torch.device(args.device).index is not None:
             torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
         self.model = build_model(model_dir=args.model, preset=args.preset, load_format=args.load_format,
-                                 dtype=args.dtype, device=args.device, seed=0, quantization=args.quantization)
+                                 dtype=args.dtype, device=args.device, seed=0)
         self.cfg = self.model.cfg
         max_b = max(self.batches)
         # every request holds its context plus one row per decode step of every point it joins
@@ -170,7 +168,7 @@ class Bench:
         return other + (local * self.cfg.n_vq - gathered * (self.cfg.n_vq - 1))
 
     def weight_bytes(self) -> int:
-        """As stored: e4m3 backbone weights (--quantization fp8) count one byte each."""
+        """As stored, at each parameter's own element size."""
         return self.weight_elements(lambda p: p.numel() * p.element_size())
 
     def step_floor(self, bs: int, ctx: float) -> tuple[float, float]:

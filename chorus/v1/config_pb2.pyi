@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes", "memory_fraction", "drain_seconds", "quantization")
+    __slots__ = ("bind", "model", "preset", "load_format", "device", "dtype", "kv_slots", "page_size", "decode_split_kv", "decode_kernel", "max_batch", "max_context", "seed", "attention", "cuda_graphs", "capture_graphs", "host_vocoder_decoder", "stall_exit_s", "max_packed_rows", "curve_secret_key", "curve_clients", "max_message_bytes", "memory_fraction", "drain_seconds")
     BIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
@@ -32,7 +32,6 @@ class WorkerConfig(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     bind: str
     model: str
     preset: str
@@ -57,8 +56,7 @@ class WorkerConfig(_message.Message):
     max_message_bytes: int
     memory_fraction: float
     drain_seconds: float
-    quantization: str
-    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., drain_seconds: _Optional[float] = ..., quantization: _Optional[str] = ...) -> None: ...
+    def __init__(self, bind: _Optional[str] = ..., model: _Optional[str] = ..., preset: _Optional[str] = ..., load_format: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., decode_split_kv: _Optional[bool] = ..., decode_kernel: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_context: _Optional[int] = ..., seed: _Optional[int] = ..., attention: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., capture_graphs: _Optional[bool] = ..., host_vocoder_decoder: _Optional[str] = ..., stall_exit_s: _Optional[float] = ..., max_packed_rows: _Optional[int] = ..., curve_secret_key: _Optional[str] = ..., curve_clients: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
 
 class VocoderConfig(_message.Message):
     __slots__ = ("host", "port", "metrics_port", "codec", "preset", "device", "dtype", "first_chunk_frames", "chunk_frames", "encode_cache_size", "engine", "slots", "buckets", "graph_frames", "graphs", "attach_decoder", "attach_silence_s", "launch_ahead_streams", "step_frames", "stall_exit_s", "priority_first_chunks", "slot_codebooks", "max_batch_streams", "batch_mode", "seed", "torch_threads", "switch_interval_ms", "grace", "tls_dir", "require_client_cert", "memory_fraction")

@@ -19,7 +19,6 @@ import importlib.util
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from gpu_worker.omnivoice.model import Attend, document_attention
 from gpu_worker.omnivoice.staging import host
