@@ -22,23 +22,16 @@ the lead to 0.1 s, the tail to 0.2 s), a reference over 20 s without a transcrip
 silence gap, and the tail past the last whole codec frame is dropped. We resample with soxr where
 the reference uses torchaudio, so a reference at another rate gives slightly different samples.
 
-Silence trimming runs on pydub, as the reference's does, through 16-bit samples: a trimmed clip is
-quantised to int16 and back.
+Silence trimming goes through 16-bit samples, as the reference's pydub does (a trimmed clip is
+quantised to int16 and back), and finds the same silences to the sample (vocoder_svc/silence.py).
 """
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
-with warnings.catch_warnings():  # pydub looks for ffmpeg on import; it only ever sees raw samples here
-    warnings.simplefilter("ignore", RuntimeWarning)
-    warnings.simplefilter("ignore", DeprecationWarning)  # its audioop import (deprecated in Python 3.11+)
-    from pydub import AudioSegment
-    from pydub.silence import detect_leading_silence, detect_nonsilent, split_on_silence
-
 from chorus.audio import resample
+from vocoder_svc.silence import Pcm, detect_leading_silence, detect_nonsilent, split_on_silence
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 960
@@ -55,14 +48,6 @@ REFERENCE_CUT_SECONDS = (3.0, 15.0)     # a long reference is cut at a silence g
 
 # ---- silence ------------------------------------------------------------------------------------
 
-def _segment(samples: np.ndarray, rate: int) -> AudioSegment:
-    return AudioSegment(data=samples.astype("<i2").tobytes(), sample_width=2, frame_rate=rate, channels=1)
-
-
-def _samples(segment: AudioSegment) -> np.ndarray:
-    return np.frombuffer(segment.raw_data, dtype="<i2")
-
-
 def _to_int16(wave: np.ndarray) -> np.ndarray:
     return (wave * 32768.0).clip(-32768, 32767).astype(np.int16)
 
@@ -76,19 +61,19 @@ def trim_silence(wave: np.ndarray, rate: int, internal_ms: int, lead_ms: int, tr
     """Mono float32 -> float32 (via int16). Every run of at least internal_ms below -50 dBFS keeps
     internal_ms next to the sound on each side (so at most 2 * internal_ms inside, internal_ms at an
     edge); then the edges asked for keep at most lead_ms / trail_ms. May return no samples."""
-    segment = _segment(_to_int16(np.asarray(wave, dtype=np.float32)), rate)
+    segment = Pcm(_to_int16(np.asarray(wave, dtype=np.float32)), rate)
     if internal_ms > 0:
         kept = split_on_silence(segment, min_silence_len=internal_ms, silence_thresh=SILENCE_DBFS,
                                 keep_silence=internal_ms, seek_step=SEEK_MS)
-        joined = np.concatenate([_samples(s) for s in kept]) if kept else np.zeros(0, np.int16)
-        segment = _segment(joined, rate)
+        joined = np.concatenate([s.samples for s in kept]) if kept else np.zeros(0, np.int16)
+        segment = Pcm(joined, rate)
     if trim_lead:
-        segment = segment[max(0, detect_leading_silence(segment, silence_threshold=SILENCE_DBFS) - lead_ms):]
+        segment = segment[max(0, detect_leading_silence(segment, SILENCE_DBFS) - lead_ms):]
     if trim_trail:
         backwards = segment.reverse()
-        cut = max(0, detect_leading_silence(backwards, silence_threshold=SILENCE_DBFS) - trail_ms)
+        cut = max(0, detect_leading_silence(backwards, SILENCE_DBFS) - trail_ms)
         segment = backwards[cut:].reverse()
-    return _to_float(_samples(segment))
+    return _to_float(segment.samples)
 
 
 def cut_long_reference(wave: np.ndarray, rate: int) -> np.ndarray:
@@ -96,7 +81,7 @@ def cut_long_reference(wave: np.ndarray, rate: int) -> np.ndarray:
     least 0.1 s below -40 dBFS), or the first 15 s when that head would be under 3 s."""
     if len(wave) / rate <= LONG_REFERENCE_SECONDS:
         return wave
-    segment = _segment(_to_int16(wave), rate)
+    segment = Pcm(_to_int16(wave), rate)
     sounds = detect_nonsilent(segment, min_silence_len=100, silence_thresh=-40, seek_step=SEEK_MS)
     if not sounds:
         return wave
@@ -109,7 +94,7 @@ def cut_long_reference(wave: np.ndarray, rate: int) -> np.ndarray:
             break
     if cut < shortest:
         cut = min(longest, len(segment))
-    return _to_float(_samples(segment[:cut]))
+    return _to_float(segment[:cut].samples)
 
 
 # ---- output -------------------------------------------------------------------------------------
