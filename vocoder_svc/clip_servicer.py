@@ -93,6 +93,8 @@ class ClipDecoder(BatchThread):
         t0 = time.perf_counter()
         try:
             waves = self.codec.decode([c.codes for c in group])
+            self.metrics.clip_forward_ms.observe((time.perf_counter() - t0) * 1000.0)
+            self.metrics.clip_forwards.inc(len(self.codec.forward_groups([len(c.codes) for c in group])))
             return [self._finish(w, c.request) for w, c in zip(waves, group)]
         finally:
             self.metrics.clip_decode_ms.observe((time.perf_counter() - t0) * 1000.0)

@@ -236,13 +236,18 @@ class HiggsCodec:
         when measure_batching found that exact; otherwise each clip runs alone."""
         clips = [self.check_codes(c, "codes" if len(clips) == 1 else f"codes[{i}]") for i, c in enumerate(clips)]
         out: list[np.ndarray | None] = [None] * len(clips)
-        groups: dict[int, list[int]] = {}
-        for i, c in enumerate(clips):
-            groups.setdefault(len(c) if self.batch_equal_lengths else -1 - i, []).append(i)
-        for members in groups.values():
+        for members in self.forward_groups([len(c) for c in clips]):
             for i, wave in zip(members, self._forward([clips[i] for i in members])):
                 out[i] = wave
         return out
+
+    def forward_groups(self, lengths: list[int]) -> list[list[int]]:
+        """The indices of the clips decode runs in each forward: equal lengths together when
+        measure_batching found that exact, else one clip each."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n if self.batch_equal_lengths else -1 - i, []).append(i)
+        return list(groups.values())
 
     def measure_batching(self, lengths: tuple[int, ...] = (1, 7, 25), seed: int = 0) -> str | None:
         """Decode clips of each length alone and 2 and 3 to a forward; set batch_equal_lengths when

@@ -46,6 +46,12 @@ class Metrics:
             "chorus_vocoder_clip_decode_ms", "Wall time of one DecodeClip batch (every clip taken together: "
             "decode and post-processing)", buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
             registry=r)
+        self.clip_forward_ms = Histogram(
+            "chorus_vocoder_clip_forward_ms", "Wall time of the codec's forwards for one DecodeClip batch, up to "
+            "the clips' samples on the host (the rest of chorus_vocoder_clip_decode_ms is post-processing)",
+            buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000), registry=r)
+        self.clip_forwards = Counter("chorus_vocoder_clip_forwards", "Codec forwards run for DecodeClip (equal-length "
+                                     "clips share one where the replica measured that exact)", registry=r)
         # Slots engine only.
         self.free_slots = Gauge("chorus_vocoder_free_slots", "Free SlotDecoder slots",
                                         registry=r)

@@ -166,8 +166,10 @@ def server_lines(lv: dict) -> list[str]:
                      + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
                         if vs.get("launched_ahead_share") is not None else ""))
     if vs and vs.get("clip_batch_ms") is not None:
+        forward = (f" ({vs['clip_forward_ms']:.1f} in {vs['forwards_per_batch']:.1f} forwards, the rest "
+                   "post-processing)" if vs.get("clip_forward_ms") is not None else "")
         lines.append(f"codec clips: {vs['clips_per_s']:.1f}/s, {vs['clips_per_batch']:.1f} a batch, "
-                     f"{vs['clip_batch_ms']:.1f} ms a batch")
+                     f"{vs['clip_batch_ms']:.1f} ms a batch{forward}")
     return lines
 
 
