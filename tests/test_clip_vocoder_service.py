@@ -108,7 +108,7 @@ def test_concurrent_clips_each_as_alone(replica):
         assert [f.result().pcm for f in futures] == alone
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{replica['metrics_port']}/metrics", timeout=10).read().decode()
     assert "chorus_vocoder_clips_total" in metrics and "chorus_vocoder_clip_decode_ms_bucket" in metrics
-    assert "chorus_vocoder_clip_forward_ms_bucket" in metrics and "chorus_vocoder_clip_forwards_total" in metrics
+    assert "chorus_vocoder_clip_finish_ms_bucket" in metrics and "chorus_vocoder_clip_forwards_total" in metrics
 
 
 def test_decode_clip_bad_input_names_the_field(replica):

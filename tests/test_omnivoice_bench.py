@@ -51,4 +51,4 @@ def test_a_launched_o1_run_says_where_its_time_went(tmp_path):
     canvas, codec = lv["canvas_steps"], lv["vocoder_steps"]
     assert canvas["steps_per_s"] > 0 and canvas["worker_step_ms"] > 0 and canvas["canvases_per_s"] > 0
     assert codec["clips_per_s"] > 0 and codec["clips_per_batch"] >= 1 and codec["clip_batch_ms"] > 0
-    assert 0 < codec["clip_forward_ms"] <= codec["clip_batch_ms"] and codec["forwards_per_batch"] >= 1
+    assert codec["clip_finish_ms"] > 0 and codec["forwards_per_batch"] >= 1

@@ -5,7 +5,9 @@ decodes whole clips:
   * DecodeClip: codes [T, 8] -> mono 24 kHz PCM after the reference's post-processing
     (vocoder_svc/omnivoice_audio.py). A ClipDecoder thread takes every clip queued when it comes
     free and decodes them together (equal lengths in one forward where the startup measurement
-    found that exact, else one by one), so a clip's PCM is the same alone or under load;
+    found that exact, else one by one), so a clip's PCM is the same alone or under load. Each
+    clip's post-processing runs on the event loop's executor, so the decode thread goes straight
+    on to the next forward;
   * Encode: a clone reference -> preprocessed as the reference does -> codes [F, 8] and its RMS;
   * Info: the codec's facts.
 Streaming Decode belongs to MOSS replicas and answers UNIMPLEMENTED here.
@@ -73,8 +75,8 @@ class _Clip:
 
 
 class ClipDecoder(BatchThread):
-    """One thread: takes every queued clip (up to max_batch), decodes them in one codec call,
-    post-processes each and hands back its PCM bytes."""
+    """One thread: takes every queued clip (up to max_batch), decodes them in one codec call and
+    hands back each clip's samples (float32, before post-processing)."""
 
     def __init__(self, codec: HiggsCodec, metrics: Metrics, max_batch: int = 16):
         self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
@@ -89,25 +91,28 @@ class ClipDecoder(BatchThread):
     def choose(self, pending: list[_Clip]) -> list[_Clip]:
         return pending[:self.max_batch]
 
-    def run(self, group: list[_Clip]) -> list[vocoder_pb2.DecodeClipResponse]:
+    def run(self, group: list[_Clip]) -> list[np.ndarray]:
         t0 = time.perf_counter()
         try:
-            waves = self.codec.decode([c.codes for c in group])
-            self.metrics.clip_forward_ms.observe((time.perf_counter() - t0) * 1000.0)
-            self.metrics.clip_forwards.inc(len(self.codec.forward_groups([len(c.codes) for c in group])))
-            return [self._finish(w, c.request) for w, c in zip(waves, group)]
+            return self.codec.decode([c.codes for c in group])
         finally:
             self.metrics.clip_decode_ms.observe((time.perf_counter() - t0) * 1000.0)
+            self.metrics.clip_forwards.inc(len(self.codec.forward_groups([len(c.codes) for c in group])))
             self.metrics.clips.inc(len(group))
 
-    def _finish(self, wave: np.ndarray, r: vocoder_pb2.DecodeClipRequest) -> vocoder_pb2.DecodeClipResponse:
-        pcm = omnivoice_audio.finish_piece(
-            wave, postprocess=r.postprocess, reference_rms=float(r.reference_rms) if r.reference_rms > 0 else None,
-            fade_seconds=omnivoice_audio.seconds(r.fade_seconds), pad_seconds=omnivoice_audio.seconds(r.pad_seconds),
-            continues=r.continues, continued=r.continued)
-        data = encode_pcm16(pcm) if r.pcm_encoding == vocoder_pb2.PCM_INT16 else pcm.astype("<f4").tobytes()
-        self.metrics.audio_seconds.inc(len(pcm) / self.codec.sample_rate)
-        return vocoder_pb2.DecodeClipResponse(pcm=data, num_samples=len(pcm), pcm_encoding=r.pcm_encoding)
+
+def finish_clip(wave: np.ndarray, r: vocoder_pb2.DecodeClipRequest, sample_rate: int,
+                metrics: Metrics) -> vocoder_pb2.DecodeClipResponse:
+    """A decoded clip -> its DecodeClipResponse: the reference's post-processing, then the wire PCM."""
+    t0 = time.perf_counter()
+    pcm = omnivoice_audio.finish_piece(
+        wave, postprocess=r.postprocess, reference_rms=float(r.reference_rms) if r.reference_rms > 0 else None,
+        fade_seconds=omnivoice_audio.seconds(r.fade_seconds), pad_seconds=omnivoice_audio.seconds(r.pad_seconds),
+        continues=r.continues, continued=r.continued)
+    data = encode_pcm16(pcm) if r.pcm_encoding == vocoder_pb2.PCM_INT16 else pcm.astype("<f4").tobytes()
+    metrics.audio_seconds.inc(len(pcm) / sample_rate)
+    metrics.clip_finish_ms.observe((time.perf_counter() - t0) * 1000.0)
+    return vocoder_pb2.DecodeClipResponse(pcm=data, num_samples=len(pcm), pcm_encoding=r.pcm_encoding)
 
 
 def _parse_clip(r: vocoder_pb2.DecodeClipRequest, codec: HiggsCodec) -> np.ndarray:
@@ -153,7 +158,9 @@ class ClipServicer(vocoder_pb2_grpc.VocoderServicer):
             codes = _parse_clip(request, self.codec)
         except CodecInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return await self.decoder.submit(codes, request)
+        wave = await self.decoder.submit(codes, request)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, finish_clip, wave, request, self.codec.sample_rate, self.metrics)
 
     async def Decode(self, request_iterator, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

@@ -43,13 +43,13 @@ class Metrics:
         # Whole clips (a replica serving OmniVoice's codec).
         self.clips = Counter("chorus_vocoder_clips", "DecodeClip clips decoded and post-processed", registry=r)
         self.clip_decode_ms = Histogram(
-            "chorus_vocoder_clip_decode_ms", "Wall time of one DecodeClip batch (every clip taken together: "
-            "decode and post-processing)", buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
-            registry=r)
-        self.clip_forward_ms = Histogram(
-            "chorus_vocoder_clip_forward_ms", "Wall time of the codec's forwards for one DecodeClip batch, up to "
-            "the clips' samples on the host (the rest of chorus_vocoder_clip_decode_ms is post-processing)",
+            "chorus_vocoder_clip_decode_ms", "Wall time of one DecodeClip batch on the decode thread: the codec's "
+            "forwards for every clip taken together, up to their samples on the host",
             buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000), registry=r)
+        self.clip_finish_ms = Histogram(
+            "chorus_vocoder_clip_finish_ms", "Post-processing of one decoded clip (silence trimming, levelling, "
+            "fades, PCM encoding), off the decode thread", buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500),
+            registry=r)
         self.clip_forwards = Counter("chorus_vocoder_clip_forwards", "Codec forwards run for DecodeClip (equal-length "
                                      "clips share one where the replica measured that exact)", registry=r)
         # Slots engine only.

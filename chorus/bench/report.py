@@ -166,10 +166,11 @@ def server_lines(lv: dict) -> list[str]:
                      + (f", {100 * vs['launched_ahead_share']:.0f}% launched ahead"
                         if vs.get("launched_ahead_share") is not None else ""))
     if vs and vs.get("clip_batch_ms") is not None:
-        forward = (f" ({vs['clip_forward_ms']:.1f} in {vs['forwards_per_batch']:.1f} forwards, the rest "
-                   "post-processing)" if vs.get("clip_forward_ms") is not None else "")
-        lines.append(f"codec clips: {vs['clips_per_s']:.1f}/s, {vs['clips_per_batch']:.1f} a batch, "
-                     f"{vs['clip_batch_ms']:.1f} ms a batch{forward}")
+        forwards = f" in {vs['forwards_per_batch']:.1f} forwards" if vs.get("forwards_per_batch") is not None else ""
+        finish = (f"; post-processing {vs['clip_finish_ms']:.1f} ms a clip" if vs.get("clip_finish_ms") is not None
+                  else "")
+        lines.append(f"codec clips: {vs['clips_per_s']:.1f}/s, {vs['clips_per_batch']:.1f} a batch{forwards}, "
+                     f"{vs['clip_batch_ms']:.1f} ms a batch{finish}")
     return lines
 
 

@@ -40,8 +40,9 @@ VOCODER_COUNTERS = {"chorus_vocoder_decode_step_ms_count": "steps", "chorus_voco
                      # whole clips (OmniVoice's codec)
                      "chorus_vocoder_clips_total": "clips", "chorus_vocoder_clip_decode_ms_count": "clip_batches",
                      "chorus_vocoder_clip_decode_ms_sum": "clip_batch_ms",
-                     "chorus_vocoder_clip_forward_ms_sum": "clip_forward_ms",
-                     "chorus_vocoder_clip_forwards_total": "clip_forwards"}
+                     "chorus_vocoder_clip_forwards_total": "clip_forwards",
+                     "chorus_vocoder_clip_finish_ms_sum": "clip_finish_ms",
+                     "chorus_vocoder_clip_finish_ms_count": "clip_finishes"}
 
 
 def vocoder_counters(ports: list[int] | None) -> dict[str, float] | None:
@@ -76,13 +77,13 @@ def vocoder_stats(before: dict[str, float] | None, after: dict[str, float] | Non
             "queue_wait_ms": d["queue_wait_ms"] / steps if steps else None,
             # the share of steps launched while the one before still ran
             "launched_ahead_share": d["launched_ahead"] / steps if steps else None,
-            # whole clips: how many a second, how many a batch, a batch's wall time (decode and
-            # post-processing), the part of it in the codec's forwards, and forwards a batch
+            # whole clips: how many a second, how many a batch, forwards a batch, a batch's wall time on
+            # the decode thread, and a clip's post-processing (off that thread)
             "clips_per_s": d["clips"] / wall,
             "clips_per_batch": d["clips"] / d["clip_batches"] if d["clip_batches"] else None,
+            "forwards_per_batch": d["clip_forwards"] / d["clip_batches"] if d["clip_batches"] else None,
             "clip_batch_ms": d["clip_batch_ms"] / d["clip_batches"] if d["clip_batches"] else None,
-            "clip_forward_ms": d["clip_forward_ms"] / d["clip_batches"] if d["clip_batches"] else None,
-            "forwards_per_batch": d["clip_forwards"] / d["clip_batches"] if d["clip_batches"] else None}
+            "clip_finish_ms": d["clip_finish_ms"] / d["clip_finishes"] if d["clip_finishes"] else None}
 
 
 def step_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
