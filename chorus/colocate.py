@@ -1,5 +1,6 @@
 """`chorus worker`: a gpu_worker process that, given `host_vocoder_decoder`, also hosts the vocoder's
-slot decoder (for `vocoder_svc.server --attach-decoder DIR`).
+slot decoder, or beside an OmniVoice worker OmniVoice's codec (for `vocoder_svc.server
+--attach-decoder DIR`).
 
 On one GPU, two processes are two CUDA contexts that the GPU time-slices; with the decoder inside
 the worker's process they share one context and the GPU interleaves their kernels. The services
@@ -16,6 +17,8 @@ from chorus.config import ConfigError, from_proto, parse
 from chorus.v1 import config_pb2
 from gpu_worker import server as worker
 from gpu_worker.config import WorkerConfig
+from vocoder_svc.clip_host import host_clips_in_thread
+from vocoder_svc.clip_servicer import serves_clips
 from vocoder_svc.config import VocoderConfig
 from vocoder_svc.decode_process import host_in_thread
 from vocoder_svc.footprint import footprint
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None, prog: str = "chorus worker") -> None:
         p.error(str(e))
     if hosted is None:
         worker.run(config)
+        return
+    if serves_clips(hosted):  # OmniVoice's codec, beside an OmniVoice worker
+        worker.run(config, lambda device, _: host_clips_in_thread(config.host_vocoder_decoder, hosted, device))
         return
     # slots 0: the worker sizes the decoder's slots with its own batch and KV (chorus/sizing.py)
     worker.run(config, lambda device, slots: host_in_thread(config.host_vocoder_decoder,

@@ -84,6 +84,9 @@ class Cluster:
     omnivoice_worker: WorkerConfig | None = None
     omnivoice_vocoder: VocoderConfig | None = None
     omnivoice_vocoder_ports: list[int] = field(default_factory=lambda: [0])
+    # OmniVoice's codec forwards in the OmniVoice worker's process (one replica, attached to it): see
+    # vocoder_svc/clip_host.py.
+    colocate_omnivoice_codec: bool = False
     # Prometheus ports of the OmniVoice codec's replicas, one per port above; None: no metrics endpoints
     omnivoice_vocoder_metrics_ports: list[int] | None = None
     # CURVE on the worker links with a key pair made for this run (a worker or scheduler config that
@@ -205,7 +208,7 @@ class Cluster:
     def _start_tiers(self, env: dict[str, str], timeout: float) -> "Cluster":
         """workers and vocoders (with OmniVoice: a worker of it per engine, and its codec vocoders shared
         by all), then an engine core per worker, then the frontend tier on one port."""
-        if self.colocate_vocoder or self.shared_decoder:
+        if self.colocate_vocoder or self.shared_decoder or self.colocate_omnivoice_codec:
             raise LaunchError("engines run with vocoders of their own: no colocated or shared decoder")
         worker, vocoder, scheduler = self.configs()
         self._tmp = tempfile.TemporaryDirectory(prefix="chorus-cluster-")
@@ -322,18 +325,27 @@ class Cluster:
         """The OmniVoice worker, then its vocoder replicas; [] when OmniVoice is not served."""
         if self.omnivoice_worker is None:
             return []
+        if self.colocate_omnivoice_codec and len(self.omnivoice_vocoder_ports) != 1:
+            raise LaunchError("colocate_omnivoice_codec runs one OmniVoice codec replica (its forwards are the "
+                              "OmniVoice worker's)")
         return [self._omnivoice_worker(tmp, "omnivoice-worker"), *self._omnivoice_vocoders(tmp)]
+
+    def _omnivoice_codec_dir(self, tmp: str) -> str | None:
+        """Where the OmniVoice worker serves the codec it hosts; None when the codec has a process of its own."""
+        return os.path.join(tmp, "omnivoice-codec") if self.colocate_omnivoice_codec else None
 
     def _omnivoice_worker(self, tmp: str, name: str, engine: int | None = None) -> Service:
         """An OmniVoice worker (engine: the index of the engine it serves, whose GPU "cuda" means)."""
         device = self.omnivoice_worker.device
-        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=None,
+        hosted = self._omnivoice_codec_dir(tmp) if engine is None else None
+        worker = dataclasses.replace(self.omnivoice_worker, bind=f"tcp://{self.host}:0", host_vocoder_decoder=hosted,
                                      device=device if engine is None else _engine_device(device, engine))
         if self._worker_curve and not worker.curve_secret_key:
             worker = dataclasses.replace(worker, curve_secret_key=self._worker_curve[0],
                                          curve_clients=self._worker_curve[1])
+        codec = (self.omnivoice_vocoder or VocoderConfig()) if hosted else None
         return Service(name, [sys.executable, "-m", "chorus.colocate", "--config-proto", write_worker_proto(
-            worker, None, os.path.join(tmp, f"{name}.pb"))])
+            worker, codec, os.path.join(tmp, f"{name}.pb"))])
 
     def _omnivoice_vocoders(self, tmp: str) -> list[Service]:
         """The OmniVoice codec's vocoder replicas, one per port; [] when OmniVoice is not served."""
@@ -344,7 +356,8 @@ class Cluster:
         metrics = self.omnivoice_vocoder_metrics_ports or [0] * len(self.omnivoice_vocoder_ports)
         for i, (port, mport) in enumerate(zip(self.omnivoice_vocoder_ports, metrics)):
             name = f"omnivoice-vocoder{i}" if len(self.omnivoice_vocoder_ports) > 1 else "omnivoice-vocoder"
-            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport, attach_decoder=None)
+            replica = dataclasses.replace(vocoder, host=self.host, port=port, metrics_port=mport,
+                                          attach_decoder=self._omnivoice_codec_dir(tmp))
             out.append(Service(name, [sys.executable, "-m", "vocoder_svc.server", "--config-proto",
                                       write_proto(replica, os.path.join(tmp, f"{name}.pb"))],
                                drain=replica.grace + DRAIN_MARGIN_S))

@@ -71,6 +71,9 @@ class ClusterConfig:
                                           "audio_tokenizer/): the OmniVoice vocoder's codec (unset: omnivoice_model, "
                                           "else the tiny preset)", metavar="DIR")
     omnivoice_vocoders: int = setting(1, "OmniVoice codec vocoder replicas", metavar="N", minimum=1)
+    colocate_omnivoice_codec: bool = setting(False, "run OmniVoice's codec forwards in the OmniVoice worker's "
+                                             "process (one CUDA context with it; one codec replica, which keeps "
+                                             "the calls, post-processing and Encode)")
     quiet: bool = setting(False, "do not relay the services' logs")
     curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
                          "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
@@ -89,6 +92,9 @@ class ClusterConfig:
         if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder):
             raise ConfigError("cluster.engines: engines use vocoder replicas of their own: leave colocate_vocoder "
                               "and shared_vocoder_decoder unset")
+        if self.colocate_omnivoice_codec and (self.engines or self.omnivoice_vocoders != 1):
+            raise ConfigError("cluster.colocate_omnivoice_codec runs one OmniVoice codec replica beside one OmniVoice "
+                              "worker: leave engines at 0 and omnivoice_vocoders at 1")
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
             raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
                               "colocated decoder is the worker's; a shared one is a process of its own)")
@@ -118,6 +124,7 @@ class Layout:
                        shared_decoder=self.cluster.shared_vocoder_decoder, omnivoice_worker=self.omnivoice_worker,
                        omnivoice_vocoder=self.omnivoice_vocoder,
                        omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
+                       colocate_omnivoice_codec=self.cluster.colocate_omnivoice_codec,
                        curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
                                                             and not is_loopback(self.cluster.host)),
                        engines=self.cluster.engines, frontend_tier=self.cluster.gateways,

@@ -61,14 +61,11 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
     """Serve until SIGINT/SIGTERM. sidecar(device, slots): starts the vocoder decoder this process hosts
     (args.host_vocoder_decoder; chorus.colocate passes it, with its footprint `hosted` and its slots,
     0 = sized here), once the worker is warm."""
-    if omnivoice.serves_omnivoice(args):
-        if args.host_vocoder_decoder:
-            raise SystemExit("worker.host_vocoder_decoder: an OmniVoice worker hosts no vocoder decoder (its codec "
-                             "runs in a vocoder_svc replica)")
-        return omnivoice.run(args)
     if args.host_vocoder_decoder and sidecar is None:
         raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
                          "chorus.colocate), which hosts the vocoder's decoder; this module runs the model alone")
+    if omnivoice.serves_omnivoice(args):
+        return omnivoice.run(args, sidecar)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device

@@ -7,7 +7,9 @@ decodes whole clips:
     free and decodes them together (equal lengths in one forward where the startup measurement
     found that exact, else one by one), so a clip's PCM is the same alone or under load. Each
     clip's post-processing runs on the event loop's executor, so the decode thread goes straight
-    on to the next forward;
+    on to the next forward. With --attach-decoder the forwards run in a codec hosted by the
+    OmniVoice worker's process (vocoder_svc/clip_host.py) and this replica keeps the calls, the
+    post-processing and Encode;
   * Encode: a clone reference -> preprocessed as the reference does -> codes [F, 8] and its RMS;
   * Info: the codec's facts.
 Streaming Decode belongs to MOSS replicas and answers UNIMPLEMENTED here.
@@ -30,6 +32,7 @@ from chorus.audio import decode_audio, encode_pcm16
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_svc import omnivoice_audio
 from vocoder_svc.config import VocoderConfig
+from vocoder_svc.decoder_client import DecodeProcess, DecoderGone
 from vocoder_svc.higgs_codec import PRESETS, CodecInputError, HiggsCodec, codec_dir
 from vocoder_svc.metrics import Metrics
 from vocoder_svc.servicer import VocoderServicer
@@ -45,7 +48,9 @@ def serves_clips(args: VocoderConfig) -> bool:
     return codec_dir(args.codec) is not None if args.codec else args.preset in PRESETS
 
 
-def make_clip_codec(args: VocoderConfig, log=print) -> HiggsCodec:
+def make_clip_codec(args: VocoderConfig, log=print, *, decodes: bool = True) -> HiggsCodec:
+    """The replica's codec. decodes=False: it only encodes (its decodes run in a hosted codec), so
+    whether batching is exact is not measured here."""
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     if args.dtype != "float32":
@@ -59,6 +64,8 @@ def make_clip_codec(args: VocoderConfig, log=print) -> HiggsCodec:
     else:
         codec = HiggsCodec.from_preset(args.preset, seed=args.seed, device=args.device)
         log(f"vocoder: Higgs-Audio-v2 codec, preset {args.preset} (random weights, seed {args.seed})", flush=True)
+    if not decodes:
+        return codec
     problem = codec.measure_batching()
     log("vocoder: DecodeClip batches equal-length clips in one forward (measured exact)" if problem is None else
         f"vocoder: DecodeClip decodes one clip per forward: batching is not exact on {args.device} ({problem})",
@@ -69,7 +76,6 @@ def make_clip_codec(args: VocoderConfig, log=print) -> HiggsCodec:
 @dataclass
 class _Clip:
     codes: np.ndarray  # int64 [T, 8]
-    request: vocoder_pb2.DecodeClipRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -82,11 +88,11 @@ class ClipDecoder(BatchThread):
         self.codec, self.metrics, self.max_batch = codec, metrics, max(1, max_batch)
         super().__init__("clip-decode")
 
-    def submit(self, codes: np.ndarray, request: vocoder_pb2.DecodeClipRequest) -> asyncio.Future:
+    async def decode(self, codes: np.ndarray) -> np.ndarray:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.queue(_Clip(codes, request, fut, loop))
-        return fut
+        self.queue(_Clip(codes, fut, loop))
+        return await fut
 
     def choose(self, pending: list[_Clip]) -> list[_Clip]:
         return pending[:self.max_batch]
@@ -96,9 +102,8 @@ class ClipDecoder(BatchThread):
         try:
             return self.codec.decode([c.codes for c in group])
         finally:
-            self.metrics.clip_decode_ms.observe((time.perf_counter() - t0) * 1000.0)
-            self.metrics.clip_forwards.inc(len(self.codec.forward_groups([len(c.codes) for c in group])))
-            self.metrics.clips.inc(len(group))
+            self.metrics.record_clips((time.perf_counter() - t0) * 1000.0, len(group),
+                                      len(self.codec.forward_groups([len(c.codes) for c in group])))
 
 
 def finish_clip(wave: np.ndarray, r: vocoder_pb2.DecodeClipRequest, sample_rate: int,
@@ -140,12 +145,31 @@ def _parse_clip(r: vocoder_pb2.DecodeClipRequest, codec: HiggsCodec) -> np.ndarr
     return codec.check_codes(codes)
 
 
+class HostedClipDecoder:
+    """ClipDecoder's stand-in when the codec's forwards run in another process (a hosted codec,
+    vocoder_svc/clip_host.py): each clip is one job of a one-job stream over the decode process's link."""
+
+    def __init__(self, process: DecodeProcess):
+        self.process = process
+
+    async def decode(self, codes: np.ndarray) -> np.ndarray:
+        stream = self.process.open()
+        try:
+            return np.frombuffer(await self.process.submit(stream, codes), dtype="<f4")
+        finally:
+            self.process.release(stream)  # nothing left to drop once answered; a cancelled call's job is dropped
+
+    def close(self) -> None:
+        self.process.close()
+
+
 class ClipServicer(vocoder_pb2_grpc.VocoderServicer):
     def __init__(self, codec: HiggsCodec, metrics: Metrics | None = None, encode_cache_size: int = 256,
-                 max_batch: int = 16):
+                 max_batch: int = 16, decoder: HostedClipDecoder | None = None):
+        """decoder: where the forwards run when not in this process (a hosted codec)."""
         self.codec = codec
         self.metrics = metrics or Metrics()
-        self.decoder = ClipDecoder(codec, self.metrics, max_batch)
+        self.decoder = decoder or ClipDecoder(codec, self.metrics, max_batch)
         self._encode_lock = threading.Lock()  # encodes run one at a time beside the decode thread
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()  # serialized EncodeResponse
         self._cache_size = encode_cache_size
@@ -158,7 +182,10 @@ class ClipServicer(vocoder_pb2_grpc.VocoderServicer):
             codes = _parse_clip(request, self.codec)
         except CodecInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        wave = await self.decoder.submit(codes, request)
+        try:
+            wave = await self.decoder.decode(codes)
+        except DecoderGone as e:  # the hosted codec's process is gone: the scheduler retries elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this vocoder replica lost its codec: {e}")
         return await asyncio.get_running_loop().run_in_executor(
             None, finish_clip, wave, request, self.codec.sample_rate, self.metrics)
 

@@ -60,8 +60,9 @@ class VocoderConfig:
                                        metavar="T,T,...")
     graphs: str = setting("auto", "slots engine: auto = CUDA graphs on CUDA; off = eager; emulate = the graph "
                           "bookkeeping with eager replays (CPU tests)", choices=("auto", "off", "emulate"))
-    attach_decoder: str | None = setting(None, "slots engine: use the decoder served under DIR (by a gpu_worker "
-                                         "--host-vocoder-decoder, or a shared decode process) instead of a child",
+    attach_decoder: str | None = setting(None, "use the decoder served under DIR (by a gpu_worker "
+                                         "--host-vocoder-decoder, or a shared decode process) instead of a child; "
+                                         "for OmniVoice's codec, the codec an OmniVoice worker hosts",
                                          metavar="DIR")
     attach_silence_s: float = setting(10.0, "with attach_decoder: seconds without a word from the decoder "
                                       "before it counts as gone", metavar="S", minimum=0)

@@ -187,6 +187,9 @@ class DecodeProcess:
                 fut.set_exception(RuntimeError(done.message))
         elif kind == "ready" and msg.ready.incarnation != self.ready.incarnation:
             self._lost(f"the vocoder's decoder restarted (pid {msg.ready.pid}): its streams are gone")
+        elif kind == "clip_report":
+            if msg.clip_report.clips:  # 0: a hosted codec's heartbeat
+                self.metrics.record_clips(msg.clip_report.decode_ms, msg.clip_report.clips, msg.clip_report.forwards)
         elif kind == "report":
             r = msg.report
             self.metrics.record_step(StepReport(r.free_slots, r.waiting_streams,

@@ -77,6 +77,12 @@ class Metrics:
             "between steps unless another replica fills it", registry=r)
 
 
+    def record_clips(self, decode_ms: float, clips: int, forwards: int) -> None:
+        """One DecodeClip batch: its forwards' wall time, its clips and forwards (here or in a hosted codec)."""
+        self.clip_decode_ms.observe(decode_ms)
+        self.clips.inc(clips)
+        self.clip_forwards.inc(forwards)
+
     def record_step(self, report: StepReport) -> None:
         """A SlotWorker's report (vocoder_svc/slot_worker.py): slot gauges, and a step's figures."""
         self.free_slots.set(report.free_slots)

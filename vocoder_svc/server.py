@@ -96,7 +96,7 @@ from chorus.config import add_config_flags, parse_command_line
 from chorus.drain import Drain
 from chorus.request_decoding import add_service
 from chorus.tls import TlsError, add_port
-from vocoder_svc.clip_servicer import ClipServicer, make_clip_codec, serves_clips
+from vocoder_svc.clip_servicer import ClipServicer, HostedClipDecoder, make_clip_codec, serves_clips
 from vocoder_svc.config import MAX_CHUNK_FRAMES, VocoderConfig
 from vocoder_svc.decoder_build import first_chunk, make_codec, resolve_engine
 from vocoder_svc.decoder_client import DecodeProcess
@@ -119,19 +119,42 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def _decode_process(args: VocoderConfig, metrics: Metrics, stop: asyncio.Event, failures: list[str]) -> DecodeProcess:
+    """The decode process (a child, or with attach_decoder a decoder hosted elsewhere); when it ends
+    the service stops, saying why in `failures`. A child starts loading beside this process; a hosted
+    decoder may be up already."""
+    def decoder_exited(reason: str) -> None:
+        failures.append(reason)
+        print(f"vocoder: {reason}; stopping", flush=True)
+        stop.set()
+
+    return DecodeProcess(args, metrics, on_exit=decoder_exited, attach=args.attach_decoder)
+
+
+async def _clip_servicer(args: VocoderConfig, metrics: Metrics, stop: asyncio.Event,
+                         failures: list[str]) -> ClipServicer:
+    """OmniVoice's codec: whole clips, decoded here or (attach_decoder) by a codec the OmniVoice
+    worker's process hosts, this process keeping the calls, the post-processing and Encode."""
+    if not args.attach_decoder:
+        return ClipServicer(make_clip_codec(args), metrics, encode_cache_size=args.encode_cache_size)
+    process = _decode_process(args, metrics, stop, failures)
+    try:
+        codec = make_clip_codec(args, decodes=False)
+        ready = await process.start()
+    except BaseException:
+        process.close()
+        raise
+    print(f"vocoder: DecodeClip forwards in the codec hosted by process {ready.pid}", flush=True)
+    return ClipServicer(codec, metrics, encode_cache_size=args.encode_cache_size, decoder=HostedClipDecoder(process))
+
+
 async def _moss_servicer(args: VocoderConfig, metrics: Metrics, stop: asyncio.Event,
                          failures: list[str]) -> VocoderServicer:
     """The MOSS codec's servicer over its decode engine (a decode process that ends sets `stop`
     and says why in `failures`)."""
     decoder = None
     if args.attach_decoder or resolve_engine(args.engine, args.device) == "slots":
-        def decoder_exited(reason: str) -> None:
-            failures.append(reason)
-            print(f"vocoder: {reason}; stopping", flush=True)
-            stop.set()
-
-        # A child starts loading beside this process; a hosted decoder may be up already.
-        decoder = DecodeProcess(args, metrics, on_exit=decoder_exited, attach=args.attach_decoder)
+        decoder = _decode_process(args, metrics, stop, failures)
     codec, name = make_codec(args)
     if decoder is not None:
         try:
@@ -174,7 +197,7 @@ async def serve(args: VocoderConfig, stop: asyncio.Event | None = None) -> None:
     metrics = Metrics()
     failures: list[str] = []
     if serves_clips(args):  # OmniVoice's codec: whole clips
-        servicer = ClipServicer(make_clip_codec(args), metrics, encode_cache_size=args.encode_cache_size)
+        servicer = await _clip_servicer(args, metrics, stop, failures)
     else:
         servicer = await _moss_servicer(args, metrics, stop, failures)
 

@@ -98,12 +98,24 @@ class DecoderReport(_message.Message):
     launched_ahead: bool
     def __init__(self, free_slots: _Optional[int] = ..., waiting_streams: _Optional[int] = ..., stepped: _Optional[bool] = ..., step_ms: _Optional[float] = ..., step_streams: _Optional[int] = ..., graphed: _Optional[bool] = ..., step_frames: _Optional[int] = ..., queue_wait_ms: _Optional[float] = ..., launched_ahead: _Optional[bool] = ...) -> None: ...
 
+class ClipReport(_message.Message):
+    __slots__ = ("decode_ms", "clips", "forwards")
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIPS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    decode_ms: float
+    clips: int
+    forwards: int
+    def __init__(self, decode_ms: _Optional[float] = ..., clips: _Optional[int] = ..., forwards: _Optional[int] = ...) -> None: ...
+
 class DecoderOutput(_message.Message):
-    __slots__ = ("ready", "done", "report")
+    __slots__ = ("ready", "done", "report", "clip_report")
     READY_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    CLIP_REPORT_FIELD_NUMBER: _ClassVar[int]
     ready: DecoderReady
     done: DecoderJobDone
     report: DecoderReport
-    def __init__(self, ready: _Optional[_Union[DecoderReady, _Mapping]] = ..., done: _Optional[_Union[DecoderJobDone, _Mapping]] = ..., report: _Optional[_Union[DecoderReport, _Mapping]] = ...) -> None: ...
+    clip_report: ClipReport
+    def __init__(self, ready: _Optional[_Union[DecoderReady, _Mapping]] = ..., done: _Optional[_Union[DecoderJobDone, _Mapping]] = ..., report: _Optional[_Union[DecoderReport, _Mapping]] = ..., clip_report: _Optional[_Union[ClipReport, _Mapping]] = ...) -> None: ...
