@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import nullcontext
 import os
 import secrets
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
