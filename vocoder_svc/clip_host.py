@@ -130,7 +130,8 @@ def host_clips_in_thread(path: str, config: VocoderConfig, device: str) -> ClipH
     stream of their own, so the worker's steps go first where both wait for the GPU."""
     from vocoder_svc.clip_servicer import make_clip_codec  # the replica's own construction, on this device
 
-    args = dataclasses.replace(config, device=device)
+    # torch_threads 0: the process's thread count is the worker's to set, not its guest's
+    args = dataclasses.replace(config, device=device, torch_threads=0)
     os.makedirs(path, exist_ok=True)
     stream = torch.cuda.Stream(torch.device(device), priority=0) if torch.device(device).type == "cuda" else None
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
