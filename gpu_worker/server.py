@@ -64,15 +64,15 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], None] | None = None, h
     if args.host_vocoder_decoder and sidecar is None:
         raise SystemExit("worker.host_vocoder_decoder: start the worker with `chorus worker` (python -m "
                          "chorus.colocate), which hosts the vocoder's decoder; this module runs the model alone")
-    if omnivoice.serves_omnivoice(args):
-        return omnivoice.run(args, sidecar)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if torch.device(args.device).index is not None:
         torch.cuda.set_device(torch.device(args.device))  # Triton launches on the current device
     if sidecar is not None and torch.device(args.device).type == "cuda":
-        # Steps run on a high-priority stream: where the hosted decoder's steady steps (low priority)
-        # and a step both wait for SMs, the step's blocks go first. Set before anything is queued.
+        # Steps run on a high-priority stream: where the hosted codec's work (low priority) and a
+        # step both wait for SMs, the step's blocks go first. Set before anything is queued.
         torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device), priority=-100))
+    if omnivoice.serves_omnivoice(args):
+        return omnivoice.run(args, sidecar)
     auto = not (args.max_batch and args.kv_slots and (hosted is None or hosted_slots))
     free = torch.cuda.mem_get_info(torch.device(args.device)) if auto and torch.device(args.device).type == "cuda" \
         else None

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from chorus.omnivoice.config import ARCHITECTURE
 from chorus.omnivoice.knobs import UnmaskKnobs
@@ -145,15 +144,8 @@ def execute(engine: CanvasEngine, plan: worker_pb2.StepPlan) -> worker_pb2.Journ
 
 def run(args: WorkerConfig, sidecar: Callable[[str, int], object] | None = None) -> None:
     """Serve until SIGINT/SIGTERM or a Shutdown command. sidecar(device, 0): starts the OmniVoice codec
-    this process hosts (args.host_vocoder_decoder, vocoder_svc/clip_host.py), once the engine is warm."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    device = torch.device(args.device)
-    if sidecar is not None and device.type == "cuda":
-        # Steps run on a high-priority stream: where the hosted codec's forwards (low priority) and a step
-        # both wait for SMs, the step's blocks go first. Set before anything is queued.
-        if device.index is not None:
-            torch.cuda.set_device(device)
-        torch.cuda.set_stream(torch.cuda.Stream(device, priority=-100))
+    this process hosts (args.host_vocoder_decoder, vocoder_svc/clip_host.py), once the engine is warm.
+    gpu_worker.server.run has set the device and, with a sidecar, the steps' high-priority stream."""
     engine = build_engine(args)
     if sidecar is not None:
         sidecar(str(engine.device), 0)
