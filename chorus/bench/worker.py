@@ -153,23 +153,22 @@ class Bench:
               flush=True)
 
     # ---- floors ----------------------------------------------------------------
-    def weight_elements(self, size=torch.Tensor.numel) -> int:
-        """Weights a decode step must read (elements; size=nbytes: bytes): every weight but the text
-        embedding table, and the local transformer's once per local position (n_vq per frame: each
-        position depends on the code sampled at the one before, and its 150 MB do not stay in L2),
-        except the first block's c_attn at the n_vq - 1 fed-back positions, whose output the model
-        gathers from precompute_code_qkv's table. The matmul FLOPs of a row are twice the elements."""
+    def weight_elements(self) -> int:
+        """Weights a decode step must read (elements): every weight but the text embedding table, and
+        the local transformer's once per local position (n_vq per frame: each position depends on
+        the code sampled at the one before, and its 150 MB do not stay in L2), except the first
+        block's c_attn at the n_vq - 1 fed-back positions, whose output the model gathers from
+        precompute_code_qkv's table. The matmul FLOPs of a row are twice this."""
         lt = self.model.local_transformer
         skip = self.model.transformer.embed_tokens.weight
-        local = sum(size(p) for p in lt.parameters())
-        other = sum(size(p) for p in self.model.parameters() if p is not skip) - local
+        local = sum(p.numel() for p in lt.parameters())
+        other = sum(p.numel() for p in self.model.parameters() if p is not skip) - local
         c_attn = lt.h[0].attn.c_attn
-        gathered = size(c_attn.weight) + size(c_attn.bias) if lt.code_qkv is not None else 0
+        gathered = c_attn.weight.numel() + c_attn.bias.numel() if lt.code_qkv is not None else 0
         return other + (local * self.cfg.n_vq - gathered * (self.cfg.n_vq - 1))
 
     def weight_bytes(self) -> int:
-        """As stored, at each parameter's own element size."""
-        return self.weight_elements(lambda p: p.numel() * p.element_size())
+        return self.weight_elements() * (torch.finfo(self.engine.dtype).bits // 8)
 
     def step_floor(self, bs: int, ctx: float) -> tuple[float, float]:
         """(bytes floor, FLOPs floor) in seconds for a decode step of bs requests at context ctx."""
