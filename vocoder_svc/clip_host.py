@@ -29,8 +29,8 @@ import torch
 import zmq
 
 from chorus.v1 import vocoder_decoder_pb2 as dpb
-from vocoder_svc.config import DECODE_LINK_BYTES, VocoderConfig
-from vocoder_svc.decoder_client import host_endpoints
+from vocoder_svc.config import VocoderConfig
+from vocoder_svc.decoder_client import host_endpoints, host_sockets
 
 log = logging.getLogger("chorus.vocoder")
 
@@ -43,15 +43,7 @@ class ClipHost:
     def __init__(self, codec, path: str, *, max_batch: int = 16, cuda_stream=None):
         self.codec, self.max_batch, self.cuda_stream = codec, max(1, max_batch), cuda_stream
         self._ctx = zmq.Context()
-        self._inbox, self._outbox = self._ctx.socket(zmq.PULL), self._ctx.socket(zmq.PUSH)
-        for sock in (self._inbox, self._outbox):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self._inbox.setsockopt(zmq.MAXMSGSIZE, DECODE_LINK_BYTES)
-        jobs, results = host_endpoints(path)
-        self._inbox.connect(jobs)
-        self._outbox.connect(results)
+        self._inbox, self._outbox = host_sockets(self._ctx, host_endpoints(path))
         self.ready = dpb.DecoderReady(slots=self.max_batch, n_q=codec.num_codebooks, max_stream_frames=0,
                                       incarnation=secrets.randbits(63), pid=os.getpid(), hosted=True)
         self._pending: list[dpb.DecoderJob] = []

@@ -54,9 +54,9 @@ import zmq
 
 from chorus.config import ConfigError, add_config_flags, parse
 from chorus.v1 import vocoder_decoder_pb2 as dpb
-from vocoder_svc.config import DECODE_LINK_BYTES, VocoderConfig
+from vocoder_svc.config import VocoderConfig
 from vocoder_svc.decoder_build import build_slot_decoder, make_codec, stall_exit_seconds
-from vocoder_svc.decoder_client import front_dirs, host_endpoints
+from vocoder_svc.decoder_client import front_dirs, host_endpoints, host_sockets
 from vocoder_svc.metrics import StepReport
 from vocoder_svc.slot_worker import SlotStream, SlotWorker, StreamTooLong
 
@@ -119,15 +119,8 @@ class Decoder:
         self._ctx = zmq.Context()
         self._inboxes: list[zmq.Socket] = []
         self._fronts: list[_Replies] = []
-        for jobs, results in endpoints:
-            inbox, outbox = self._ctx.socket(zmq.PULL), self._ctx.socket(zmq.PUSH)
-            for sock in (inbox, outbox):
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.RCVHWM, 0)
-            inbox.setsockopt(zmq.MAXMSGSIZE, DECODE_LINK_BYTES)
-            inbox.connect(jobs)
-            outbox.connect(results)
+        for pair in endpoints:
+            inbox, outbox = host_sockets(self._ctx, pair)
             self._inboxes.append(inbox)
             self._fronts.append(_Replies(outbox))
         codec, _ = make_codec(args)

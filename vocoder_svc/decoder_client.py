@@ -45,6 +45,20 @@ def host_endpoints(path: str) -> tuple[str, str]:
     return f"ipc://{path}/jobs", f"ipc://{path}/results"
 
 
+def host_sockets(ctx: zmq.Context, endpoints: tuple[str, str]) -> tuple[zmq.Socket, zmq.Socket]:
+    """The decoder side of one front's link: (inbox PULL, outbox PUSH), connected to its (jobs,
+    results) endpoints. No high-water marks (a send never blocks) and no linger."""
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (inbox, outbox):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    inbox.setsockopt(zmq.MAXMSGSIZE, DECODE_LINK_BYTES)
+    inbox.connect(endpoints[0])
+    outbox.connect(endpoints[1])
+    return inbox, outbox
+
+
 class RemoteStream:
     """A Decode call's stream in the decode process (SlotStream's stand-in on this side)."""
 
