@@ -33,42 +33,37 @@ class Pcm:
     def __len__(self) -> int:
         return round(1000 * (float(len(self.samples)) / self.rate))
 
-    def _position(self, ms: int) -> int:
-        return int(ms * (self.rate / 1000.0))
-
-    def _bounds(self, start: int, end: int) -> tuple[int, int, int]:
-        """(first sample, last sample + 1 within the data, zeros appended) of the slice [start, end) ms."""
-        n = len(self.samples)
-        a, b = self._position(min(start, len(self))), self._position(min(end, len(self)))
-        have = max(0, min(b, n) - a)
-        missing = (b - a) - have if have else 0
-        if missing > self.rate * 2 / 1000.0:
-            raise ValueError(f"slice [{start}, {end}) ms reaches {missing} samples past the end")
-        return a, a + have, max(0, missing)
+    def _spans(self, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """pydub's slices [start, end) ms, all at once: (first sample, samples taken from the data,
+        zeros appended after them). Ends past the length in ms are clamped to it; a slice that then
+        reaches past the last sample (the length's rounding) is padded with zeros, unless it takes
+        nothing from the data."""
+        n, seg_len, per_ms = len(self.samples), len(self), self.rate / 1000.0
+        a = (np.minimum(starts, seg_len) * per_ms).astype(np.int64)  # exact: an integer times a float, truncated
+        b = (np.minimum(ends, seg_len) * per_ms).astype(np.int64)
+        have = np.clip(np.minimum(b, n) - a, 0, None)
+        zeros = np.where(have > 0, (b - a) - have, 0)
+        if (zeros > self.rate * 2 / 1000.0).any():
+            raise ValueError("a slice reaches more than 2 ms past the last sample")
+        return np.minimum(a, n), have, zeros
 
     def __getitem__(self, ms: slice) -> "Pcm":
         start = 0 if ms.start is None else ms.start
         end = len(self) if ms.stop is None else ms.stop
         if start < 0 or end < 0:
             raise ValueError(f"slice [{start}, {end}) ms: positions count from the start here")
-        a, b, zeros = self._bounds(start, end)
-        data = self.samples[a:b]
+        (a,), (have,), (zeros,) = self._spans(np.array([start]), np.array([end]))
+        data = self.samples[a:a + have]
         return Pcm(np.concatenate([data, np.zeros(zeros, np.int16)]) if zeros else data, self.rate)
 
     def reverse(self) -> "Pcm":
         return Pcm(self.samples[::-1], self.rate)
 
     def rms(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """audioop.rms of each slice [start, start + length) ms (starts >= 0), as integers: _bounds
-        for every start at once, the sums of squares taken between the slices' edges only."""
-        n, seg_len, per_ms = len(self.samples), len(self), self.rate / 1000.0
-        a = (np.minimum(starts, seg_len) * per_ms).astype(np.int64)  # exact: an integer times a float, truncated
-        b = (np.minimum(starts + length, seg_len) * per_ms).astype(np.int64)
-        have = np.clip(np.minimum(b, n) - a, 0, None)
-        zeros = np.where(have > 0, (b - a) - have, 0)
-        if (zeros > self.rate * 2 / 1000.0).any():
-            raise ValueError(f"a {length} ms slice reaches past the end by more than 2 ms")
-        a = np.minimum(a, n)
+        """audioop.rms of each slice [start, start + length) ms (starts >= 0), as integers, the sums
+        of squares taken between the slices' edges only."""
+        n = len(self.samples)
+        a, have, zeros = self._spans(starts, starts + length)
         edges = np.unique(np.concatenate([[0, n], a, a + have]))
         blocks = np.add.reduceat(self.samples.astype(np.int64) ** 2, edges[:-1]) if n else np.zeros(0, np.int64)
         prefix = np.concatenate([[0], np.cumsum(blocks)])  # sum of squares before each edge
