@@ -69,6 +69,19 @@ def test_bad_codes_are_refused_by_the_replica_not_the_host(hosted):
     assert reply.num_samples == 3 * 960
 
 
+def test_cancelled_clips_leave_the_host_serving(hosted):
+    stub = vocoder_pb2_grpc.VocoderStub(channel(hosted.service("omnivoice-vocoder").address))
+    long = np.zeros((500, 8), dtype="<i4")
+    calls = [stub.DecodeClip.future(vocoder_pb2.DecodeClipRequest(codes=dict(rows=500, cols=8, data=long.tobytes())),
+                                    timeout=60) for _ in range(4)]
+    for call in calls:
+        call.cancel()
+    good = np.ones((2, 8), dtype="<i4")
+    reply = stub.DecodeClip(vocoder_pb2.DecodeClipRequest(codes=dict(rows=2, cols=8, data=good.tobytes()),
+                                                          postprocess=False), timeout=60)
+    assert reply.num_samples == 2 * 960
+
+
 def test_a_replica_whose_host_is_gone_stops():
     """Without its codec the replica can serve nothing: it stops (its pod restarts with the worker's)."""
     with cluster(colocate_omnivoice_codec=True) as c:

@@ -155,9 +155,11 @@ class HostedClipDecoder:
     async def decode(self, codes: np.ndarray) -> np.ndarray:
         stream = self.process.open()
         try:
-            return np.frombuffer(await self.process.submit(stream, codes), dtype="<f4")
-        finally:
-            self.process.release(stream)  # nothing left to drop once answered; a cancelled call's job is dropped
+            samples = await self.process.submit(stream, codes)
+        except asyncio.CancelledError:  # the call went away: the host drops the clip if it has not begun it
+            self.process.release(stream)
+            raise
+        return np.frombuffer(samples, dtype="<f4")  # answered: the host holds nothing of it
 
     def close(self) -> None:
         self.process.close()
