@@ -8,6 +8,8 @@ warm-up, batched unmasking); --attention torch --no-cuda-graphs gives the torch 
 
 Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of
 generation, and the step's matrix FLOPs with the time they take at --peak-tflops (the floor).
+With --kernels, one more run per batch under the torch profiler adds the GPU's kernel time per
+step (so wall minus kernels is the time the GPU waits for the host) and the costliest kernels.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ def step_ms(engine, text_ids, target_frames: int, knobs, batch: int, sync=lambda
     return (time.perf_counter() - t0) * 1000 / knobs.num_step
 
 
+def kernel_report(fn, num_step: int, top: int = 25) -> dict:
+    """GPU kernel time per step of one profiled run of fn (all its steps) and its costliest
+    kernels by name, in microseconds per step."""
+    from collections import Counter
+
+    from chorus.bench.common import cuda_kernels
+
+    per_name, launches = Counter(), Counter()
+    for name, us in cuda_kernels(fn):
+        per_name[name] += us / num_step
+        launches[name] += 1
+    return {"kernel_ms_per_step": round(sum(per_name.values()) / 1000, 3),
+            "kernel_launches_per_step": round(sum(launches.values()) / num_step, 1),
+            "top_kernels_us_per_step": [{"name": n[:120], "us": round(us, 1), "launches": launches[n] // num_step}
+                                        for n, us in per_name.most_common(top)]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m chorus.bench.omnivoice_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the bucketed forward from CUDA graphs (flashinfer only)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense matrix rate for the floor")
+    p.add_argument("--kernels", action="store_true",
+                   help="profile one more run per batch: kernel time per step and the costliest kernels (CUDA)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -102,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"batch": batch, "step_ms": round(ms, 3), "floor_ms": round(floor_ms, 3),
                      "x_floor": round(ms / floor_ms, 2), "audio_s_per_s": round(audio_s / (ms * args.num_step / 1000), 1),
                      "canvas_ms": round(ms * args.num_step, 1)})
+        if args.kernels:
+            rows[-1].update(kernel_report(lambda: run(batch), args.num_step))
         print(rows[-1], flush=True)
     write_json(args.out, {"bench": "omnivoice_step", "device": device_name(args.device), "preset": args.preset,
                           "dtype": str(next(model.parameters()).dtype), "num_step": args.num_step,
