@@ -30,7 +30,8 @@ def test_buckets_hold_every_step_with_one_filler_document_at_least():
     b = Buckets(max_packed_rows=24576, max_batch=64)
     assert b.docs == [4, 16, 64, 129] and b.rows[0] == 256 and b.rows[-1] >= 24576 + 129
     assert b.pick(460, 2) == Bucket(512, 4)
-    assert b.pick(510, 3) == Bucket(512, 4) and b.pick(511, 2) == Bucket(768, 4)  # a filler row each
+    assert b.pick(510, 3) == Bucket(512, 4) and b.pick(511, 2) == Bucket(640, 4)  # a filler row each
+    assert b.pick(340, 2) == Bucket(384, 4)  # one O1 canvas with guidance
     assert b.pick(14720, 64) == Bucket(15360, 129)
     assert b.pick(24576, 128) == Bucket(b.rows[-1], 129)
     assert b.pick(100, 129) is None                # more documents than any bucket holds
