@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,noheader,nou
 smi=$!
 until grep -q "latencies in ms" "$OUT/bench.log" 2>/dev/null || ! kill -0 $bench 2>/dev/null; do sleep 2; done  # table header
 sleep ${SETTLE:-15}
-worker=$(pgrep -f "gpu_worker.server" | tr "\n" " ")  # every worker (an OmniVoice layout has two)
+worker=$(pgrep -f "chorus.colocate|gpu_worker.server" | tr "\n" " ")  # every worker process (an OmniVoice layout has two)
 core=$(pgrep -f "scheduler_svc.server" -a | grep -v -- "--core" | grep -v bench | awk '{print $1}' | head -1)
 front=$(pgrep -f "scheduler_svc.server.*--core" | head -1)
 vocoders=$(pgrep -f "vocoder_svc.server" | tr '\n' ' ')

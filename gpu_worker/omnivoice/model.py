@@ -13,7 +13,7 @@ norm before half-split RoPE, softmax attention per document. CPU GEMMs compute t
 the head reads, are padded to a multiple of ROW_MULTIPLE: a row's result then never depends on
 where it sits in the pack.
 
-On CUDA with triton, RMSNorm (and the residual add before the second norm), q/k norm + RoPE and
+On CUDA with triton, RMSNorm (with the residual add before it), q/k norm + RoPE and
 SiLU x mul run as gpu_worker/kernels.py's fused kernels (KERNELS = "auto"; "torch" keeps the
 reference ops everywhere): the same math with the norm's sum in the kernel's fixed order. At a
 packed step of thousands of rows the separate torch ops cost more than the GEMMs.
@@ -146,6 +146,15 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_mul(gate, up, impl="auto") if fused(x) else F.silu(gate) * up)
 
 
+def add_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(s, norm(s)) with s = x + delta (x when delta is None): a residual add and the norm after it,
+    in one launch on CUDA."""
+    if delta is not None and fused(x):
+        return kernels.add_rms_norm(x, delta, norm.weight, norm.eps, impl="auto")
+    s = x if delta is None else x + delta
+    return s, norm(s)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: OmniVoiceConfig):
         super().__init__()
@@ -154,15 +163,14 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        if fused(x):  # the residual add and the next norm in one launch
-            norm = self.post_attention_layernorm
-            x, h = kernels.add_rms_norm(x, a, norm.weight, norm.eps, impl="auto")
-        else:
-            x = x + a
-            h = self.post_attention_layernorm(x)
-        return x + self.mlp(h)
+    def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor,
+                attend: Attend) -> tuple[Tensor, Tensor]:
+        """x: the residual stream; delta: the previous layer's MLP output, not yet added to it (None
+        in the first layer). Returns the stream and this layer's MLP output, so each residual add
+        rides in the launch of the norm after it."""
+        x, h = add_norm(self.input_layernorm, x, delta)
+        x, h = add_norm(self.post_attention_layernorm, x, self.self_attn(h, cos, sin, attend))
+        return x, self.mlp(h)
 
 
 class Body(nn.Module):
@@ -177,9 +185,10 @@ class Body(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attend)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, attend)
+        return add_norm(self.norm, x, delta)[1]
 
 
 class OmniVoiceModel(nn.Module):
