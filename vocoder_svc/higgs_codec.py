@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vocoder_svc import sinc_resample
+from vocoder_svc import sinc_resample, snake
 
 CODEC_NAME = "higgs_audio_v2"
 MODEL_TYPE = "higgs_audio_v2_tokenizer"
@@ -156,23 +156,28 @@ class HiggsCodec:
     codebook_size = CODEBOOK_SIZE
     channels = 1
 
-    def __init__(self, model, device: str | torch.device = "cpu"):
+    def __init__(self, model, device: str | torch.device = "cpu", fused_snake: bool = True):
+        """fused_snake: run the decoder's Snake activations as one kernel each where it compiles
+        (snake.py: the same bits as torch's five)."""
         check_config(model.config)
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
+        if fused_snake and snake.kernel_compiles(self.device):
+            snake.fuse_snakes(self.model)
         self.batch_equal_lengths = False  # set by measure_batching
 
     @classmethod
-    def from_dir(cls, path: str | Path, device: str | torch.device = "cpu") -> "HiggsCodec":
+    def from_dir(cls, path: str | Path, device: str | torch.device = "cpu", fused_snake: bool = True) -> "HiggsCodec":
         where = codec_dir(path)
         if where is None:
             raise ValueError(f"{path}: no Higgs-Audio-v2 codec here (a config.json with model_type "
                              f"{MODEL_TYPE!r}, in the directory or in its audio_tokenizer/)")
         _, model_class = _model_classes()
-        return cls(model_class.from_pretrained(str(where), dtype=torch.float32), device)
+        return cls(model_class.from_pretrained(str(where), dtype=torch.float32), device, fused_snake)
 
     @classmethod
-    def from_preset(cls, preset: str, seed: int = 0, device: str | torch.device = "cpu") -> "HiggsCodec":
+    def from_preset(cls, preset: str, seed: int = 0, device: str | torch.device = "cpu",
+                    fused_snake: bool = True) -> "HiggsCodec":
         """Random weights, deterministic in (preset, seed): drawn on the CPU, then moved."""
         if preset not in PRESETS:
             raise ValueError(f"unknown Higgs codec preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -184,7 +189,7 @@ class HiggsCodec:
             with torch.no_grad():
                 for quantizer in model.quantizer.quantizers:
                     quantizer.codebook.embed.normal_()
-        return cls(model, device)
+        return cls(model, device, fused_snake)
 
     # ---- encode ------------------------------------------------------------------------------
     def encode(self, waves: list[np.ndarray]) -> list[np.ndarray]:
