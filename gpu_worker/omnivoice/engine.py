@@ -152,8 +152,8 @@ class CanvasEngine:
                               np.full((c, spec.target_frames), self.cfg.audio_mask_id, np.int64)], axis=1)
         mask = np.arange(ids.shape[1]) >= text.size
         counts = reveal_counts(spec.target_frames, spec.knobs.num_step, spec.knobs.t_shift, c)
-        self.canvases[spec.request_id] = Canvas(spec, torch.from_numpy(ids).to(self.device),
-                                                torch.from_numpy(mask).to(self.device), counts)
+        # Staged (staging.py): a plain copy would wait for the steps already queued on the stream.
+        self.canvases[spec.request_id] = Canvas(spec, to_device(ids, self.device), to_device(mask, self.device), counts)
 
     def release(self, request_id: int) -> None:
         self.canvases.pop(request_id, None)

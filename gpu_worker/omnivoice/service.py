@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
 from chorus.omnivoice.config import ARCHITECTURE
 from chorus.omnivoice.knobs import UnmaskKnobs
@@ -59,6 +60,10 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
     engine = CanvasEngine(model, max_batch=args.max_batch or 64, max_packed_rows=args.max_packed_rows,
                           attention=args.attention, cuda_graphs=args.cuda_graphs)
     if engine.device.type == "cuda":
+        # The host's torch work here is staging copies and noise, too small to share out; a pool of
+        # one thread per core spins after each parallel copy, taking cores from the codec's
+        # post-processing and the frontends.
+        torch.set_num_threads(1)
         if engine.attention.name == "torch":
             log.warning("OmniVoice on %s in %s runs torch attention, unbucketed and without CUDA graphs: "
                         "--dtype float16 (and flashinfer installed) for flashinfer and graphs",
