@@ -83,8 +83,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
     p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer"),
                    help="attention backend (auto: flashinfer on CUDA in float16/bfloat16)")
-    p.add_argument("--prefill-backend", default="fa2", choices=("fa2", "fa3"),
-                   help="flashinfer's attention kernels (fa3: Hopper only)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the bucketed forward from CUDA graphs (flashinfer only)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense matrix rate for the floor")
@@ -108,8 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix, target = len(piece.text_ids), piece.target_frames
     batches = [int(b) for b in args.batches.split(",")]
     engine = CanvasEngine(model, max_batch=max(batches), max_packed_rows=max(batches) * (prefix + 2 * target),
-                          attention=args.attention, cuda_graphs=args.cuda_graphs,
-                          prefill_backend=args.prefill_backend)
+                          attention=args.attention, cuda_graphs=args.cuda_graphs)
     warm_s = engine.warm_up()
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
 
@@ -132,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out, {"bench": "omnivoice_step", "device": device_name(args.device), "preset": args.preset,
                           "dtype": str(next(model.parameters()).dtype), "num_step": args.num_step,
                           "guidance_scale": args.guidance_scale, "prefix_rows": prefix, "target_frames": target,
-                          "attention": engine.attention.name, "prefill_backend": args.prefill_backend, "bucketed": engine.bucketed is not None,
+                          "attention": engine.attention.name, "bucketed": engine.bucketed is not None,
                           "cuda_graphs": engine.bucketed is not None and engine.bucketed.replay,
                           "warm_up_s": round(warm_s, 1),
                           "peak_tflops": args.peak_tflops, "git": git_revision(), "results": rows})

@@ -7,8 +7,8 @@ makes; the plan is host work done once per step.
   repeated). CPU and GPU, any dtype; the CPU contract (bit-exact with the package) rests on it.
 - `FlashInferDocuments`: CUDA, fp16/bf16: flashinfer's batch prefill over a ragged K/V
   (qo_indptr = kv_indptr = the documents' cumulative rows, causal=False), grouped heads native,
-  one launch a layer instead of one per document. One kernel family (`backend`: FA2, or FA3 on
-  Hopper) eager and in CUDA graphs alike, so a graphed step and an eager one run the same kernel; split-KV off, so a document's result does
+  one launch a layer instead of one per document. FA2 always, eager and in CUDA graphs alike, so
+  a graphed step and an eager one run the same kernel; split-KV off, so a document's result does
   not depend on how the planner cut the batch (documents are a few hundred rows: one pass over
   their K/V is the cost anyway).
 """
@@ -45,7 +45,7 @@ class FlashInferDocuments:
     bucketed = True  # fixed document counts and rows: steps run in buckets, graphed or not
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 workspace_bytes: int = 256 << 20, backend: str = "fa2"):
+                 workspace_bytes: int = 256 << 20):
         import flashinfer  # CUDA-only dependency, imported lazily
 
         if dtype not in FLASHINFER_DTYPES:
@@ -55,10 +55,10 @@ class FlashInferDocuments:
             raise ValueError(f"attention flashinfer needs a head dim in {FLASHINFER_HEAD_DIMS}, the model's is "
                              f"{head_dim}: use --attention torch")
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
-        self.device, self.backend = device, backend
+        self.device = device
         # Shared by every wrapper: their runs are serial on one stream.
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: dict[int, torch.cuda.Event] = {}
         # disable_split_kv where this flashinfer's ragged plan takes it (it does from 0.2.x on)
         import inspect
@@ -71,7 +71,7 @@ class FlashInferDocuments:
         import flashinfer
 
         return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, backend=self.backend,
+            self.workspace, "NHD", use_cuda_graph=True, backend="fa2",
             qo_indptr_buf=torch.zeros(docs + 1, dtype=torch.int32, device=self.device),
             kv_indptr_buf=torch.zeros(docs + 1, dtype=torch.int32, device=self.device))
 
@@ -102,17 +102,16 @@ def flashinfer_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -
             and importlib.util.find_spec("flashinfer") is not None)
 
 
-def make_document_attention(name: str, cfg, dtype: torch.dtype, device: torch.device, prefill_backend: str = "fa2"):
+def make_document_attention(name: str, cfg, dtype: torch.dtype, device: torch.device):
     """'auto' = flashinfer on CUDA with fp16/bf16 (and a head dim it is built for) when installed,
-    else the torch reference. prefill_backend: flashinfer's kernel family (fa2, or fa3 on Hopper)."""
+    else the torch reference."""
     if name == "auto":
         name = "flashinfer" if flashinfer_usable(device, dtype, cfg.head_dim) else "torch"
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention flashinfer runs on CUDA, the worker's device is {device}: "
                              "use --attention torch or auto")
-        return FlashInferDocuments(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device,
-                                   backend=prefill_backend)
+        return FlashInferDocuments(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     if name == "torch":
         return TorchDocuments()
     raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")

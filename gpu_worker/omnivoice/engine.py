@@ -93,12 +93,10 @@ class Canvas:
 
 class CanvasEngine:
     def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576,
-                 attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None,
-                 prefill_backend: str = "fa2"):
+                 attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None):
         """attention: auto, torch or flashinfer (attention.make_document_attention); cuda_graphs:
         replay the bucketed forward from CUDA graphs (flashinfer on CUDA; without, it runs eagerly
         in the same buckets);
-        prefill_backend: flashinfer's kernel family for the attention (fa2; fa3 on Hopper);
         batched_unmask: unmask a step's canvases together (batched_unmask.py; None: on CUDA),
         else one by one with the reference (unmask.py)."""
         self.model = model
@@ -107,7 +105,7 @@ class CanvasEngine:
         self.device = p.device
         self.max_batch = max_batch
         self.max_packed_rows = max_packed_rows
-        self.attention = make_document_attention(attention, self.cfg, p.dtype, self.device, prefill_backend)
+        self.attention = make_document_attention(attention, self.cfg, p.dtype, self.device)
         self.batched_unmask = self.device.type == "cuda" if batched_unmask is None else batched_unmask
         self.bucketed = None  # the forward in (rows, documents) buckets: flashinfer on CUDA
         if self.device.type == "cuda" and self.attention.bucketed:
