@@ -235,6 +235,37 @@ def main(argv: list[str] | None = None) -> int:
 
     stage("fused kernels vs torch ops (logits)", fused_vs_torch)
 
+    def unmask_kernel_vs_torch():
+        import numpy as np_
+
+        from gpu_worker.omnivoice import unmask_kernel
+        from gpu_worker.omnivoice.batched_unmask import _scores
+
+        if not unmask_kernel.usable(torch.zeros(1, 1, 1, device=dev)):
+            return {"skipped": "no compiled triton here: the torch scoring runs"}
+        g = torch.Generator(device=dev).manual_seed(1)
+        c, v, t, canvases = 8, model.cfg.audio_vocab_size, target, 8
+        n = t * canvases
+        logits = (torch.randn(2 * n, c, v, device=dev, generator=g) * 4).transpose(0, 1)  # the head's layout
+        cond = torch.arange(n, device=dev)
+        uncond = cond + n
+        ones = torch.ones(n, device=dev)
+        noise = -torch.log(-torch.log(torch.rand(c, n, device=dev, generator=g) + 1e-10) + 1e-10)
+        canvas = torch.full((c, n), v - 1, device=dev)
+
+        class Column:
+            def __init__(self, col, ucol):
+                self.cond_column, self.uncond_column = col, ucol
+        items = [Column(i * t, n + i * t) for i in range(canvases)]
+        got_codes, got = unmask_kernel.scores(logits, cond, uncond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
+        codes, want = _scores(logits, items, np_.arange(canvases) * t, [t] * canvases, list(range(canvases)), cond,
+                              uncond, cond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
+        return {"cells": c * n, "code_agreement": (got_codes == codes).float().mean().item(),
+                "score_max_abs_diff": (got - want).abs().max().item(),
+                "scores_equal_share": (got == want).float().mean().item()}
+
+    stage("unmask kernel vs torch scoring", unmask_kernel_vs_torch)
+
     def step_bench():
         flops1 = step_flops(model.cfg, prefix, target, True)
         rows = []

@@ -10,6 +10,9 @@ one piece), the revealed cells masked out. The per-canvas top-`count` runs over 
 cells] matrix padded with -inf, each canvas's cells in the reference's order (codebook-major);
 ties aside (which Gumbel noise makes vanishing), it picks the reference's cells.
 
+On CUDA with compiled triton, the per-cell scoring (everything before the top-`count`) is one
+launch (unmask_kernel.py), and the torch ops here (`_scores`) are its reference.
+
 Canvases with a class temperature draw class noise before position noise: they keep the
 reference path (engine.py), so this module never draws class noise.
 """
@@ -24,6 +27,7 @@ import torch
 from torch import Tensor
 
 from chorus.omnivoice.knobs import UnmaskKnobs
+from gpu_worker.omnivoice import unmask_kernel
 from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import gumbel
 
@@ -60,8 +64,13 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     # flat index of cell (codebook k, row j) in the padded [items, C, tmax] matrix
     flat = (owner[None, :] * c + np.arange(c)[:, None]) * tmax + frame[None, :]
     counts = np.array([it.count for it in items], dtype=np.int64)
-    ints = torch.from_numpy(np.concatenate([rows_guided, uncond_rows, cond_rows, flat.ravel(), counts]))
+    # per column: its uncond row (-1 without guidance) and guidance scale, for the kernel
+    uncond_of = np.full(n, -1, np.int64)
+    uncond_of[rows_guided] = uncond_rows
+    ints = torch.from_numpy(np.concatenate([rows_guided, uncond_rows, cond_rows, uncond_of, flat.ravel(), counts]))
     scale = np.repeat([items[i].knobs.guidance_scale for i in guided], [lens[i] for i in guided])
+    scale_of = np.zeros(n, np.float64)
+    scale_of[rows_guided] = scale
     penalty = np.repeat([it.knobs.layer_penalty_factor for it in items], lens)
     temperature = np.repeat([it.knobs.position_temperature if it.knobs.position_temperature > 0 else 1.0
                              for it in items], lens)
@@ -69,12 +78,34 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     for it, s, t in zip(items, starts, lens):
         if it.knobs.position_temperature > 0:
             noise[:, s:s + t] = gumbel((c, t), it.generator).numpy()
-    floats = torch.from_numpy(np.concatenate([scale, penalty, temperature]).astype(np.float32))
+    floats = torch.from_numpy(np.concatenate([scale, penalty, temperature, scale_of]).astype(np.float32))
     ints, floats, noise = (to_device(x, dev) for x in (ints, floats, noise))
     g = len(rows_guided)
-    rows_guided, uncond_rows, cond_rows, flat, counts = ints.split([g, g, n, c * n, len(items)])
-    scale, penalty, temperature = floats.split([g, n, n])
+    rows_guided, uncond_rows, cond_rows, uncond_of, flat, counts = ints.split([g, g, n, n, c * n, len(items)])
+    scale, penalty, temperature, scale_of = floats.split([g, n, n, n])
+    canvas = torch.cat([it.canvas for it in items], dim=1)
 
+    if unmask_kernel.usable(logits):
+        codes, score = unmask_kernel.scores(logits, cond_rows, uncond_of, scale_of, penalty, temperature, noise,
+                                            canvas, mask_id)
+    else:
+        codes, score = _scores(logits, items, starts, lens, guided, rows_guided, uncond_rows, cond_rows, scale,
+                               penalty, temperature, noise, canvas, mask_id)
+
+    padded = torch.full((len(items) * c * tmax,), -math.inf, dtype=score.dtype, device=dev)
+    padded[flat] = score.flatten()
+    top = padded.view(len(items), c * tmax).topk(max(it.count for it in items), dim=1).indices
+    keep = torch.arange(top.shape[1], device=dev)[None, :] < counts[:, None]
+    chosen = torch.zeros(len(items), c * tmax, dtype=torch.bool, device=dev).scatter_(1, top, keep)
+    chosen = chosen.view(-1)[flat].view(c, n)
+    revealed = torch.where(chosen, codes, canvas)
+    return list(revealed.split(lens, dim=1))
+
+
+def _scores(logits, items, starts, lens, guided, rows_guided, uncond_rows, cond_rows, scale, penalty, temperature,
+            noise, canvas, mask_id) -> tuple[Tensor, Tensor]:
+    """unmask_kernel.scores' result with torch ops: the reference (CPU, and CUDA without triton)."""
+    c, n, g = logits.shape[0], len(cond_rows), len(rows_guided)
     # The engine's layout puts the cond rows first and the uncond rows after them, each in item
     # order: slices then, no gathered copies of [C, rows, V] (the step's largest tensors).
     contiguous = all(it.cond_column == s for it, s in zip(items, starts)) and \
@@ -91,17 +122,7 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     lp[..., mask_id] = -math.inf
     codes = lp.argmax(dim=-1)
     score = lp.max(dim=-1).values
-    codebook = torch.arange(c, device=dev).view(-1, 1)
+    codebook = torch.arange(c, device=logits.device).view(-1, 1)
     score = score - codebook * penalty[None, :]
     score = score / temperature[None, :] + noise
-    canvas = torch.cat([it.canvas for it in items], dim=1)
-    score = score.masked_fill(canvas != mask_id, -math.inf)
-
-    padded = torch.full((len(items) * c * tmax,), -math.inf, dtype=score.dtype, device=dev)
-    padded[flat] = score.flatten()
-    top = padded.view(len(items), c * tmax).topk(max(it.count for it in items), dim=1).indices
-    keep = torch.arange(top.shape[1], device=dev)[None, :] < counts[:, None]
-    chosen = torch.zeros(len(items), c * tmax, dtype=torch.bool, device=dev).scatter_(1, top, keep)
-    chosen = chosen.view(-1)[flat].view(c, n)
-    revealed = torch.where(chosen, codes, canvas)
-    return list(revealed.split(lens, dim=1))
+    return codes, score.masked_fill(canvas != mask_id, -math.inf)
