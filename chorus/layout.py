@@ -71,9 +71,11 @@ class ClusterConfig:
                                           "audio_tokenizer/): the OmniVoice vocoder's codec (unset: omnivoice_model, "
                                           "else the tiny preset)", metavar="DIR")
     omnivoice_vocoders: int = setting(1, "OmniVoice codec vocoder replicas", metavar="N", minimum=1)
-    colocate_omnivoice_codec: bool = setting(False, "run OmniVoice's codec forwards in the OmniVoice worker's "
-                                             "process (one CUDA context with it; one codec replica, which keeps "
-                                             "the calls, post-processing and Encode)")
+    colocate_omnivoice_codec: str = setting("auto", "run OmniVoice's codec forwards in the OmniVoice worker's "
+                                            "process (one CUDA context with it; one codec replica, which keeps "
+                                            "the calls, post-processing and Encode). auto = when the OmniVoice "
+                                            "worker and one codec replica share a CUDA device",
+                                            choices=("auto", "on", "off"))
     quiet: bool = setting(False, "do not relay the services' logs")
     curve: str = setting("auto", "CURVE on the worker links with a key pair made for this run (auto = when host is "
                          "not loopback; keys the tables give win)", choices=("auto", "on", "off"))
@@ -92,9 +94,9 @@ class ClusterConfig:
         if self.engines and (self.colocate_vocoder == "on" or self.shared_vocoder_decoder):
             raise ConfigError("cluster.engines: engines use vocoder replicas of their own: leave colocate_vocoder "
                               "and shared_vocoder_decoder unset")
-        if self.colocate_omnivoice_codec and (self.engines or self.omnivoice_vocoders != 1):
-            raise ConfigError("cluster.colocate_omnivoice_codec runs one OmniVoice codec replica beside one OmniVoice "
-                              "worker: leave engines at 0 and omnivoice_vocoders at 1")
+        if self.colocate_omnivoice_codec == "on" and (self.engines or self.omnivoice_vocoders != 1):
+            raise ConfigError("cluster.colocate_omnivoice_codec = \"on\" runs one OmniVoice codec replica beside one "
+                              "OmniVoice worker: leave engines at 0 and omnivoice_vocoders at 1")
         if self.colocate_vocoder == "on" and self.shared_vocoder_decoder:
             raise ConfigError("cluster: colocate_vocoder = \"on\" and shared_vocoder_decoder: choose one (the "
                               "colocated decoder is the worker's; a shared one is a process of its own)")
@@ -116,6 +118,17 @@ class Layout:
             tables.update(omnivoice_worker=self.omnivoice_worker, omnivoice_vocoder=self.omnivoice_vocoder)
         return to_toml(tables)
 
+    @property
+    def colocate_omnivoice_codec(self) -> bool:
+        """Whether OmniVoice's codec runs in the OmniVoice worker's process: "on", or "auto" with one
+        engine's worker and one codec replica on the same CUDA device."""
+        choice, c = self.cluster.colocate_omnivoice_codec, self.cluster
+        if self.omnivoice_worker is None or choice == "off":
+            return False
+        worker, codec = self.omnivoice_worker.device, self.omnivoice_vocoder.device
+        return choice == "on" or (not c.engines and c.omnivoice_vocoders == 1 and worker.startswith("cuda")
+                                  and same_device(worker, codec))
+
     def cluster_launcher(self, **kw) -> Cluster:
         """The launcher for this layout (kw: more Cluster fields, e.g. vocoder_metrics_ports)."""
         return Cluster(worker=self.worker, vocoder=self.vocoder, scheduler=self.scheduler, host=self.cluster.host,
@@ -124,7 +137,7 @@ class Layout:
                        shared_decoder=self.cluster.shared_vocoder_decoder, omnivoice_worker=self.omnivoice_worker,
                        omnivoice_vocoder=self.omnivoice_vocoder,
                        omnivoice_vocoder_ports=[0] * self.cluster.omnivoice_vocoders,
-                       colocate_omnivoice_codec=self.cluster.colocate_omnivoice_codec,
+                       colocate_omnivoice_codec=self.colocate_omnivoice_codec,
                        curve=self.cluster.curve == "on" or (self.cluster.curve == "auto"
                                                             and not is_loopback(self.cluster.host)),
                        engines=self.cluster.engines, frontend_tier=self.cluster.gateways,

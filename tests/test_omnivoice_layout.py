@@ -81,3 +81,17 @@ def test_one_cluster_serves_both_models():
         ready = next(line for line in cluster.service("scheduler").lines if "ready on" in line)
         models = ready.split("models=")[1].split()[0].split(",")
         assert len(models) == 2 and models[1] == "omnivoice-tiny"
+
+
+@presets
+def test_the_codec_runs_in_the_worker_process_where_the_two_share_a_gpu():
+    gpu = {"omnivoice_worker": {"device": "cuda:0"}, "omnivoice_vocoder": {"device": "cuda"}}
+    one = build(read_tables(), gpu)
+    assert one.colocate_omnivoice_codec and one.cluster_launcher().colocate_omnivoice_codec
+    assert not build(read_tables()).colocate_omnivoice_codec  # on the CPU: a replica of its own
+    assert not build(read_tables(profile="two-gpu"), {"cluster": {"omnivoice": True}}).colocate_omnivoice_codec
+    assert not build(read_tables(), {**gpu, "cluster": {"omnivoice_vocoders": 2}}).colocate_omnivoice_codec
+    assert not build(read_tables(), {**gpu, "cluster": {"colocate_omnivoice_codec": "off"}}).colocate_omnivoice_codec
+    assert build(read_tables(), {"cluster": {"colocate_omnivoice_codec": "on"}}).colocate_omnivoice_codec
+    with pytest.raises(ConfigError, match="runs one OmniVoice codec replica"):
+        build(read_tables(), {"cluster": {"colocate_omnivoice_codec": "on", "omnivoice_vocoders": 2}})
