@@ -42,3 +42,16 @@ def test_the_kernel_matches_torch_within_an_ulp_of_sin(monkeypatch):
     assert torch.allclose(got, ref, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
     with pytest.raises(ValueError, match="contiguous fp32"):
         snake.snake(x.transpose(1, 2), alpha, impl="triton")
+
+
+@pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
+def test_the_bias_rides_in_the_snake_and_the_residual_add(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(1)
+    x, res = torch.randn(2, 4, 700), torch.randn(2, 4, 700)
+    alpha, bias = torch.rand(1, 4, 1) + 0.2, torch.randn(4)
+    ref = snake.snake_torch(x + bias[:, None], alpha)
+    got = snake.snake(x, alpha, bias, impl="triton")
+    assert torch.allclose(got, ref, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
+    assert torch.equal(snake.add_bias_residual(x, bias, res, impl="triton"), res + (x + bias[:, None]))
+
