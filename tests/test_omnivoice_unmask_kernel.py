@@ -60,6 +60,13 @@ def test_the_kernel_scores_every_cell_as_the_torch_reference():
     # the interpreter's exp/log are numpy's, torch-CPU's are SLEEF's: an ulp or so apart
     assert torch.allclose(score[~revealed], want_score[~revealed], rtol=1e-5, atol=1e-5)
     assert not (codes == 1024).any()  # MASK is never predicted
+    # the head's fp16 logits, widened in the kernel, score as their fp32 copy does
+    half = logits.half()
+    codes16, score16 = unmask_kernel.scores(half, cond_rows, uncond_of, scale_of, penalty, temperature, noise,
+                                            canvas, 1024, num_warps=1)
+    codes32, score32 = unmask_kernel.scores(half.float(), cond_rows, uncond_of, scale_of, penalty, temperature,
+                                            noise, canvas, 1024)
+    assert torch.equal(codes16, codes32) and torch.equal(score16, score32)
 
 
 def test_no_columns_no_launch():

@@ -260,9 +260,31 @@ def main(argv: list[str] | None = None) -> int:
         got_codes, got = unmask_kernel.scores(logits, cond, uncond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
         codes, want = _scores(logits, items, np_.arange(canvases) * t, [t] * canvases, list(range(canvases)), cond,
                               uncond, cond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
+        # the worker hands the kernel the head's fp16 logits: same cells from them as from an fp32 copy
+        half = logits.half()
+        codes16, _ = unmask_kernel.scores(half, cond, uncond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
+        codes32, _ = unmask_kernel.scores(half.float(), cond, uncond, 2 * ones, 5 * ones, ones, noise, canvas, v - 1)
+        # a program's warps, timed at 32 canvases' cells (the worker launches with the default 4)
+        big = 32 // canvases
+        wide = torch.cat([half] * big, dim=1)  # [C, 2 n big, V]: every cell's cond and uncond rows
+        cols = torch.arange(n * big, device=dev)
+        args = (cols, cols + n * big, 2 * ones.repeat(big), 5 * ones.repeat(big), ones.repeat(big),
+                noise.repeat(1, big), canvas.repeat(1, big), v - 1)
+        warps_us = {}
+        for w in (1, 2, 4, 8):
+            unmask_kernel.scores(wide, *args, num_warps=w)  # compiles
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                unmask_kernel.scores(wide, *args, num_warps=w)
+            end.record()
+            end.synchronize()
+            warps_us[w] = round(start.elapsed_time(end) * 100, 1)
         return {"cells": c * n, "code_agreement": (got_codes == codes).float().mean().item(),
                 "score_max_abs_diff": (got - want).abs().max().item(),
-                "scores_equal_share": (got == want).float().mean().item()}
+                "scores_equal_share": (got == want).float().mean().item(),
+                "fp16_read_equals_fp32_copy": bool(torch.equal(codes16, codes32)),
+                "us_at_32_canvases_by_num_warps": warps_us}
 
     stage("unmask kernel vs torch scoring", unmask_kernel_vs_torch)
 

@@ -43,8 +43,9 @@ class Item:
 
 
 def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor]:
-    """New canvases, one per item: `count` most confident masked cells revealed. logits: fp32
-    [C, n, V] of a packed step (engine layout: cond targets, then uncond targets)."""
+    """New canvases, one per item: `count` most confident masked cells revealed. logits: [C, n, V]
+    of a packed step (engine layout: cond targets, then uncond targets), fp32 or the head's fp16 /
+    bf16 (each widened to fp32 first, exactly)."""
     dev = logits.device
     c = logits.shape[0]
     lens = [it.canvas.shape[1] for it in items]
@@ -89,7 +90,7 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
         codes, score = unmask_kernel.scores(logits, cond_rows, uncond_of, scale_of, penalty, temperature, noise,
                                             canvas, mask_id)
     else:
-        codes, score = _scores(logits, items, starts, lens, guided, rows_guided, uncond_rows, cond_rows, scale,
+        codes, score = _scores(logits.float(), items, starts, lens, guided, rows_guided, uncond_rows, cond_rows, scale,
                                penalty, temperature, noise, canvas, mask_id)
 
     padded = torch.full((len(items) * c * tmax,), -math.inf, dtype=score.dtype, device=dev)

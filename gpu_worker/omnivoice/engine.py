@@ -247,8 +247,8 @@ class CanvasEngine:
                 generator = step_generator(c.spec.seed, k) if knobs.position_temperature > 0 else None
                 together.append((c, Item(c.ids[:, -c.target:], col, ucol, knobs, c.counts[k], generator)))
                 continue
-            cond = logits[:, col:col + c.target]
-            uncond = None if ucol is None else logits[:, ucol:ucol + c.target]
+            cond = logits[:, col:col + c.target].float()
+            uncond = None if ucol is None else logits[:, ucol:ucol + c.target].float()
             noisy = knobs.position_temperature > 0 or knobs.class_temperature > 0
             generator = step_generator(c.spec.seed, k) if noisy else None
             c.ids[:, -c.target:] = unmask_step(c.ids[:, -c.target:], cond, uncond, knobs, c.counts[k],
@@ -259,12 +259,13 @@ class CanvasEngine:
                 c.ids[:, -c.target:] = canvas
 
     def _logits(self, ids: Tensor, mask: Tensor, lay) -> Tensor:
-        """fp32 logits [C, n, V] at the layout's gathered rows: graphed when a graph holds the step."""
+        """Logits [C, n, V] at the layout's gathered rows (fp32, or the activations' dtype from a
+        bucket): graphed when a graph holds the step."""
         gather = to_device(lay.gather, self.device)
         if self.bucketed is not None:
             h = self.bucketed.hidden(ids, mask, lay.positions.numpy(), lay.doc_lens)
             if h is not None:
-                return self.model.head(h, gather)
+                return self.model.head_logits(h, gather)
         return self.model(ids, mask, to_device(lay.positions, self.device), lay.doc_lens, gather, self.attention)
 
     def warm_up(self, capture: bool = True) -> float:

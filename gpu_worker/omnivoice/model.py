@@ -215,9 +215,14 @@ class OmniVoiceModel(nn.Module):
 
     def head(self, h: Tensor, gather: Tensor) -> Tensor:
         """fp32 logits [C, n, V] of the rows `gather` [n] of h."""
+        return self.head_logits(h, gather).float()
+
+    def head_logits(self, h: Tensor, gather: Tensor) -> Tensor:
+        """head's logits in the activations' dtype (a view [C, n, V] of the head's [n, C x V] output):
+        the unmasking kernel reads them so, and widens each to fp32 as .float() would."""
         n = gather.shape[0]
         logits = self.audio_heads(h[_pad_rows(gather, ROW_MULTIPLE, 0, 0)])[:n]
-        return logits.view(n, self.cfg.num_codebooks, self.cfg.audio_vocab_size).transpose(0, 1).float()
+        return logits.view(n, self.cfg.num_codebooks, self.cfg.audio_vocab_size).transpose(0, 1)
 
     def forward(self, ids: Tensor, audio_mask: Tensor, positions: Tensor, doc_lens: list[int],
                 gather: Tensor, attention=None) -> Tensor:

@@ -42,10 +42,13 @@ if HAVE_TRITON:
         valid = offs < V
         rows = logits_ptr + k.to(tl.int64) * stride_c + offs
         cond = tl.load(cond_ptr + j).to(tl.int64)
-        lp = _log_softmax(tl.load(rows + cond * stride_r, mask=valid, other=-float("inf")), valid, CUDA)
+        # fp16 / bf16 logits widen exactly, as torch's .float()
+        lp = _log_softmax(tl.load(rows + cond * stride_r, mask=valid, other=-float("inf")).to(tl.float32),
+                          valid, CUDA)
         uncond = tl.load(uncond_ptr + j).to(tl.int64)
         if uncond >= 0:
-            b = _log_softmax(tl.load(rows + uncond * stride_r, mask=valid, other=-float("inf")), valid, CUDA)
+            b = _log_softmax(tl.load(rows + uncond * stride_r, mask=valid, other=-float("inf")).to(tl.float32),
+                             valid, CUDA)
             scale = tl.load(scale_ptr + j)
             gap = tl.where(valid, lp - b, 0.0)  # -inf - -inf outside the row
             lp = _log_softmax(tl.where(valid, lp + scale * gap, -float("inf")), valid, CUDA)
@@ -60,20 +63,23 @@ if HAVE_TRITON:
 
 
 def usable(logits: Tensor) -> bool:
-    """Whether the worker scores with the kernel: CUDA with compiled triton, fp32 logits whose rows
-    are contiguous along the vocabulary, and model.KERNELS "auto" ("torch" keeps the reference)."""
+    """Whether the worker scores with the kernel: CUDA with compiled triton, fp32 / fp16 / bf16 logits
+    whose rows are contiguous along the vocabulary, and model.KERNELS "auto" ("torch" keeps the
+    reference)."""
     from gpu_worker.omnivoice import model
 
     return (model.KERNELS == "auto" and HAVE_TRITON and not INTERPRET and logits.is_cuda
-            and logits.dtype == torch.float32 and logits.stride(2) == 1)
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and logits.stride(2) == 1)
 
 
 def scores(logits: Tensor, cond_rows: Tensor, uncond_rows: Tensor, scale: Tensor, penalty: Tensor,
-           temperature: Tensor, noise: Tensor, canvas: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
-    """codes int64 [C, n] and scores fp32 [C, n] of every cell. logits fp32 [C, rows, V];
+           temperature: Tensor, noise: Tensor, canvas: Tensor, mask_id: int, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """codes int64 [C, n] and scores fp32 [C, n] of every cell. logits [C, rows, V] in fp32, fp16
+    or bf16 (widened to fp32 on load);
     cond_rows, uncond_rows int64 [n] (uncond -1: no guidance for that column); scale, penalty,
     temperature fp32 [n]; noise fp32 [C, n]; canvas int64 [C, n] (MASK where not yet revealed).
-    Runs under the interpreter too (CPU tensors, TRITON_INTERPRET=1) for the tests."""
+    Runs under the interpreter too (CPU tensors, TRITON_INTERPRET=1) for the tests. num_warps: a
+    program's warps (omnivoice_gpu_check times the choices)."""
     c, _, v = logits.shape
     n = cond_rows.shape[0]
     codes = torch.empty((c, n), dtype=torch.int64, device=logits.device)
@@ -81,5 +87,5 @@ def scores(logits: Tensor, cond_rows: Tensor, uncond_rows: Tensor, scale: Tensor
     if n:
         _scores_kernel[(c * n,)](logits, logits.stride(0), logits.stride(1), cond_rows, uncond_rows, scale, penalty,
                                  temperature, noise.contiguous(), canvas.contiguous(), codes, score, n, v, mask_id,
-                                 BLOCK_V=triton.next_power_of_2(v), CUDA=logits.is_cuda, **launch_opts(4))
+                                 BLOCK_V=triton.next_power_of_2(v), CUDA=logits.is_cuda, **launch_opts(num_warps))
     return codes, score
