@@ -157,8 +157,8 @@ class HiggsCodec:
     channels = 1
 
     def __init__(self, model, device: str | torch.device = "cpu", fused_snake: bool = True):
-        """fused_snake: run the decoder's Snake activations as one kernel each where it compiles
-        (snake.py: the same bits as torch's five)."""
+        """fused_snake: where the kernels compile, run each Snake activation as one launch and add the
+        residual units' convolution biases in the launches after them (snake.py: torch's bits)."""
         check_config(model.config)
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
