@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from chorus.triton_support import HAVE_TRITON, INTERPRET, div, exp, launch_opts, log, tl, triton
+from gpu_worker.omnivoice import model
 
 if HAVE_TRITON:
 
@@ -66,8 +67,6 @@ def usable(logits: Tensor) -> bool:
     """Whether the worker scores with the kernel: CUDA with compiled triton, fp32 / fp16 / bf16 logits
     whose rows are contiguous along the vocabulary, and model.KERNELS "auto" ("torch" keeps the
     reference)."""
-    from gpu_worker.omnivoice import model
-
     return (model.KERNELS == "auto" and HAVE_TRITON and not INTERPRET and logits.is_cuda
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and logits.stride(2) == 1)
 
