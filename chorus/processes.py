@@ -121,6 +121,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports nothing listens on right now: all bound at once, so two
+    services started next never get the same one (free_port twice may return one port twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0,
                  labelled: bool = False) -> dict[str, float]:
     """A service's Prometheus samples without labels ({name: value}), e.g. counters' `_total`

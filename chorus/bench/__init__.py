@@ -53,7 +53,7 @@ from chorus.bench.report import level_metrics, percentile, plot, readme_rows
 from chorus.bench.sweep import run_levels
 from chorus.bench.workloads import VOICE_FRAMES, WORKLOADS, Workload, make_text
 from chorus.config import ConfigError, given_fields
-from chorus.processes import free_port
+from chorus.processes import free_ports
 from chorus.layout import SERVICES, given, load
 from chorus.provenance import cpu_model, git_revision
 
@@ -127,14 +127,13 @@ def _launch_cluster(args: argparse.Namespace, named: BenchLayout | None):
         flags = {name: given_fields(cls, list(getattr(args, f"{name}_arg", None) or []))
                  for name, cls in SERVICES.items()}
         layout = named.services(given(args), flags)
-    metrics_port = layout.scheduler.metrics_port or None
-    if metrics_port is None:
-        metrics_port = layout.scheduler.metrics_port = free_port()
-    layout.scheduler.port = 0
     omnivoice_vocoders = layout.cluster.omnivoice_vocoders if layout.omnivoice_worker is not None else 0
-    cluster = layout.cluster_launcher(
-        vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)],
-        omnivoice_vocoder_metrics_ports=[free_port() for _ in range(omnivoice_vocoders)] or None)
+    vocoders = layout.cluster.vocoders
+    ports = free_ports(1 + vocoders + omnivoice_vocoders)  # distinct: one each for the scheduler and every replica
+    metrics_port = layout.scheduler.metrics_port = layout.scheduler.metrics_port or ports[0]
+    layout.scheduler.port = 0
+    cluster = layout.cluster_launcher(vocoder_metrics_ports=ports[1:1 + vocoders],
+                                      omnivoice_vocoder_metrics_ports=ports[1 + vocoders:] or None)
     cluster.echo = args.server_logs
     return layout, cluster, metrics_port
 

@@ -190,14 +190,15 @@ def services_part(ckpt: Path, duration: float, warmup: float, logs: bool, overri
     from chorus import bench
     from chorus.bench.layouts import resolve
     from chorus.config import merge
-    from chorus.processes import free_port
+    from chorus.processes import free_ports
     from chorus.layout import build
 
     named = resolve("o1-1gpu")
     layout = build(merge(merge(named.tables, {"omnivoice_worker": {"model": str(ckpt)}}), overrides or {}))
     layout.scheduler.port = 0
-    layout.scheduler.metrics_port = free_port()
-    cluster = layout.cluster_launcher(vocoder_metrics_ports=[free_port() for _ in range(layout.cluster.vocoders)])
+    ports = free_ports(1 + layout.cluster.vocoders)  # distinct
+    layout.scheduler.metrics_port = ports[0]
+    cluster = layout.cluster_launcher(vocoder_metrics_ports=ports[1:])
     cluster.echo = logs
     out: dict = {}
     say("  starting the services (the OmniVoice worker warms up and captures its graphs)")

@@ -22,7 +22,7 @@ import numpy as np
 
 from chorus.bench.common import write_json
 
-from chorus.processes import Service, free_port, read_metrics
+from chorus.processes import Service, free_ports, read_metrics
 from chorus.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     preset = args.preset or ("full" if cuda else "tiny")
-    ports = [free_port() for _ in range(args.replicas)]
+    ports = free_ports(args.replicas)
     services = [Service(f"vocoder{i}" if args.replicas > 1 else "vocoder",
                         [sys.executable, "-m", "vocoder_svc.server", "--port", "0", "--metrics-port", str(port),
                          "--preset", preset, "--device", args.device, "--dtype", dtype, "--slots", str(args.slots),
