@@ -72,7 +72,8 @@ def usable(logits: Tensor) -> bool:
 
 
 def scores(logits: Tensor, cond_rows: Tensor, uncond_rows: Tensor, scale: Tensor, penalty: Tensor,
-           temperature: Tensor, noise: Tensor, canvas: Tensor, mask_id: int, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+           temperature: Tensor, noise: Tensor, canvas: Tensor, mask_id: int,
+           num_warps: int = 4) -> tuple[Tensor, Tensor]:
     """codes int64 [C, n] and scores fp32 [C, n] of every cell. logits [C, rows, V] in fp32, fp16
     or bf16 (widened to fp32 on load);
     cond_rows, uncond_rows int64 [n] (uncond -1: no guidance for that column); scale, penalty,
