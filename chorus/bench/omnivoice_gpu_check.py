@@ -30,6 +30,8 @@ def say(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chorus.bench.omnivoice_gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attention", default="auto", choices=("auto", "flashinfer", "triton"),
+                   help="the engines' attention backend (gpu_worker/omnivoice/attention.py; auto: the worker's)")
     p.add_argument("--parity-batches", default="1,4,16", help="canvas counts of the graphed-vs-eager check")
     p.add_argument("--bench-batches", default="1,8,16,32", help="canvas counts of the step timing")
     p.add_argument("--agreement-batch", type=int, default=4, help="canvases of the fp16-vs-fp32 check")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dev = torch.device("cpu" if dry else "cuda")
     sync = (lambda: None) if dry else torch.cuda.synchronize
-    attention = "torch" if dry else "flashinfer"
+    attention = "torch" if dry else args.attention
     report.update(device=device_name(dev), git=git_revision(), torch=torch.__version__, peak_tflops=args.peak_tflops)
 
     def import_flashinfer():
@@ -103,8 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         got = fi.plan(doc_lens)(q, k, v).float()
         exact = document_attention(q.float(), k.float(), v.float(), doc_lens)
         sdpa16 = document_attention(q, k, v, doc_lens).float()
-        return {"max_abs_err_flashinfer": (got - exact).abs().max().item(),
-                "max_abs_err_torch_fp16": (sdpa16 - exact).abs().max().item()}
+        out = {"max_abs_err_flashinfer": (got - exact).abs().max().item(),
+               "max_abs_err_torch_fp16": (sdpa16 - exact).abs().max().item()}
+        from chorus.triton_support import HAVE_TRITON
+        if HAVE_TRITON:
+            from gpu_worker.omnivoice.attention import TritonDocuments
+            tr = TritonDocuments(16, 8, 128, torch.float16, dev)
+            packed = tr.plan(doc_lens)(q, k, v)
+            alone = tr.plan(doc_lens[4:5])(q[468:768], k[468:768], v[468:768])
+            out.update(max_abs_err_triton=(packed.float() - exact).abs().max().item(),
+                       triton_document_alone_equals_packed=bool(torch.equal(packed[468:768], alone)))
+        return out
 
     if not dry:
         stage("flashinfer attention vs fp32 reference", attention_vs_reference)

@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--guidance-scale", type=float, default=2.0, help="classifier-free guidance (0 = off)")
     p.add_argument("--text", default=O1_TEXT, help="the text every canvas says")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run")
-    p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer"),
-                   help="attention backend (auto: flashinfer on CUDA in float16/bfloat16)")
+    p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer", "triton"),
+                   help="attention backend (gpu_worker/omnivoice/attention.py; auto: the worker's default)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay the bucketed forward from CUDA graphs (flashinfer only)")
+                   help="replay the bucketed forward from CUDA graphs (flashinfer or triton attention)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense matrix rate for the floor")
     p.add_argument("--kernels", action="store_true",
                    help="profile one more run per batch: kernel time per step and the costliest kernels (CUDA)")

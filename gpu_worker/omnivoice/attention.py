@@ -11,6 +11,8 @@ makes; the plan is host work done once per step.
   a graphed step and an eager one run the same kernel; split-KV off, so a document's result does
   not depend on how the planner cut the batch (documents are a few hundred rows: one pass over
   their K/V is the cost anyway).
+- `TritonDocuments`: CUDA, fp16/bf16: attention_kernel.py's launch a layer, whose only plan is a
+  table of query tiles copied to the device; q/k/v read in place through their strides.
 """
 
 from __future__ import annotations
@@ -97,6 +99,54 @@ class FlashInferDocuments:
         return self.attend(self.wrapper)
 
 
+class _Tiles:
+    """A Triton plan's device tile table. A graph's table keeps its buffer (the graph reads it
+    there): its size is fixed by its first plan (the bucket's rows and documents)."""
+
+    def __init__(self, fixed: bool):
+        self.fixed = fixed
+        self.table: torch.Tensor | None = None
+
+
+class TritonDocuments:
+    name = "triton"
+    bucketed = True  # fixed tile tables: steps run in buckets, graphed or not
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        from gpu_worker.omnivoice import attention_kernel
+
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"attention triton needs float16 or bfloat16 activations, got {dtype}: "
+                             "use --attention torch (or --dtype float16)")
+        groups = num_heads // num_kv_heads
+        if head_dim & (head_dim - 1) or (groups * attention_kernel.BLOCK_M) & (groups * attention_kernel.BLOCK_M - 1):
+            raise ValueError(f"attention triton needs a power-of-two head dim and heads per kv head, the model has "
+                             f"{head_dim} and {groups}: use --attention torch")
+        self.kernel = attention_kernel
+        self.device = device
+        self.wrapper = _Tiles(fixed=False)
+
+    def graph_wrapper(self, docs: int) -> _Tiles:
+        return _Tiles(fixed=True)
+
+    def plan_wrapper(self, wrapper: _Tiles, doc_lens: list[int] | np.ndarray) -> None:
+        rows, docs = int(np.sum(doc_lens)), len(doc_lens)
+        if wrapper.table is None or not wrapper.fixed:
+            size = self.kernel.max_tiles(rows, docs) if wrapper.fixed else None
+            table = self.kernel.tile_table(doc_lens, size)
+            wrapper.table = torch.empty(table.shape, dtype=torch.int32, device=self.device)
+        else:
+            table = self.kernel.tile_table(doc_lens, wrapper.table.shape[0])
+        wrapper.table.copy_(host(torch.from_numpy(table), self.device), non_blocking=True)
+
+    def attend(self, wrapper: _Tiles) -> Attend:
+        return lambda q, k, v: self.kernel.document_attention(q, k, v, wrapper.table)
+
+    def plan(self, doc_lens: list[int]) -> Attend:
+        self.plan_wrapper(self.wrapper, doc_lens)
+        return self.attend(self.wrapper)
+
+
 def flashinfer_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return (device.type == "cuda" and dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS
             and importlib.util.find_spec("flashinfer") is not None)
@@ -112,6 +162,12 @@ def make_document_attention(name: str, cfg, dtype: torch.dtype, device: torch.de
             raise ValueError(f"attention flashinfer runs on CUDA, the worker's device is {device}: "
                              "use --attention torch or auto")
         return FlashInferDocuments(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    if name == "triton":
+        from chorus.triton_support import HAVE_TRITON
+        if device.type != "cuda" or not HAVE_TRITON:
+            raise ValueError(f"attention triton runs on CUDA with triton installed, the worker's device is {device}: "
+                             "use --attention torch or auto")
+        return TritonDocuments(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     if name == "torch":
         return TorchDocuments()
-    raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")
+    raise ValueError(f"unknown attention backend {name!r}: choose auto, torch, flashinfer or triton")
