@@ -116,7 +116,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, slots: Tensor | None = None) -> Tensor:
+        """slots: arange(rows) on x's device, where the kernel path stores k and v (made once a step)."""
         rows = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
         q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv, self.head_dim)
@@ -126,7 +127,7 @@ class Attention(nn.Module):
             k_out, v_out = torch.empty_like(k), torch.empty_like(v)
             q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
                                            sin[:, :half], self.q_norm.eps, k_out, v_out,
-                                           torch.arange(rows, device=x.device), impl="auto",
+                                           torch.arange(rows, device=x.device) if slots is None else slots, impl="auto",
                                            rows_per_program=16)
             o = attend(q, k_out, v_out)
         else:
@@ -164,12 +165,12 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor,
-                attend: Attend) -> tuple[Tensor, Tensor]:
+                attend: Attend, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: the residual stream; delta: the previous layer's MLP output, not yet added to it (None
         in the first layer). Returns the stream and this layer's MLP output, so each residual add
         rides in the launch of the norm after it."""
         x, h = add_norm(self.input_layernorm, x, delta)
-        x, h = add_norm(self.post_attention_layernorm, x, self.self_attn(h, cos, sin, attend))
+        x, h = add_norm(self.post_attention_layernorm, x, self.self_attn(h, cos, sin, attend, slots))
         return x, self.mlp(h)
 
 
@@ -185,9 +186,10 @@ class Body(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        slots = torch.arange(x.shape[0], device=x.device) if fused(x) else None
         delta = None
         for layer in self.layers:
-            x, delta = layer(x, delta, cos, sin, attend)
+            x, delta = layer(x, delta, cos, sin, attend, slots)
         return add_norm(self.norm, x, delta)[1]
 
 
