@@ -429,4 +429,7 @@ def make_backend(name: str, num_layers: int, num_slots: int, num_kv_heads: int, 
                                         page_size, decode_split_kv=decode_split_kv, decode_kernel=decode_kernel)
     if name == "torch":
         return TorchPagedAttention(num_layers, num_slots, num_kv_heads, head_dim, dtype, device, page_size)
+    if name == "triton":
+        raise ValueError("attention triton is OmniVoice's document attention: a MOSS worker runs auto, torch or "
+                         "flashinfer")
     raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")

@@ -38,8 +38,9 @@ class WorkerConfig:
                              "chorus/sizing.py; 64 on the CPU)", minimum=0)
     max_context: int = setting(8192, "rows (prompt + frames) per request", minimum=1)
     seed: int = setting(0, "seed of the random preset weights")
-    attention: str = setting("auto", "attention backend: auto = flashinfer on CUDA when installed, else torch",
-                             choices=("auto", "torch", "flashinfer"))
+    attention: str = setting("auto", "attention backend: auto = flashinfer on CUDA when installed, else torch; "
+                             "triton: OmniVoice's document attention kernel (OmniVoice only)",
+                             choices=("auto", "torch", "flashinfer", "triton"))
     cuda_graphs: bool = setting(True, "replay decode steps from CUDA graphs (--no-cuda-graphs: eager, for "
                                 "debugging)")
     capture_graphs: bool = setting(True, "capture every batch bucket's graph at startup, not on first use",

@@ -29,6 +29,7 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+K_ROWS = False  # K loaded [BLOCK_N, d] and transposed in the dot, or loaded [d, BLOCK_N]
 
 if HAVE_TRITON:
 
@@ -37,7 +38,7 @@ if HAVE_TRITON:
                                    stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                                    stride_or, stride_oh,
                                    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ROWS: tl.constexpr):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         q_start = tl.load(tiles_ptr + 3 * tile)
@@ -58,9 +59,15 @@ if HAVE_TRITON:
             for start in range(doc_start, doc_end, BLOCK_N):
                 key = start + tl.arange(0, BLOCK_N)
                 key_ok = key < doc_end
-                k = tl.load(k_ptr + key.to(tl.int64)[None, :] * stride_kr + kv_head * stride_kh + d[:, None],
-                            mask=key_ok[None, :], other=0.0)
-                s = tl.where(key_ok[None, :], tl.dot(q, k) * scale_log2e, -float("inf"))
+                if K_ROWS:
+                    k = tl.load(k_ptr + key.to(tl.int64)[:, None] * stride_kr + kv_head * stride_kh + d[None, :],
+                                mask=key_ok[:, None], other=0.0)
+                    qk = tl.dot(q, tl.trans(k))
+                else:
+                    k = tl.load(k_ptr + key.to(tl.int64)[None, :] * stride_kr + kv_head * stride_kh + d[:, None],
+                                mask=key_ok[None, :], other=0.0)
+                    qk = tl.dot(q, k)
+                s = tl.where(key_ok[None, :], qk * scale_log2e, -float("inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 p = tl.math.exp2(s - m_new[:, None])
                 shrink = tl.math.exp2(m - m_new)
@@ -74,9 +81,10 @@ if HAVE_TRITON:
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def tile_table(doc_lens: list[int] | np.ndarray, size: int | None = None, block_m: int = BLOCK_M) -> np.ndarray:
+def tile_table(doc_lens: list[int] | np.ndarray, size: int | None = None, block_m: int | None = None) -> np.ndarray:
     """int32 [size, 3]: (first query row, document start, document end) of each BLOCK_M tile of
     every document, then unused tiles (first row = end = 0) up to `size` (default: no padding)."""
+    block_m = block_m or BLOCK_M
     lens = np.asarray(doc_lens, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     per_doc = -(-lens // block_m)
@@ -90,18 +98,21 @@ def tile_table(doc_lens: list[int] | np.ndarray, size: int | None = None, block_
     return np.ascontiguousarray(table, dtype=np.int32)
 
 
-def max_tiles(rows: int, docs: int, block_m: int = BLOCK_M) -> int:
+def max_tiles(rows: int, docs: int, block_m: int | None = None) -> int:
     """The most tiles `rows` rows in `docs` documents can need (each document rounds up once)."""
-    return -(-rows // block_m) + docs
+    return -(-rows // (block_m or BLOCK_M)) + docs
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, tiles: Tensor, out: Tensor | None = None,
-                       block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                       num_stages: int = NUM_STAGES) -> Tensor:
+                       block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None, k_rows: bool | None = None) -> Tensor:
     """q [rows, H, d], k/v [rows, KV, d] (any row and head strides, d contiguous), tiles int32
     [T, 3] on q's device (tile_table) -> [rows, H, d]. Runs under the interpreter too (CPU
     tensors, TRITON_INTERPRET=1) for the tests; the block sizes are parameters for the benchmark
     only (the worker keeps the module's)."""
+    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
+    num_warps, num_stages = num_warps or NUM_WARPS, num_stages or NUM_STAGES
+    k_rows = K_ROWS if k_rows is None else k_rows
     rows, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
@@ -111,6 +122,6 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, tiles: Tensor, out: Tens
     _document_attention_kernel[(tiles.shape[0], kv_heads)](
         q, k, v, out, tiles, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUPS=heads // kv_heads, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUPS=heads // kv_heads, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, K_ROWS=k_rows,
         num_warps=num_warps, num_stages=num_stages)
     return out
