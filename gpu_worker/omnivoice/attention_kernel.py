@@ -10,9 +10,11 @@ tiles for such lengths and spends most of each tile on its pipeline's fill: 16 u
 canvas, where the FLOPs need ~1 us. Here the tile table is the only plan: the host lists the
 tiles, one copy puts them on the device.
 
-Batch invariance: a row's result depends on its document's keys and on BLOCK_N (the order of the
-online softmax) only, and the block sizes are fixed (not tuned per shape), so a document's
-attention is the same alone or packed beside others, in any bucket. q, k and v are read through
+Batch invariance: a row's result depends on its document's keys, on BLOCK_N (the order of the
+online softmax) and on the matrix instruction the dots compile to, and the block sizes are fixed
+(not tuned per shape), so a document's attention is the same alone or packed beside others, in
+any bucket. (On the H200, 32- and 64-row tiles give equal bits; 16-row tiles, whose 32-row operand
+is too short for Hopper's warpgroup instruction, do not.) q, k and v are read through
 their strides: the fused q/k/v GEMM's output needs no copy.
 """
 
@@ -24,12 +26,13 @@ from torch import Tensor
 
 from chorus.triton_support import HAVE_TRITON, tl, triton
 
-# Fixed for batch invariance (above); omnivoice_step --attention-configs times the alternatives.
-BLOCK_M = 64
-BLOCK_N = 64
+# Fixed for batch invariance (above). python -m chorus.bench.omnivoice_attention times the
+# alternatives: 32-row tiles (64 operand rows with the two grouped heads) are the fastest at one
+# canvas and at 32; 32-key blocks beat 64 at 32 canvases, lose a little at one.
+BLOCK_M = 32
+BLOCK_N = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
-K_ROWS = False  # K loaded [BLOCK_N, d] and transposed in the dot, or loaded [d, BLOCK_N]
 
 if HAVE_TRITON:
 
@@ -38,7 +41,7 @@ if HAVE_TRITON:
                                    stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                                    stride_or, stride_oh,
                                    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_ROWS: tl.constexpr):
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         q_start = tl.load(tiles_ptr + 3 * tile)
@@ -59,15 +62,9 @@ if HAVE_TRITON:
             for start in range(doc_start, doc_end, BLOCK_N):
                 key = start + tl.arange(0, BLOCK_N)
                 key_ok = key < doc_end
-                if K_ROWS:
-                    k = tl.load(k_ptr + key.to(tl.int64)[:, None] * stride_kr + kv_head * stride_kh + d[None, :],
-                                mask=key_ok[:, None], other=0.0)
-                    qk = tl.dot(q, tl.trans(k))
-                else:
-                    k = tl.load(k_ptr + key.to(tl.int64)[None, :] * stride_kr + kv_head * stride_kh + d[:, None],
-                                mask=key_ok[None, :], other=0.0)
-                    qk = tl.dot(q, k)
-                s = tl.where(key_ok[None, :], qk * scale_log2e, -float("inf"))
+                k = tl.load(k_ptr + key.to(tl.int64)[None, :] * stride_kr + kv_head * stride_kh + d[:, None],
+                            mask=key_ok[None, :], other=0.0)
+                s = tl.where(key_ok[None, :], tl.dot(q, k) * scale_log2e, -float("inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 p = tl.math.exp2(s - m_new[:, None])
                 shrink = tl.math.exp2(m - m_new)
@@ -105,14 +102,13 @@ def max_tiles(rows: int, docs: int, block_m: int | None = None) -> int:
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, tiles: Tensor, out: Tensor | None = None,
                        block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None, k_rows: bool | None = None) -> Tensor:
+                       num_stages: int | None = None) -> Tensor:
     """q [rows, H, d], k/v [rows, KV, d] (any row and head strides, d contiguous), tiles int32
     [T, 3] on q's device (tile_table) -> [rows, H, d]. Runs under the interpreter too (CPU
     tensors, TRITON_INTERPRET=1) for the tests; the block sizes are parameters for the benchmark
     only (the worker keeps the module's)."""
     block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
     num_warps, num_stages = num_warps or NUM_WARPS, num_stages or NUM_STAGES
-    k_rows = K_ROWS if k_rows is None else k_rows
     rows, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
@@ -122,6 +118,6 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, tiles: Tensor, out: Tens
     _document_attention_kernel[(tiles.shape[0], kv_heads)](
         q, k, v, out, tiles, d ** -0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUPS=heads // kv_heads, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, K_ROWS=k_rows,
+        GROUPS=heads // kv_heads, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages)
     return out

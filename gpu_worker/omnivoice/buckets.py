@@ -19,10 +19,10 @@ import numpy as np
 
 # Rows: a step pays for its bucket's padding rows as for real ones, so the buckets stay within
 # 1.25x apart to 2,048 rows (one O1 canvas with guidance is ~340 rows: bucket 384, not 512),
-# 256 to 2,560, 512 to 4,096 and 1,024 apart above (32 O1 canvases, ~11,000 rows, pad < 10%).
-# Each bucket is a graph per document bucket, captured at start-up.
+# 256 to 2,560, 512 to 16,384 (32 O1 canvases in flight, ~9,000 rows, pad ~3% on average) and
+# 1,024 apart above. Each bucket is a graph per document bucket, captured at start-up.
 ROW_BUCKETS = (256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584,
-               4096) + tuple(range(5120, 32769, 1024))
+               4096) + tuple(range(4608, 16385, 512)) + tuple(range(17408, 32769, 1024))
 # Documents: a flashinfer plan in a CUDA graph has a fixed document count; the last bucket holds
 # every document a step may carry (two per canvas) plus one filler.
 DOC_BUCKETS = (4, 16, 64)
