@@ -84,6 +84,8 @@ def test_attention_backend_choice():
     assert isinstance(make_document_attention("auto", cfg, torch.float32, torch.device("cpu")), TorchDocuments)
     with pytest.raises(ValueError, match="runs on CUDA"):
         make_document_attention("flashinfer", cfg, torch.float16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention triton runs on CUDA"):
+        make_document_attention("triton", cfg, torch.float16, torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
         make_document_attention("sdpa", cfg, torch.float32, torch.device("cpu"))
     engine = CanvasEngine(build_omnivoice(preset="tiny"), attention="auto", cuda_graphs=True)
