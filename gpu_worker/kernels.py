@@ -201,7 +201,8 @@ if HAVE_TRITON:
     def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr,
                                    slot_ptr, q_sn, q_sh, k_sn, k_sh, v_sn, v_sh, qo_sn, qo_sh, kc_sn, kc_sh,
                                    vc_sn, vc_sh, cs_sn, n_q_heads, N, HALF, inv_d, eps,
-                                   BLOCK_H: tl.constexpr, ROWS: tl.constexpr, CUDA: tl.constexpr):
+                                   BLOCK_H: tl.constexpr, ROWS: tl.constexpr, CUDA: tl.constexpr,
+                                   STORE_V: tl.constexpr):
         # A program takes one head of ROWS consecutive tokens; each token's sums stay within its
         # own tile row, so a token's result does not depend on the tokens beside it.
         n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -220,10 +221,11 @@ if HAVE_TRITON:
             src = k_ptr + n[:, None] * k_sn + kh * k_sh
             dst = kc_ptr + slot[:, None] * kc_sn + kh * kc_sh
             w_ptr = kw_ptr
-            vsrc = v_ptr + n[:, None] * v_sn + kh * v_sh
-            vdst = vc_ptr + slot[:, None] * vc_sn + kh * vc_sh
-            tl.store(vdst + i[None, :], tl.load(vsrc + i[None, :], mask=mask), mask=mask)
-            tl.store(vdst + HALF + i[None, :], tl.load(vsrc + HALF + i[None, :], mask=mask), mask=mask)
+            if STORE_V:
+                vsrc = v_ptr + n[:, None] * v_sn + kh * v_sh
+                vdst = vc_ptr + slot[:, None] * vc_sn + kh * vc_sh
+                tl.store(vdst + i[None, :], tl.load(vsrc + i[None, :], mask=mask), mask=mask)
+                tl.store(vdst + HALF + i[None, :], tl.load(vsrc + HALF + i[None, :], mask=mask), mask=mask)
         x1 = tl.load(src + i[None, :], mask=mask, other=0.0)
         x2 = tl.load(src + HALF + i[None, :], mask=mask, other=0.0)
         dt = x1.dtype
@@ -362,17 +364,20 @@ def _norm(x, residual, w, b, eps, impl):
 
 def _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, slots):
     k_cache[slots] = torch_ops.rotate_half_split(torch_ops.rms_norm(k, k_w, eps), cos, sin)
-    v_cache[slots] = v
+    if v_cache is not None:
+        v_cache[slots] = v
     return torch_ops.rotate_half_split(torch_ops.rms_norm(q, q_w, eps), cos, sin)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto",
+                       v_cache: torch.Tensor | None, slots: torch.Tensor, *, impl: str = "auto",
                        rows_per_program: int = 1) -> torch.Tensor:
     """Qwen3Attention's QK-norm + half-split RoPE, and the paged KV store, in one launch:
     `k_cache[slots] = rotate_half_split(k_norm(k))`, `v_cache[slots] = v`; returns
-    `rotate_half_split(q_norm(q))` (new, contiguous).
+    `rotate_half_split(q_norm(q))` (new, contiguous). v_cache None: v is left where it is (k_cache
+    may then be k itself with slots = arange: k is rotated in place, each row read before it is
+    written by the same program).
 
     q [N, Hq, d], k, v [N, Hk, d] (projection views), q_w/k_w [d], cos/sin [N, d/2]
     in the activation dtype (Qwen3Backbone.rope), caches [slots, Hk, d], slots [N] int64.
@@ -382,21 +387,23 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: t
     N, Hq, d = q.shape
     Hk = k.shape[1]
     dt = q.dtype
-    supported = (dt in _KERNEL_DTYPES and all(t.dtype == dt for t in (k, v, q_w, k_w, cos, sin, k_cache, v_cache))
+    store_v = v_cache is not None
+    vc = v_cache if store_v else k_cache
+    supported = (dt in _KERNEL_DTYPES and all(t.dtype == dt for t in (k, v, q_w, k_w, cos, sin, k_cache, vc))
                  and N > 0 and d % 2 == 0 and d <= 1024 and k.shape == v.shape == (N, Hk, d)
-                 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
-                 and k_cache.shape[1:] == v_cache.shape[1:] == (Hk, d) and slots.shape == (N,)
+                 and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, vc))
+                 and k_cache.shape[1:] == vc.shape[1:] == (Hk, d) and slots.shape == (N,)
                  and q_w.is_contiguous() and k_w.is_contiguous()
                  and cos.shape == sin.shape == (N, d // 2) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
-    if not _use_kernel(impl, supported, q, k, v, q_w, k_w, cos, sin, k_cache, v_cache, slots):
+    if not _use_kernel(impl, supported, q, k, v, q_w, k_w, cos, sin, k_cache, vc, slots):
         return _qk_norm_rope_store_torch(q, k, v, q_w, k_w, cos, sin, eps, k_cache, v_cache, slots)
     qo = torch.empty((N, Hq, d), dtype=dt, device=q.device)
     _qk_norm_rope_store_kernel[(triton.cdiv(N, rows_per_program), Hq + Hk)](
-        q, k, v, q_w, k_w, cos, sin, qo, k_cache, v_cache, slots,
+        q, k, v, q_w, k_w, cos, sin, qo, k_cache, vc, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), qo.stride(0), qo.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0), Hq, N, d // 2,
+        k_cache.stride(0), k_cache.stride(1), vc.stride(0), vc.stride(1), cos.stride(0), Hq, N, d // 2,
         _inv(d), eps, BLOCK_H=triton.next_power_of_2(d // 2), ROWS=rows_per_program, CUDA=q.is_cuda,
-        **_launch_opts(1 if rows_per_program == 1 else 4))
+        STORE_V=store_v, **_launch_opts(1 if rows_per_program == 1 else 4))
     return qo
 
 

@@ -434,3 +434,19 @@ def test_head_linear(dtype, B):
     else:  # fp32 sums in another order than the reference, then one rounding to dtype
         assert _ulp_diff(got, want.to(dtype)) <= 1
     assert torch.equal(K.head_linear(x, w), F.linear(x, w))  # auto on CPU: the torch path
+
+
+def test_qk_norm_rope_store_rotates_k_in_place_and_leaves_v():
+    """v_cache None: k_cache may be k's own view (slots = arange), v is not copied anywhere."""
+    torch.manual_seed(3)
+    N, Hq, Hk, d = 21, 4, 2, 16
+    qkv = torch.randn(N, (Hq + 2 * Hk) * d)
+    q, k, v = (t.view(N, -1, d) for t in qkv.split([Hq * d, Hk * d, Hk * d], dim=1))
+    qw, kw = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    cos, sin = torch.rand(N, d // 2), torch.rand(N, d // 2)
+    slots = torch.arange(N)
+    kc, vc = torch.zeros(N, Hk, d), torch.zeros(N, Hk, d)
+    want_q = K.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, 1e-6, kc, vc, slots, impl="triton")
+    v_before = v.clone()
+    got_q = K.qk_norm_rope_store(q, k, v, qw, kw, cos, sin, 1e-6, k, None, slots, impl="triton")
+    assert torch.equal(got_q, want_q) and torch.equal(k, kc) and torch.equal(v, v_before)

@@ -140,7 +140,10 @@ class TritonDocuments:
         wrapper.table.copy_(host(torch.from_numpy(table), self.device), non_blocking=True)
 
     def attend(self, wrapper: _Tiles) -> Attend:
-        return lambda q, k, v: self.kernel.document_attention(q, k, v, wrapper.table)
+        def attend(q, k, v):
+            return self.kernel.document_attention(q, k, v, wrapper.table)
+        attend.reads_strided = True  # the model leaves k and v in the q/k/v GEMM's output
+        return attend
 
     def plan(self, doc_lens: list[int]) -> Attend:
         self.plan_wrapper(self.wrapper, doc_lens)

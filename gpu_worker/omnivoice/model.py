@@ -37,6 +37,7 @@ ROW_MULTIPLE = 4
 KERNELS = "auto"  # "auto": gpu_worker/kernels.py's fused kernels on CUDA when triton imports; "torch": never
 
 # One step's attention, planned for its documents: q [rows, H, d], k/v [rows, KV, d] -> [rows, H, d].
+# One whose attribute `reads_strided` is true takes k and v as views of the q/k/v GEMM's output.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -122,14 +123,20 @@ class Attention(nn.Module):
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
         q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv, self.head_dim)
         v = v.view(rows, self.n_kv, self.head_dim)
-        if fused(x):  # q/k norms and RoPE in one launch; k and v land in fresh [rows, KV, d] buffers
+        if fused(x):  # q/k norms and RoPE in one launch
             half = self.head_dim // 2
-            k_out, v_out = torch.empty_like(k), torch.empty_like(v)
-            q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
-                                           sin[:, :half], self.q_norm.eps, k_out, v_out,
-                                           torch.arange(rows, device=x.device) if slots is None else slots, impl="auto",
-                                           rows_per_program=16)
-            o = attend(q, k_out, v_out)
+            slots = torch.arange(rows, device=x.device) if slots is None else slots
+            if getattr(attend, "reads_strided", False):  # k rotated in place, v read where the GEMM left it
+                q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
+                                               sin[:, :half], self.q_norm.eps, k, None, slots, impl="auto",
+                                               rows_per_program=16)
+                o = attend(q, k, v)
+            else:  # k and v land in fresh [rows, KV, d] buffers
+                k_out, v_out = torch.empty_like(k), torch.empty_like(v)
+                q = kernels.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, cos[:, :half],
+                                               sin[:, :half], self.q_norm.eps, k_out, v_out, slots, impl="auto",
+                                               rows_per_program=16)
+                o = attend(q, k_out, v_out)
         else:
             o = attend(rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin), v)
         return self.o_proj(o.reshape(rows, self.n_heads * self.head_dim))
