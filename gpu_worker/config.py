@@ -38,8 +38,8 @@ class WorkerConfig:
                              "chorus/sizing.py; 64 on the CPU)", minimum=0)
     max_context: int = setting(8192, "rows (prompt + frames) per request", minimum=1)
     seed: int = setting(0, "seed of the random preset weights")
-    attention: str = setting("auto", "attention backend: auto = flashinfer on CUDA when installed, else torch; "
-                             "triton: OmniVoice's document attention kernel (OmniVoice only)",
+    attention: str = setting("auto", "attention backend: auto = flashinfer on CUDA when installed, else torch "
+                             "(OmniVoice: its Triton document kernel first); triton: that kernel (OmniVoice only)",
                              choices=("auto", "torch", "flashinfer", "triton"))
     cuda_graphs: bool = setting(True, "replay decode steps from CUDA graphs (--no-cuda-graphs: eager, for "
                                 "debugging)")

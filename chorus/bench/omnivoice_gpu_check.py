@@ -1,4 +1,4 @@
-"""OmniVoice on one GPU in one command: flashinfer's ragged attention against the torch reference,
+"""OmniVoice on one GPU in one command: the Triton and flashinfer attention against the torch reference,
 graphed against eager steps (same tokens at equal batch), fp16 against fp32 (share of equal
 cells), and the packed step's time eager and graphed at several batches against the FLOP floor.
 Full-size dummy weights, O1 canvases (~25 English words, 6 s, 32 steps, guidance 2). Not a CI
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     if not dry:
-        stage("flashinfer attention vs fp32 reference", attention_vs_reference)
+        stage("attention vs fp32 reference", attention_vs_reference)
 
     tok = load_omnivoice_tokenizer(None)
     piece = plan_pieces(tok, O1_TEXT, language="en")[0]
@@ -144,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         e = build("eager", attention=attention, cuda_graphs=False)
         return {"seconds": round(e.warm_up(), 1), "attention": e.attention.name}
 
-    stage("eager flashinfer engine warm-up", warm_eager)
+    stage("eager engine warm-up", warm_eager)
 
     def warm_graphed():
         e = build("graphed", attention=attention, cuda_graphs=True)
         if e.bucketed is None:
             del engines["graphed"]
-            raise RuntimeError("no bucketed forward (flashinfer on CUDA expected)")
+            raise RuntimeError("no bucketed forward (triton or flashinfer on CUDA expected)")
         n = len(e.bucketed.buckets.all())
         say(f"  capturing {n} step graphs (rows buckets {e.bucketed.buckets.rows}, document buckets "
             f"{e.bucketed.buckets.docs})")
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         e32 = build("fp32", model=model32, attention="torch", cuda_graphs=False)
         b = args.agreement_batch
         ref = generate(e32, b)
-        out = {"fp16_eager_flashinfer": compare(generate(engines["eager"], b), ref)} if "eager" in engines else {}
+        out = {"fp16_eager": compare(generate(engines["eager"], b), ref)} if "eager" in engines else {}
         if "graphed" in engines:
             out["fp16_graphed"] = compare(generate(engines["graphed"], b), ref)
         # One step's logits on the same input (whole canvases diverge once one reveal differs).

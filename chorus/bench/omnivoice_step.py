@@ -3,7 +3,7 @@ through the worker's CanvasEngine, timed per step. Token generation only (no cod
 
     python -m chorus.bench.omnivoice_step --device cuda --batches 1,16,32 --out results.json
 
-On CUDA the engine is the worker's (flashinfer attention in buckets, CUDA graphs captured at its
+On CUDA the engine is the worker's (Triton attention in buckets, CUDA graphs captured at its
 warm-up, batched unmasking); --attention torch --no-cuda-graphs gives the torch reference path.
 
 Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of

@@ -11,8 +11,9 @@ makes; the plan is host work done once per step.
   a graphed step and an eager one run the same kernel; split-KV off, so a document's result does
   not depend on how the planner cut the batch (documents are a few hundred rows: one pass over
   their K/V is the cost anyway).
-- `TritonDocuments`: CUDA, fp16/bf16: attention_kernel.py's launch a layer, whose only plan is a
-  table of query tiles copied to the device; q/k/v read in place through their strides.
+- `TritonDocuments` (the default on CUDA): fp16/bf16, attention_kernel.py's launch a layer, whose
+  only plan is a table of query tiles copied to the device; k and v read in place in the q/k/v
+  GEMM's output, so the norm/RoPE kernel copies neither.
 """
 
 from __future__ import annotations
@@ -155,11 +156,24 @@ def flashinfer_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -
             and importlib.util.find_spec("flashinfer") is not None)
 
 
+def triton_usable(device: torch.device, dtype: torch.dtype, cfg) -> bool:
+    """Compiled Triton on CUDA (not the interpreter the CPU tests run), fp16/bf16, and power-of-two
+    head dim and heads per kv head (the kernel's operand shapes)."""
+    from chorus.triton_support import HAVE_TRITON, INTERPRET
+    from gpu_worker.omnivoice.attention_kernel import BLOCK_M
+
+    operand = cfg.num_heads // cfg.num_kv_heads * BLOCK_M
+    return (device.type == "cuda" and HAVE_TRITON and not INTERPRET and dtype in FLASHINFER_DTYPES
+            and not cfg.head_dim & (cfg.head_dim - 1) and not operand & (operand - 1))
+
+
 def make_document_attention(name: str, cfg, dtype: torch.dtype, device: torch.device):
-    """'auto' = flashinfer on CUDA with fp16/bf16 (and a head dim it is built for) when installed,
-    else the torch reference."""
+    """'auto' = the Triton kernel on CUDA with fp16/bf16 where it compiles (faster than flashinfer's
+    ragged prefill at 1, 8 and 32 canvases: docs/performance-notes.md), else flashinfer where
+    installed, else the torch reference."""
     if name == "auto":
-        name = "flashinfer" if flashinfer_usable(device, dtype, cfg.head_dim) else "torch"
+        name = ("triton" if triton_usable(device, dtype, cfg) else
+                "flashinfer" if flashinfer_usable(device, dtype, cfg.head_dim) else "torch")
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention flashinfer runs on CUDA, the worker's device is {device}: "

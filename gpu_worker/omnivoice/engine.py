@@ -13,7 +13,7 @@ an event: nothing waits), and `finish` waits for that copy and returns the outco
 step may be launched before the previous one is finished: each step reads the canvases as the
 steps queued before it leave them (the stream orders them on the device).
 
-On CUDA the forward's attention is flashinfer's ragged prefill (attention.py), over the step
+On CUDA the forward's attention is one Triton launch a layer (attention.py), over the step
 padded to its bucket, and with cuda_graphs the forward up to the final norm replays from the
 bucket's CUDA graph (graphs.py; without, it runs eagerly in the same bucket, with the same
 kernels); the audio head and the unmasking (batched_unmask.py) run eagerly after it. The only
@@ -94,8 +94,8 @@ class Canvas:
 class CanvasEngine:
     def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576,
                  attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None):
-        """attention: auto, torch or flashinfer (attention.make_document_attention); cuda_graphs:
-        replay the bucketed forward from CUDA graphs (flashinfer on CUDA; without, it runs eagerly
+        """attention: auto, torch, flashinfer or triton (attention.make_document_attention); cuda_graphs:
+        replay the bucketed forward from CUDA graphs (triton or flashinfer on CUDA; without, it runs eagerly
         in the same buckets);
         batched_unmask: unmask a step's canvases together (batched_unmask.py; None: on CUDA),
         else one by one with the reference (unmask.py)."""
@@ -107,7 +107,7 @@ class CanvasEngine:
         self.max_packed_rows = max_packed_rows
         self.attention = make_document_attention(attention, self.cfg, p.dtype, self.device)
         self.batched_unmask = self.device.type == "cuda" if batched_unmask is None else batched_unmask
-        self.bucketed = None  # the forward in (rows, documents) buckets: flashinfer on CUDA
+        self.bucketed = None  # the forward in (rows, documents) buckets: triton or flashinfer on CUDA
         if self.device.type == "cuda" and self.attention.bucketed:
             from gpu_worker.omnivoice.graphs import BucketedForward
 
@@ -269,8 +269,8 @@ class CanvasEngine:
         return self.model(ids, mask, to_device(lay.positions, self.device), lay.doc_lens, gather, self.attention)
 
     def warm_up(self, capture: bool = True) -> float:
-        """Run a step of a guided and an unguided canvas unpadded (flashinfer JIT-compiles its kernels
-        on first use, which must not land on a user's request), then capture every graph (capture:
+        """Run a step of a guided and an unguided canvas unpadded (Triton and flashinfer compile their
+        kernels on first use, which must not land on a user's request), then capture every graph (capture:
         else each on first use) and run the step in its bucket; forget the canvases. Returns seconds."""
         t0 = time.perf_counter()
         bucketed, self.bucketed = self.bucketed, None

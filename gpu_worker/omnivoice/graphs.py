@@ -3,15 +3,17 @@ documents) bucket (buckets.py), replayed from a CUDA graph per bucket, or (repla
 worker's --no-cuda-graphs) run eagerly on the same buffers with the same kernels and plans, so
 graphed and eager steps give the same tokens and an eager run can tell a graph bug from rounding.
 
-Why: eager, the step is ~600 launches from Python plus one flashinfer plan, and at small batches
+Why: eager, the step is ~600 launches from Python plus an attention plan, and at small batches
 the GPU waits for the host. The graph holds everything up to the final norm over the bucket's
-rows; attention is flashinfer's ragged prefill in CUDA-graph mode (FA2, fixed document count),
-planned on the host before each replay with the step's padded documents. The audio head then runs
+rows; the attention backend (attention.py) gives each graph a wrapper whose plan lives in fixed
+device buffers (Triton: the tile table, sized for the bucket; flashinfer: its ragged prefill in
+CUDA-graph mode, FA2, fixed document count), planned on the host before each replay with the
+step's padded documents. The audio head then runs
 eagerly over the gathered rows only (the graph would hold [rows, 8 x 1025] logits per bucket).
 
 Inputs live in static buffers, one set per row bucket (graphs of equal rows share them); each
 replay copies the step's ids and audio mask (already on the device) and its positions (host) into
-them. A bucket flashinfer refuses to plan is left out (its steps run eagerly); any other capture
+them. A bucket the backend refuses to plan is left out (its steps run eagerly); any other capture
 failure turns the graphs off and every step runs eagerly, with the reason logged and kept in
 `disabled`.
 """
@@ -33,7 +35,7 @@ log = logging.getLogger("chorus.worker")
 
 
 class BucketUnusable(RuntimeError):
-    """flashinfer refused to plan this bucket: its steps run eagerly, the other buckets keep graphs."""
+    """The attention backend refused to plan this bucket: its steps run eagerly, the other buckets keep graphs."""
 
 
 @dataclass
@@ -47,7 +49,7 @@ class _Inputs:
 class _StepGraph:
     bucket: Bucket
     graph: object       # torch.cuda.CUDAGraph, None when not replaying
-    wrapper: object     # its flashinfer wrapper (fixed document count)
+    wrapper: object     # its attention plan's fixed buffers (attention.graph_wrapper)
     inputs: _Inputs
     out: Tensor | None  # [R, hidden] final-norm hidden states (the graph's output)
 

@@ -66,7 +66,7 @@ def build_engine(args: WorkerConfig) -> CanvasEngine:
         torch.set_num_threads(1)
         if engine.attention.name == "torch":
             log.warning("OmniVoice on %s in %s runs torch attention, unbucketed and without CUDA graphs: "
-                        "--dtype float16 (and flashinfer installed) for flashinfer and graphs",
+                        "--dtype float16 (with triton or flashinfer installed) for bucketed attention and graphs",
                         engine.device, args.dtype)
         seconds = engine.warm_up(capture=args.capture_graphs)
         b = engine.bucketed
