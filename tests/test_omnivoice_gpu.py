@@ -117,35 +117,34 @@ def _run(engine: CanvasEngine, batch: int, num_step: int = 4, frames: int = 40) 
     return [codes[i] for i in range(batch)]
 
 
-@pytest.mark.skipif(not FLASHINFER, reason="needs CUDA and flashinfer")
-def test_flashinfer_attention_matches_the_reference():
-    from gpu_worker.omnivoice.attention import FlashInferDocuments
+DOC_LENS = [248, 212, 7, 1, 300]
+
+
+def _attention_case(backend) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """backend's attention over DOC_LENS on random fp16 q/k/v, the fp32 reference's, and q/k/v."""
     from gpu_worker.omnivoice.model import document_attention
 
     dev = torch.device("cuda")
-    fi = FlashInferDocuments(16, 8, 128, torch.float16, dev)
-    doc_lens = [248, 212, 7, 1, 300]
     g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(sum(doc_lens), 16, 128, device=dev, dtype=torch.float16, generator=g)
-    k, v = (torch.randn(sum(doc_lens), 8, 128, device=dev, dtype=torch.float16, generator=g) for _ in range(2))
-    got = fi.plan(doc_lens)(q, k, v)
-    want = document_attention(q.float(), k.float(), v.float(), doc_lens)
+    q = torch.randn(sum(DOC_LENS), 16, 128, device=dev, dtype=torch.float16, generator=g)
+    k, v = (torch.randn(sum(DOC_LENS), 8, 128, device=dev, dtype=torch.float16, generator=g) for _ in range(2))
+    return backend.plan(DOC_LENS)(q, k, v), document_attention(q.float(), k.float(), v.float(), DOC_LENS), (q, k, v)
+
+
+@pytest.mark.skipif(not FLASHINFER, reason="needs CUDA and flashinfer")
+def test_flashinfer_attention_matches_the_reference():
+    from gpu_worker.omnivoice.attention import FlashInferDocuments
+
+    got, want, _ = _attention_case(FlashInferDocuments(16, 8, 128, torch.float16, torch.device("cuda")))
     assert (got.float() - want).abs().max().item() < 2e-3
 
 
 @pytest.mark.skipif(not COMPILED_TRITON, reason="needs CUDA and compiled triton")
 def test_triton_attention_matches_the_reference_and_packs_invariantly():
     from gpu_worker.omnivoice.attention import TritonDocuments
-    from gpu_worker.omnivoice.model import document_attention
 
-    dev = torch.device("cuda")
-    tr = TritonDocuments(16, 8, 128, torch.float16, dev)
-    doc_lens = [248, 212, 7, 1, 300]
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(sum(doc_lens), 16, 128, device=dev, dtype=torch.float16, generator=g)
-    k, v = (torch.randn(sum(doc_lens), 8, 128, device=dev, dtype=torch.float16, generator=g) for _ in range(2))
-    got = tr.plan(doc_lens)(q, k, v)
-    want = document_attention(q.float(), k.float(), v.float(), doc_lens)
+    tr = TritonDocuments(16, 8, 128, torch.float16, torch.device("cuda"))
+    got, want, (q, k, v) = _attention_case(tr)
     assert (got.float() - want).abs().max().item() < 2e-3
     alone = tr.plan([212])(q[248:460], k[248:460], v[248:460])
     assert torch.equal(got[248:460], alone)

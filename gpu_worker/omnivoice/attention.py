@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpu_worker.omnivoice.model import Attend, document_attention
-from gpu_worker.omnivoice.staging import host
+from gpu_worker.omnivoice.staging import host, to_device
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's prefill kernels are built for
@@ -119,10 +119,9 @@ class TritonDocuments:
         if dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"attention triton needs float16 or bfloat16 activations, got {dtype}: "
                              "use --attention torch (or --dtype float16)")
-        groups = num_heads // num_kv_heads
-        if head_dim & (head_dim - 1) or (groups * attention_kernel.BLOCK_M) & (groups * attention_kernel.BLOCK_M - 1):
+        if not attention_kernel.fits(num_heads, num_kv_heads, head_dim):
             raise ValueError(f"attention triton needs a power-of-two head dim and heads per kv head, the model has "
-                             f"{head_dim} and {groups}: use --attention torch")
+                             f"{head_dim} and {num_heads // num_kv_heads}: use --attention torch")
         self.kernel = attention_kernel
         self.device = device
         self.wrapper = _Tiles(fixed=False)
@@ -131,14 +130,12 @@ class TritonDocuments:
         return _Tiles(fixed=True)
 
     def plan_wrapper(self, wrapper: _Tiles, doc_lens: list[int] | np.ndarray) -> None:
-        rows, docs = int(np.sum(doc_lens)), len(doc_lens)
-        if wrapper.table is None or not wrapper.fixed:
-            size = self.kernel.max_tiles(rows, docs) if wrapper.fixed else None
-            table = self.kernel.tile_table(doc_lens, size)
-            wrapper.table = torch.empty(table.shape, dtype=torch.int32, device=self.device)
-        else:
+        if wrapper.fixed and wrapper.table is not None:  # a graph's: rewritten where the graph reads it
             table = self.kernel.tile_table(doc_lens, wrapper.table.shape[0])
-        wrapper.table.copy_(host(torch.from_numpy(table), self.device), non_blocking=True)
+            wrapper.table.copy_(host(torch.from_numpy(table), self.device), non_blocking=True)
+            return
+        size = self.kernel.max_tiles(int(np.sum(doc_lens)), len(doc_lens)) if wrapper.fixed else None
+        wrapper.table = to_device(self.kernel.tile_table(doc_lens, size), self.device)
 
     def attend(self, wrapper: _Tiles) -> Attend:
         def attend(q, k, v):
@@ -160,11 +157,10 @@ def triton_usable(device: torch.device, dtype: torch.dtype, cfg) -> bool:
     """Compiled Triton on CUDA (not the interpreter the CPU tests run), fp16/bf16, and power-of-two
     head dim and heads per kv head (the kernel's operand shapes)."""
     from chorus.triton_support import HAVE_TRITON, INTERPRET
-    from gpu_worker.omnivoice.attention_kernel import BLOCK_M
+    from gpu_worker.omnivoice import attention_kernel
 
-    operand = cfg.num_heads // cfg.num_kv_heads * BLOCK_M
     return (device.type == "cuda" and HAVE_TRITON and not INTERPRET and dtype in FLASHINFER_DTYPES
-            and not cfg.head_dim & (cfg.head_dim - 1) and not operand & (operand - 1))
+            and attention_kernel.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
 
 
 def make_document_attention(name: str, cfg, dtype: torch.dtype, device: torch.device):

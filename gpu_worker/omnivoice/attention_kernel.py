@@ -78,6 +78,13 @@ if HAVE_TRITON:
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether a model's heads fit the kernel: its operands' sides (the head dim, and the grouped
+    heads times BLOCK_M) must be powers of two."""
+    operand = num_heads // num_kv_heads * BLOCK_M
+    return not head_dim & (head_dim - 1) and not operand & (operand - 1)
+
+
 def tile_table(doc_lens: list[int] | np.ndarray, size: int | None = None, block_m: int | None = None) -> np.ndarray:
     """int32 [size, 3]: (first query row, document start, document end) of each BLOCK_M tile of
     every document, then unused tiles (first row = end = 0) up to `size` (default: no padding)."""
