@@ -5,10 +5,10 @@ would be most of a graphed step's host time).
 Same operations in the same order as the per-canvas reference, each over all rows at once: the
 log-softmaxes and guidance extrapolation row by row (guided canvases' rows together), the code
 and score of each cell, the per-canvas codebook penalty, position temperature and Gumbel noise
-(each canvas's noise from its own generator, drawn with its own shape on the CPU, then copied in
-one piece), the revealed cells masked out. The per-canvas top-`count` runs over a [canvases,
-cells] matrix padded with -inf, each canvas's cells in the reference's order (codebook-major);
-ties aside (which Gumbel noise makes vanishing), it picks the reference's cells.
+(each canvas's noise from its own generator, drawn with its own shape on the CPU, then copied with
+the step's tables in one piece), the revealed cells masked out. The per-canvas top-`count` runs
+over a [canvases, cells] matrix padded with -inf, each canvas's cells in the reference's order
+(codebook-major); ties aside (which Gumbel noise makes vanishing), it picks the reference's cells.
 
 On CUDA with compiled triton, the per-cell scoring (everything before the top-`count`) is one
 launch (unmask_kernel.py), and the torch ops here (`_scores`) are its reference.
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from chorus.omnivoice.knobs import UnmaskKnobs
 from gpu_worker.omnivoice import unmask_kernel
-from gpu_worker.omnivoice.staging import to_device
+from gpu_worker.omnivoice.staging import to_device_together
 from gpu_worker.omnivoice.unmask import gumbel
 
 
@@ -68,7 +68,7 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     # per column: its uncond row (-1 without guidance) and guidance scale, for the kernel
     uncond_of = np.full(n, -1, np.int64)
     uncond_of[rows_guided] = uncond_rows
-    ints = torch.from_numpy(np.concatenate([rows_guided, uncond_rows, cond_rows, uncond_of, flat.ravel(), counts]))
+    ints = np.concatenate([rows_guided, uncond_rows, cond_rows, uncond_of, flat.ravel(), counts])
     scale = np.repeat([items[i].knobs.guidance_scale for i in guided], [lens[i] for i in guided])
     scale_of = np.zeros(n, np.float64)
     scale_of[rows_guided] = scale
@@ -79,8 +79,8 @@ def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor
     for it, s, t in zip(items, starts, lens):
         if it.knobs.position_temperature > 0:
             noise[:, s:s + t] = gumbel((c, t), it.generator).numpy()
-    floats = torch.from_numpy(np.concatenate([scale, penalty, temperature, scale_of]).astype(np.float32))
-    ints, floats, noise = (to_device(x, dev) for x in (ints, floats, noise))
+    floats = np.concatenate([scale, penalty, temperature, scale_of]).astype(np.float32)
+    ints, floats, noise = to_device_together([ints, floats, noise], dev)
     g = len(rows_guided)
     rows_guided, uncond_rows, cond_rows, uncond_of, flat, counts = ints.split([g, g, n, n, c * n, len(items)])
     scale, penalty, temperature, scale_of = floats.split([g, n, n, n])
