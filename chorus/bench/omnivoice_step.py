@@ -18,6 +18,7 @@ import argparse
 import time
 
 from chorus.bench.common import device_name, write_json
+from chorus.bench.workloads import WORKLOADS
 from chorus.provenance import git_revision
 
 O1_TEXT = ("The quick brown fox jumps over the lazy dog while the morning sun rises slowly "
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-step", type=int, default=32, help="unmasking steps per canvas")
     p.add_argument("--guidance-scale", type=float, default=2.0, help="classifier-free guidance (0 = off)")
     p.add_argument("--text", default=O1_TEXT, help="the text every canvas says")
+    p.add_argument("--frames", type=int, default=WORKLOADS["O1"].frames,
+                   help="target frames of each canvas (default: O1's 6 s; 0: the text's estimated duration)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run (step_ms: the best; canvas_ms_p50 / _max: the spread)")
     p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer", "triton"),
                    help="attention backend (gpu_worker/omnivoice/attention.py; auto: the worker's default)")
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model.cfg
     piece = plan_pieces(load_omnivoice_tokenizer(None), args.text, language="en")[0]
     knobs = UnmaskKnobs(num_step=args.num_step, guidance_scale=args.guidance_scale)
-    prefix, target = len(piece.text_ids), piece.target_frames
+    prefix, target = len(piece.text_ids), args.frames or piece.target_frames
     batches = [int(b) for b in args.batches.split(",")]
     engine = CanvasEngine(model, max_batch=max(batches), max_packed_rows=max(batches) * (prefix + 2 * target),
                           attention=args.attention, cuda_graphs=args.cuda_graphs)
