@@ -32,8 +32,9 @@ def test_worker_bench_smoke(tmp_path):
 
 
 def test_sync_audit_runs_its_steps_on_cpu(tmp_path):
-    """chorus.bench.sync_audit (run on the H200) drives the worker's and the vocoder session's steps;
-    on the CPU it finds nothing (torch's sync debug mode is CUDA-only) but every step must run."""
+    """chorus.bench.sync_audit (run on the H200) drives the worker's, the vocoder session's and
+    OmniVoice's engine's steps; on the CPU it finds nothing (torch's sync debug mode is CUDA-only)
+    but every step must run."""
     out = tmp_path / "sync.json"
     argv, sys.argv = sys.argv, ["sync_audit.py", "--device", "cpu", "--out", str(out)]
     try:

@@ -1,6 +1,6 @@
 """Host syncs on the launch paths, found on the GPU: with torch's sync debug mode on, launch the
 worker's steps and the vocoder's decode steps while the step before each is still queued, and
-report every synchronizing call with the Python stack that made it.
+report every synchronizing call with the Python stack that made it; OmniVoice's engine likewise.
 
 A launch that syncs waits for the step launched before it, and the GPU then idles while the host
 launches this one. The worker's `finish` and the vocoder's `result()` wait on purpose and are not
@@ -118,16 +118,54 @@ def vocoder_steps(args: argparse.Namespace, found: list[dict]) -> None:
         print(f"{name}: {sum(f['step'] == name for f in found)} syncs", flush=True)
 
 
+def omnivoice_steps(args: argparse.Namespace, found: list[dict]) -> None:
+    """OmniVoice's engine as the worker drives it under lookahead: canvases started and steps
+    launched while the step before is queued, the last step's codes queued to the host included."""
+    from chorus.omnivoice.knobs import UnmaskKnobs
+    from gpu_worker.omnivoice.engine import CanvasEngine, CanvasSpec
+    from gpu_worker.omnivoice.loader import build_omnivoice
+
+    device = torch.device(args.device)
+    full = device.type == "cuda" and args.preset == "full"
+    model = build_omnivoice(preset="full" if full else "tiny", load_format="dummy",
+                            dtype="float16" if device.type == "cuda" else "float32", device=args.device)
+    engine = CanvasEngine(model, max_batch=8, max_packed_rows=4096)
+    engine.warm_up()
+    text = np.arange(200, 236, dtype=np.int64)
+    num_step = 4
+
+    def start(ids) -> None:
+        for i in ids:
+            engine.start(CanvasSpec(i, text, None, 150, UnmaskKnobs(num_step=num_step,
+                                                                   guidance_scale=2.0 if i % 2 else 0.0), seed=i))
+
+    start(range(4))
+    before = engine.launch([(i, 0) for i in range(4)])
+    for k in range(1, num_step):
+        name = "omnivoice step" if k < num_step - 1 else "omnivoice last step (codes queued to the host)"
+        with audit(name, found, device):
+            if k == 1:
+                start(range(4, 6))  # canvases joining mid-flight, as a plan's canvas_start does
+            launched = engine.launch([(i, k) for i in range(4)] + ([(i, k - 1) for i in range(4, 6)]))
+        engine.finish(before)
+        before = launched
+        print(f"{name}: {sum(f['step'] == name for f in found)} syncs", flush=True)
+    engine.finish(before)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)  # the worker bench's flags: --device, --preset, --dtype, --page-size, ...
+    p.add_argument("--parts", default="worker,vocoder,omnivoice",
+                   help="launch paths to audit: worker (MOSS), vocoder (MOSS's codec), omnivoice (its engine)")
     p.set_defaults(batches="16", contexts="64", steps=2, warmup=1, prefill_requests=8)
     args = p.parse_args()
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype, args.preset = "float32", "tiny"
     found: list[dict] = []
-    worker_steps(args, found)
-    vocoder_steps(args, found)
+    parts = {"worker": worker_steps, "vocoder": vocoder_steps, "omnivoice": omnivoice_steps}
+    for part in args.parts.split(","):
+        parts[part](args, found)
     print(f"{len(found)} synchronizing calls on the launch paths" + (":" if found else ""))
     for f in found:
         print(f"- {f['step']}: {f['message']}\n    " + "\n    ".join(f["stack"][-4:]))
