@@ -4,7 +4,8 @@
 # threads, 10 s) and reads each one's per-thread CPU before and after. Needs py-spy. Packed into
 # $OUT/e2e_profile.tgz with gpu.csv (nvidia-smi every 200 ms); summarise with
 # python -m chorus.bench.spy_summary DIR.
-#   LAYOUT, DUR (measured seconds, default 40), EXTRA (more chorus bench flags).
+#   LAYOUT, DUR (measured seconds, default 40), EXTRA (more chorus bench flags), IDLE=1 (sample
+#   threads while they wait too: where a loop blocks, in a lock, a CUDA call or a poll).
 FINAL=${OUT:-/tmp/out}
 OUT=$(mktemp -d)
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -28,7 +29,7 @@ echo "worker $worker core $core frontend $front vocoders $vocoders decoders $dec
 for p in $pids; do threads $p > "$OUT/threads_${p}_0.txt"; done
 spies=()
 for p in $pids; do
-  "$SPY" record -p $p -d 10 -r 250 -f raw -o "$OUT/spy_$p.txt" --nonblocking > "$OUT/spy_$p.log" 2>&1 &
+  "$SPY" record -p $p -d 10 -r 250 -f raw -o "$OUT/spy_$p.txt" --nonblocking ${IDLE:+--idle} > "$OUT/spy_$p.log" 2>&1 &
   spies+=($!)
 done
 wait "${spies[@]}"

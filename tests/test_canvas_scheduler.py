@@ -592,3 +592,14 @@ def test_a_worker_restart_with_two_plans_in_flight(real_worker):
         assert done is w and w.error is None and w.codes.shape == (10, NUM_CODEBOOKS)
 
     run_real(real_worker, test, max_batch=1, worker_heartbeat=0, worker_probe=0.3)
+
+
+def test_canvas_scheduler_bench_runs_its_levels():
+    """chorus.bench.canvas_scheduler_bench: the real scheduler against its instant worker process,
+    every canvas ending with its codes, at each depth asked."""
+    from chorus.bench.canvas_scheduler_bench import run
+
+    args = types.SimpleNamespace(streams=[1, 2], depths=[1, 2], requests=3, frames=10, num_step=3)
+    levels = asyncio.run(run(args))
+    assert [(lv["depth"], lv["streams"]) for lv in levels] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert [lv["requests"] for lv in levels] == [3, 4, 3, 4] and all(lv["step_round_trip_us"] > 0 for lv in levels)
