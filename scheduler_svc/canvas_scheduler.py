@@ -76,6 +76,7 @@ class CanvasScheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.inflight: deque[_InFlight] = deque()  # plans sent, oldest first
+        self._journal_at: float | None = None  # when the last journal arrived, until the next plan is sent
         self.depth = max(1, config.lookahead_depth) if config.lookahead else 1
         self.heartbeat = Heartbeat(worker, hello.model_name, config.worker_heartbeat, config.worker_probe,
                                    busy=lambda: bool(self.inflight), changed=self._health_changed)
@@ -156,6 +157,8 @@ class CanvasScheduler:
             if plan is not None:
                 self._send(plan)
                 sent = True
+            else:
+                self._journal_at = None  # nothing to plan: the wait for new work is no turnaround
         if sent and len(self.inflight) < self.depth:
             return  # build the next plan while this one runs
         self._wakeup.clear()
@@ -188,6 +191,9 @@ class CanvasScheduler:
             metrics.CANVAS_LOOKAHEAD_STEPS.labels(**self._labels).inc()
         future = asyncio.ensure_future(self.worker.step(plan, timeout=self.config.step_timeout))
         self.inflight.append(_InFlight(plan, future))
+        if self._journal_at is not None:
+            metrics.CANVAS_TURNAROUND_MS.labels(**self._labels).observe((now - self._journal_at) * 1e3)
+            self._journal_at = None
 
     async def _receive(self, inflight: _InFlight) -> None:
         """Apply the oldest plan's journal, or fail its canvases when none will come."""
@@ -210,6 +216,7 @@ class CanvasScheduler:
             log.error("OmniVoice step %d failed on the worker: %s", plan.step_id, journal.error)
             self._fail_step(plan, f"OmniVoice worker step failed: {journal.error}")
         else:
+            self._journal_at = time.monotonic()
             metrics.CANVAS_STEP_MS.labels(**self._labels).observe(journal.step_ms)
             self._ended(self.policy.apply(journal))
 

@@ -66,6 +66,11 @@ CANVAS_LOOKAHEAD_STEPS = Counter("chorus_canvas_lookahead_steps", "OmniVoice ste
                                 "journal returned", ["model"], registry=REGISTRY)
 CANVAS_STEP_MS = Histogram("chorus_canvas_step_ms", "Worker time of OmniVoice steps (ms)", ["model"],
                            registry=REGISTRY, buckets=(5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
+# As TURNAROUND_MS, for the canvas scheduler: with lookahead the worker launches the plans already
+# sent meanwhile, and when this plus the two hops over ZeroMQ approaches a step, the GPU waits.
+CANVAS_TURNAROUND_MS = Histogram("chorus_canvas_turnaround_ms", "OmniVoice journal received to the next plan "
+                                 "sent (ms)", ["model"], registry=REGISTRY,
+                                 buckets=(0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100))
 CANVASES = Counter("chorus_canvases", "OmniVoice canvases ended, by outcome (ok, error, cancelled)",
                    ["model", "outcome"], registry=REGISTRY)
 

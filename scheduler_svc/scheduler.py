@@ -160,6 +160,8 @@ class Scheduler:
             if step is not None:
                 self._send(step)
                 sent = True
+            else:
+                self._journal_at = None  # nothing to plan: the wait for new work is no turnaround
         if sent and len(self.inflight) < depth and self._lookahead_eligible():
             return  # overlap: build step N+1 while step N runs
         if self.inflight:

@@ -147,6 +147,27 @@ async def drain(sink: Collect, n: int) -> list:
     return [await sink.done.get() for _ in range(n)]
 
 
+def turnarounds(model: str = "omnivoice-tiny") -> tuple[float, float]:
+    """(count, sum in ms) of the core's journal-to-next-plan turnarounds so far."""
+    get = metrics.REGISTRY.get_sample_value
+    return (get("chorus_canvas_turnaround_ms_count", {"model": model}) or 0.0,
+            get("chorus_canvas_turnaround_ms_sum", {"model": model}) or 0.0)
+
+
+def test_turnaround_counts_journal_to_next_plan_and_not_the_wait_for_new_canvases():
+    async def test(fake, sched, sink):
+        n0, ms0 = turnarounds()
+        sched.submit(start_msg(num_step=4, seed=1))
+        await drain(sink, 1)
+        await asyncio.sleep(0.3)  # idle: no canvas; the next plan answers a submit, not a journal
+        sched.submit(start_msg(num_step=4, seed=2))
+        await drain(sink, 1)
+        n1, ms1 = turnarounds()
+        assert n1 - n0 >= 2 and ms1 - ms0 < 250
+
+    run(test)
+
+
 def test_canvases_of_different_lengths_share_steps_and_end_with_their_codes():
     async def test(fake, sched, sink):
         a = sched.submit(start_msg(num_step=2, seed=11))

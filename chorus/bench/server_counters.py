@@ -17,7 +17,9 @@ STEP_COUNTERS = {"chorus_step_seconds_count": "steps", "chorus_step_seconds_sum"
                   "chorus_canvas_steps_total": "canvas_steps",
                   "chorus_canvas_lookahead_steps_total": "canvas_lookahead_steps",
                   "chorus_canvas_step_ms_count": "canvas_timed_steps", "chorus_canvas_step_ms_sum": "canvas_step_ms",
-                  "chorus_canvas_packed_rows_sum": "canvas_rows", "chorus_canvases_total": "canvases"}
+                  "chorus_canvas_packed_rows_sum": "canvas_rows", "chorus_canvases_total": "canvases",
+                  "chorus_canvas_turnaround_ms_count": "canvas_turnarounds",
+                  "chorus_canvas_turnaround_ms_sum": "canvas_turnaround_ms"}
 
 
 def scheduler_counters(port: int | None) -> dict[str, float] | None:
@@ -110,7 +112,8 @@ def step_stats(before: dict[str, float] | None, after: dict[str, float] | None, 
 def canvas_stats(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
     """What OmniVoice's canvas steps did over a level (None when none ran): steps per second, packed
     rows a step, the worker's time a step (launch to journal), the share sent before the previous
-    journal returned, and canvases ended per second."""
+    journal returned, the core's mean turnaround (a journal in to the next plan out), and canvases
+    ended per second."""
     if not before or not after or wall <= 0:
         return None
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_COUNTERS.values() if k.startswith("canvas")}
@@ -119,4 +122,6 @@ def canvas_stats(before: dict[str, float] | None, after: dict[str, float] | None
         return None
     return {"steps_per_s": steps / wall, "packed_rows_per_step": d["canvas_rows"] / steps,
             "worker_step_ms": d["canvas_step_ms"] / d["canvas_timed_steps"] if d["canvas_timed_steps"] else None,
-            "lookahead_share": d["canvas_lookahead_steps"] / steps, "canvases_per_s": d["canvases"] / wall}
+            "lookahead_share": d["canvas_lookahead_steps"] / steps, "canvases_per_s": d["canvases"] / wall,
+            "core_turnaround_ms": (d["canvas_turnaround_ms"] / d["canvas_turnarounds"]
+                                   if d["canvas_turnarounds"] else None)}
