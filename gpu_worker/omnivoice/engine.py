@@ -69,8 +69,15 @@ class PendingStep:
     frames: list[int]                      # target frames of each finished canvas, in item order
     codes: Tensor | None = None            # host tensor, filled once `done`
     done: torch.cuda.Event | None = None   # the step's end on the device; None on the CPU (already done)
+    started: torch.cuda.Event | None = None  # the device reached the step (every step before it is done)
 
     def ready(self) -> bool:
+        """Its outcomes can be reported: once its codes are on the host when it finishes canvases;
+        else once the device has started it. Such a step's only result is that it ran; reported
+        then, the scheduler plans the step after next while this one runs, and the device never
+        holds more than this step and the scheduler's lookahead behind it."""
+        if self.codes is None and self.started is not None:
+            return self.started.query()
         return self.done is None or self.done.query()
 
 
@@ -171,6 +178,10 @@ class CanvasEngine:
         """Queue step `step` of each listed (request_id, step) in one packed forward. Checked before
         anything changes: a bad list changes no canvas."""
         running = self._check(items)
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event()
+            started.record()
         # A step that reveals nothing (a tiny canvas) needs no logits: its documents stay out.
         scored = [(c, k) for c, k in running if c.counts[k] > 0]
         if scored:
@@ -179,7 +190,7 @@ class CanvasEngine:
             c.steps_done = k + 1
         finished = [c for c, _ in running if c.steps_done == c.spec.knobs.num_step]
         pending = PendingStep([(c.spec.request_id, k, c.steps_done == c.spec.knobs.num_step) for c, k in running],
-                              [c.target for c in finished])
+                              [c.target for c in finished], started=started)
         if finished:  # one device-to-host copy for every canvas this step finishes
             codes = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.contiguous()
             pending.codes = self._to_host(codes)

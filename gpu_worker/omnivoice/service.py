@@ -189,8 +189,11 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], object] | None = None)
 
     try:
         while not link.stopping:
-            # While a step runs on the GPU, wait for whichever comes first: its codes or the next
-            # plan (the scheduler's lookahead), which is launched before the journal is built.
+            # A step that finishes no canvas is reported once the GPU has started it (engine.py,
+            # PendingStep.ready): the scheduler plans the step after next while the GPU runs this
+            # one, so the round trip around a step overlaps two steps, not one. A step that finishes
+            # canvases waits for whichever comes first: its codes or the next plan (the scheduler's
+            # lookahead), which is launched before the journal is built.
             if pending is not None and pending[1].ready():
                 flush()
             # Take in everything that arrived: plans wait their turn, in order; hello and stats are
