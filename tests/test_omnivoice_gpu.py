@@ -165,6 +165,24 @@ def test_graphed_steps_equal_eager_steps(batch, attention):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_step_is_reported_once_the_gpu_starts_it_unless_it_brings_codes():
+    """A step that finishes no canvas can be reported once the device has reached it (the steps
+    before it are done); one that finishes canvases only once its codes are on the host."""
+    engine = CanvasEngine(gpu_model(), max_batch=2, attention="torch")
+    engine.start(CanvasSpec(0, np.arange(200, 210), None, 20, UnmaskKnobs(num_step=2), seed=0))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)  # ~0.5 s of GPU time ahead of each step
+    first = engine.launch([(0, 0)])
+    torch.cuda._sleep(1 << 30)
+    last = engine.launch([(0, 1)])
+    assert not first.ready() and not last.ready()
+    first.started.synchronize()  # the device is at the first step; the second waits behind a sleep
+    assert first.ready() and last.codes is not None and not last.ready()
+    [outcome] = engine.finish(last)
+    assert last.ready() and outcome.finished and outcome.codes.shape == (20, 8)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_batched_unmask_equals_the_per_canvas_reference(dtype):
     """Canvases of several lengths and knobs (guided or not, noisy or greedy reveal, penalties, one
