@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", default=O1_TEXT, help="the text every canvas says")
     p.add_argument("--frames", type=int, default=WORKLOADS["O1"].frames,
                    help="target frames of each canvas (default: O1's 6 s; 0: the text's estimated duration)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch after one warm-up run (step_ms: the best; canvas_ms_p50 / _max: the spread)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per batch after one warm-up run (step_ms: the best; canvas_ms_p50 / _max: "
+                        "the spread)")
     p.add_argument("--attention", default="auto", choices=("auto", "torch", "flashinfer", "triton"),
                    help="attention backend (gpu_worker/omnivoice/attention.py; auto: the worker's default)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
