@@ -13,13 +13,6 @@ import torch
 from torch import Tensor
 
 
-def to_device(a: np.ndarray | Tensor, device: torch.device) -> Tensor:
-    t = torch.as_tensor(a)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def to_device_together(arrays: list[np.ndarray], device: torch.device) -> list[Tensor]:
     """Several host arrays on the device through one staged copy: each copy costs the host a pinned
     block and a launch, and a step's small tables (indices, knobs, noise) are many. The arrays keep
@@ -37,6 +30,11 @@ def to_device_together(arrays: list[np.ndarray], device: torch.device) -> list[T
     on_device = staged.to(device, non_blocking=True)
     return [on_device[o:o + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
             for a, o in zip(arrays, offsets)]
+
+
+def to_device(a: np.ndarray | Tensor, device: torch.device) -> Tensor:
+    """One host array (or CPU tensor) on the device, staged as above."""
+    return to_device_together([np.asarray(a)], device)[0]
 
 
 def host(a: np.ndarray | Tensor, device: torch.device) -> Tensor:
