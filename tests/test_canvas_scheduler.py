@@ -623,4 +623,4 @@ def test_canvas_scheduler_bench_runs_its_levels():
     args = types.SimpleNamespace(streams=[1, 2], depths=[1, 2], requests=3, frames=10, num_step=3)
     levels = asyncio.run(run(args))
     assert [(lv["depth"], lv["streams"]) for lv in levels] == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert [lv["requests"] for lv in levels] == [3, 4, 3, 4] and all(lv["step_round_trip_us"] > 0 for lv in levels)
+    assert [lv["requests"] for lv in levels] == [3, 4, 3, 4] and all(lv["us_per_step"] > 0 for lv in levels)

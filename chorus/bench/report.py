@@ -154,10 +154,10 @@ def server_lines(lv: dict) -> list[str]:
     cs = lv.get("canvas_steps")  # results files of an older chorus have none
     if cs:
         worker = f", worker {cs['worker_step_ms']:.1f} ms a step" if cs["worker_step_ms"] is not None else ""
-        if cs.get("core_turnaround_ms") is not None:
-            worker += f", core turnaround {cs['core_turnaround_ms']:.2f} ms"
+        turnaround = cs.get("core_turnaround_ms")  # results files of an older chorus have none
+        core = f", core turnaround {turnaround:.2f} ms" if turnaround is not None else ""
         lines.append(f"canvas steps: {cs['steps_per_s']:.0f}/s, {cs['packed_rows_per_step']:.0f} packed rows a step"
-                     f"{worker}, lookahead {100 * cs['lookahead_share']:.0f}%, "
+                     f"{worker}{core}, lookahead {100 * cs['lookahead_share']:.0f}%, "
                      f"{cs['canvases_per_s']:.1f} canvases ended a second")
     vs = lv["vocoder_steps"]
     if vs and vs["step_ms"] is not None:
