@@ -7,7 +7,9 @@ On CUDA the engine is the worker's (Triton attention in buckets, CUDA graphs cap
 warm-up, batched unmasking); --attention torch --no-cuda-graphs gives the torch reference path.
 
 Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of
-generation, and the step's matrix FLOPs with the time they take at --peak-tflops (the floor).
+generation, the step's matrix FLOPs with the time they take at --peak-tflops (the floor), and
+launch_ms, the host's time to queue a step (through the services, the worker's loop adds its
+messages to it, so a step is GPU-bound only while their sum stays under the GPU's step).
 With --kernels, one more run per batch under the torch profiler adds the GPU's kernel time per
 step (so wall minus kernels is the time the GPU waits for the host) and the costliest kernels.
 """
@@ -37,9 +39,12 @@ def step_flops(cfg, prefix_rows: int, target_frames: int, guided: bool) -> float
     return cfg.num_layers * (per_row * rows + attention) + head
 
 
-def step_ms(engine, text_ids, target_frames: int, knobs, batch: int, sync=lambda: None) -> float:
+def step_ms(engine, text_ids, target_frames: int, knobs, batch: int, sync=lambda: None,
+            host: list[float] | None = None) -> float:
     """Milliseconds per packed step of `batch` fresh canvases of one workload, every step of their
-    unmasking (the canvases finish, so the engine holds none after)."""
+    unmasking (the canvases finish, so the engine holds none after). host: appended with the
+    milliseconds per step the host spends queueing a step (engine.launch), the part of a step that
+    the worker's loop cannot overlap with its messages."""
     import numpy as np
 
     from gpu_worker.omnivoice.engine import CanvasSpec
@@ -47,10 +52,16 @@ def step_ms(engine, text_ids, target_frames: int, knobs, batch: int, sync=lambda
     for i in range(batch):
         engine.start(CanvasSpec(i, np.asarray(text_ids), None, target_frames, knobs, seed=i))
     sync()
+    launching = 0.0
     t0 = time.perf_counter()
     for k in range(knobs.num_step):
-        engine.step([(i, k) for i in range(batch)])
+        t = time.perf_counter()
+        pending = engine.launch([(i, k) for i in range(batch)])
+        launching += time.perf_counter() - t
+        engine.finish(pending)
     sync()
+    if host is not None:
+        host.append(launching * 1000 / knobs.num_step)
     return (time.perf_counter() - t0) * 1000 / knobs.num_step
 
 
@@ -115,12 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     warm_s = engine.warm_up()
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
 
+    host: list[float] = []
+
     def run(batch: int) -> float:
-        return step_ms(engine, piece.text_ids, target, knobs, batch, sync)
+        return step_ms(engine, piece.text_ids, target, knobs, batch, sync, host)
 
     rows = []
     for batch in batches:
         run(batch)  # warm-up
+        host.clear()
         runs = sorted(run(batch) for _ in range(args.repeats))
         ms = runs[0]  # the best run: the step's cost without the host's interruptions
         flops = batch * step_flops(cfg, prefix, target, args.guidance_scale != 0)
@@ -131,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                      "canvas_ms": round(ms * args.num_step, 1),
                      # the spread over the runs: how far interruptions (host, clocks) move a canvas
                      "canvas_ms_p50": round(runs[len(runs) // 2] * args.num_step, 1),
-                     "canvas_ms_max": round(runs[-1] * args.num_step, 1)})
+                     "canvas_ms_max": round(runs[-1] * args.num_step, 1),
+                     "launch_ms": round(sorted(host)[len(host) // 2], 3)})
         if args.kernels:
             rows[-1].update(kernel_report(lambda: run(batch), args.num_step))
         print(rows[-1], flush=True)

@@ -42,63 +42,94 @@ class Item:
     generator: torch.Generator | None  # position noise, when position_temperature > 0
 
 
-def unmask_batch(logits: Tensor, items: list[Item], mask_id: int) -> list[Tensor]:
+@dataclass
+class Tables:
+    """What a set of items fixes for every step they take together, on the device: their rows in
+    the gathered logits, knobs per column, and each cell's place in the padded top-k matrix. Only
+    the counts and the noise change from one step to the next."""
+
+    c: int                    # codebooks
+    lens: list[int]           # frames of each item
+    starts: np.ndarray        # each item's first column
+    guided: list[int]         # the items with guidance
+    noisy: list[bool]         # the items with position noise
+    rows_guided: Tensor
+    uncond_rows: Tensor
+    cond_rows: Tensor
+    uncond_of: Tensor         # per column: its uncond row, -1 without guidance
+    flat: Tensor              # flat index of cell (codebook k, column j) in the padded [items, C, tmax] matrix
+    scale: Tensor
+    penalty: Tensor
+    temperature: Tensor
+    scale_of: Tensor          # per column: its guidance scale, 0 without
+
+    @property
+    def tmax(self) -> int:
+        return max(self.lens)
+
+    @classmethod
+    def of(cls, items: list[Item], c: int, dev: torch.device) -> Tables:
+        lens = [it.canvas.shape[1] for it in items]
+        n = sum(lens)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        guided = [i for i, it in enumerate(items) if it.uncond_column is not None]
+        rows_guided = np.concatenate([np.arange(starts[i], starts[i] + lens[i]) for i in guided]) if guided else \
+            np.zeros(0, np.int64)
+        uncond_rows = np.concatenate([np.arange(items[i].uncond_column, items[i].uncond_column + lens[i])
+                                      for i in guided]) if guided else np.zeros(0, np.int64)
+        cond_rows = np.concatenate([np.arange(it.cond_column, it.cond_column + t) for it, t in zip(items, lens)])
+        tmax = max(lens)
+        frame = np.concatenate([np.arange(t) for t in lens])
+        owner = np.repeat(np.arange(len(items)), lens)
+        flat = (owner[None, :] * c + np.arange(c)[:, None]) * tmax + frame[None, :]
+        uncond_of = np.full(n, -1, np.int64)
+        uncond_of[rows_guided] = uncond_rows
+        ints = np.concatenate([rows_guided, uncond_rows, cond_rows, uncond_of, flat.ravel()])
+        scale = np.repeat([items[i].knobs.guidance_scale for i in guided], [lens[i] for i in guided])
+        scale_of = np.zeros(n, np.float64)
+        scale_of[rows_guided] = scale
+        penalty = np.repeat([it.knobs.layer_penalty_factor for it in items], lens)
+        temperature = np.repeat([it.knobs.position_temperature if it.knobs.position_temperature > 0 else 1.0
+                                 for it in items], lens)
+        floats = np.concatenate([scale, penalty, temperature, scale_of]).astype(np.float32)
+        ints, floats = to_device_together([ints, floats], dev)
+        g = len(rows_guided)
+        rows_guided, uncond_rows, cond_rows, uncond_of, flat = ints.split([g, g, n, n, c * n])
+        scale, penalty, temperature, scale_of = floats.split([g, n, n, n])
+        return cls(c, lens, starts, guided, [it.knobs.position_temperature > 0 for it in items], rows_guided,
+                   uncond_rows, cond_rows, uncond_of, flat, scale, penalty, temperature, scale_of)
+
+
+def unmask_batch(logits: Tensor, items: list[Item], mask_id: int, tables: Tables | None = None) -> list[Tensor]:
     """New canvases, one per item: `count` most confident masked cells revealed. logits: [C, n, V]
     of a packed step (engine layout: cond targets, then uncond targets), fp32 or the head's fp16 /
-    bf16 (each widened to fp32 first, exactly)."""
+    bf16 (each widened to fp32 first, exactly). tables: Tables.of(items) from an earlier step of the
+    same items (their canvases, counts and generators aside), else built here."""
     dev = logits.device
     c = logits.shape[0]
-    lens = [it.canvas.shape[1] for it in items]
-    n = sum(lens)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-    guided = [i for i, it in enumerate(items) if it.uncond_column is not None]
-
-    # Host-side tables, each copied to the device in one piece.
-    rows_guided = np.concatenate([np.arange(starts[i], starts[i] + lens[i]) for i in guided]) if guided else \
-        np.zeros(0, np.int64)
-    uncond_rows = np.concatenate([np.arange(items[i].uncond_column, items[i].uncond_column + lens[i])
-                                  for i in guided]) if guided else np.zeros(0, np.int64)
-    cond_rows = np.concatenate([np.arange(it.cond_column, it.cond_column + t) for it, t in zip(items, lens)])
-    tmax = max(lens)
-    frame = np.concatenate([np.arange(t) for t in lens])
-    owner = np.repeat(np.arange(len(items)), lens)
-    # flat index of cell (codebook k, row j) in the padded [items, C, tmax] matrix
-    flat = (owner[None, :] * c + np.arange(c)[:, None]) * tmax + frame[None, :]
-    counts = np.array([it.count for it in items], dtype=np.int64)
-    # per column: its uncond row (-1 without guidance) and guidance scale, for the kernel
-    uncond_of = np.full(n, -1, np.int64)
-    uncond_of[rows_guided] = uncond_rows
-    ints = np.concatenate([rows_guided, uncond_rows, cond_rows, uncond_of, flat.ravel(), counts])
-    scale = np.repeat([items[i].knobs.guidance_scale for i in guided], [lens[i] for i in guided])
-    scale_of = np.zeros(n, np.float64)
-    scale_of[rows_guided] = scale
-    penalty = np.repeat([it.knobs.layer_penalty_factor for it in items], lens)
-    temperature = np.repeat([it.knobs.position_temperature if it.knobs.position_temperature > 0 else 1.0
-                             for it in items], lens)
+    t = tables if tables is not None else Tables.of(items, c, dev)
+    lens, n, tmax = t.lens, sum(t.lens), t.tmax
+    # The per-step part, copied to the device in one piece.
     noise = np.zeros((c, n), np.float32)
-    for it, s, t in zip(items, starts, lens):
-        if it.knobs.position_temperature > 0:
-            noise[:, s:s + t] = gumbel((c, t), it.generator).numpy()
-    floats = np.concatenate([scale, penalty, temperature, scale_of]).astype(np.float32)
-    ints, floats, noise = to_device_together([ints, floats, noise], dev)
-    g = len(rows_guided)
-    rows_guided, uncond_rows, cond_rows, uncond_of, flat, counts = ints.split([g, g, n, n, c * n, len(items)])
-    scale, penalty, temperature, scale_of = floats.split([g, n, n, n])
+    for it, noisy, s, length in zip(items, t.noisy, t.starts, lens):
+        if noisy:
+            noise[:, s:s + length] = gumbel((c, length), it.generator).numpy()
+    counts, noise = to_device_together([np.array([it.count for it in items], dtype=np.int64), noise], dev)
     canvas = torch.cat([it.canvas for it in items], dim=1)
 
     if unmask_kernel.usable(logits):
-        codes, score = unmask_kernel.scores(logits, cond_rows, uncond_of, scale_of, penalty, temperature, noise,
-                                            canvas, mask_id)
+        codes, score = unmask_kernel.scores(logits, t.cond_rows, t.uncond_of, t.scale_of, t.penalty, t.temperature,
+                                            noise, canvas, mask_id)
     else:
-        codes, score = _scores(logits.float(), items, starts, lens, guided, rows_guided, uncond_rows, cond_rows, scale,
-                               penalty, temperature, noise, canvas, mask_id)
+        codes, score = _scores(logits.float(), items, t.starts, lens, t.guided, t.rows_guided, t.uncond_rows,
+                               t.cond_rows, t.scale, t.penalty, t.temperature, noise, canvas, mask_id)
 
     padded = torch.full((len(items) * c * tmax,), -math.inf, dtype=score.dtype, device=dev)
-    padded[flat] = score.flatten()
+    padded[t.flat] = score.flatten()
     top = padded.view(len(items), c * tmax).topk(max(it.count for it in items), dim=1).indices
     keep = torch.arange(top.shape[1], device=dev)[None, :] < counts[:, None]
     chosen = torch.zeros(len(items), c * tmax, dtype=torch.bool, device=dev).scatter_(1, top, keep)
-    chosen = chosen.view(-1)[flat].view(c, n)
+    chosen = chosen.view(-1)[t.flat].view(c, n)
     revealed = torch.where(chosen, codes, canvas)
     return list(revealed.split(lens, dim=1))
 

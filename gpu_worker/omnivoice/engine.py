@@ -31,9 +31,9 @@ from torch import Tensor
 
 from chorus.omnivoice.knobs import RANGES, UnmaskKnobs, in_range, packed_rows, range_text
 from gpu_worker.omnivoice.attention import make_document_attention
-from gpu_worker.omnivoice.batched_unmask import Item, unmask_batch
+from gpu_worker.omnivoice.batched_unmask import Item, Tables, unmask_batch
 from gpu_worker.omnivoice.model import OmniVoiceModel
-from gpu_worker.omnivoice.packing import Document, layout
+from gpu_worker.omnivoice.packing import Document, Layout, layout
 from gpu_worker.omnivoice.staging import to_device
 from gpu_worker.omnivoice.unmask import reveal_counts, step_generator, unmask_step
 
@@ -98,6 +98,21 @@ class Canvas:
         return Document(self.ids.shape[1] - self.target, self.target, self.spec.knobs.guidance_scale != 0)
 
 
+@dataclass
+class Packed:
+    """What a list of canvases fixes for every step they take together: the layout, the rows the
+    head reads and the packed audio mask on the device, which canvases unmask together and their
+    tables. At one canvas (and whenever no canvas joins or leaves) it is built once, not every step."""
+
+    key: int                       # unique in its engine: graphs.py reuses what a step of the same key left
+    canvases: list[Canvas]
+    layout: Layout
+    gather: Tensor                 # the layout's gather, on the device
+    mask: Tensor                   # bool [rows]: the packed audio mask
+    batched: list[int]             # the canvases unmasked together (batched_unmask.py), by index
+    tables: Tables | None          # their tables
+
+
 class CanvasEngine:
     def __init__(self, model: OmniVoiceModel, *, max_batch: int = 64, max_packed_rows: int = 24576,
                  attention: str = "auto", cuda_graphs: bool = True, batched_unmask: bool | None = None):
@@ -121,6 +136,8 @@ class CanvasEngine:
             self.bucketed = BucketedForward(model, self.attention, max_packed_rows, max_batch, replay=cuda_graphs)
         self.canvases: dict[int, Canvas] = {}
         self.dropped: set[int] = set()  # canvases of failed plans whose steps are skipped until released
+        self._packed: Packed | None = None  # the last step's canvases and tables (_packed_for)
+        self._packs = 0  # Packed built so far: the next one's key
         self.steps = 0
 
     def __len__(self) -> int:
@@ -161,13 +178,18 @@ class CanvasEngine:
         self.canvases[spec.request_id] = Canvas(spec, to_device(ids, self.device), to_device(mask, self.device), counts)
 
     def release(self, request_id: int) -> None:
-        self.canvases.pop(request_id, None)
+        self._forget(self.canvases.pop(request_id, None))
         self.dropped.discard(request_id)
+
+    def _forget(self, canvas: Canvas | None) -> None:
+        """A canvas leaves: the tables that hold it go with it (they keep its tensors alive)."""
+        if canvas is not None and self._packed is not None and any(c is canvas for c in self._packed.canvases):
+            self._packed = None
 
     def drop(self, request_id: int) -> None:
         """A failed plan's canvas: released, and remembered until the scheduler releases it, so the
         plans it sent before it heard of the failure can skip its steps (`dropped`)."""
-        self.canvases.pop(request_id, None)
+        self._forget(self.canvases.pop(request_id, None))
         self.dropped.add(request_id)
 
     def step(self, items: list[tuple[int, int]]) -> list[CanvasOutcome]:
@@ -195,7 +217,7 @@ class CanvasEngine:
             codes = torch.cat([c.ids[:, -c.target:] for c in finished], dim=1).T.contiguous()
             pending.codes = self._to_host(codes)
             for c in finished:
-                del self.canvases[c.spec.request_id]
+                self._forget(self.canvases.pop(c.spec.request_id))
         if self.device.type == "cuda":  # the step is done (codes on the host) when this event is
             pending.done = torch.cuda.Event()
             pending.done.record()
@@ -240,44 +262,71 @@ class CanvasEngine:
                               f"{self.max_packed_rows}")
         return running
 
-    @torch.inference_mode()
-    def _unmask(self, scored: list[tuple[Canvas, int]]) -> None:
-        lay = layout([c.document for c, _ in scored])
-        ids, mask = [], []
-        for c, _ in scored:
-            ids.append(c.ids)
+    def _packed_for(self, scored: list[tuple[Canvas, int]]) -> Packed:
+        """The step's Packed: the previous step's while the same canvases step together."""
+        p = self._packed
+        if p is None or len(p.canvases) != len(scored) or any(a is not c for a, (c, _) in zip(p.canvases, scored)):
+            p = self._packed = self._pack([c for c, _ in scored])
+        return p
+
+    def _pack(self, canvases: list[Canvas]) -> Packed:
+        lay = layout([c.document for c in canvases])
+        mask = []
+        for c in canvases:
             mask.append(c.audio_mask)
             if c.document.guided:  # the uncond document: the canvas alone
-                ids.append(c.ids[:, -c.target:])
                 mask.append(c.audio_mask[-c.target:])
-        logits = self._logits(torch.cat(ids, dim=1), torch.cat(mask), lay)
-        together: list[tuple[Canvas, Item]] = []
-        for (c, k), col, ucol in zip(scored, lay.cond_column, lay.uncond_column):
-            knobs = c.spec.knobs
-            if self.batched_unmask and knobs.class_temperature <= 0:
-                generator = step_generator(c.spec.seed, k) if knobs.position_temperature > 0 else None
-                together.append((c, Item(c.ids[:, -c.target:], col, ucol, knobs, c.counts[k], generator)))
+        batched = [i for i, c in enumerate(canvases) if self.batched_unmask and c.spec.knobs.class_temperature <= 0]
+        tables = None
+        if batched:
+            tables = Tables.of([Item(canvases[i].ids[:, -canvases[i].target:], lay.cond_column[i], lay.uncond_column[i],
+                                     canvases[i].spec.knobs, 0, None) for i in batched], self.cfg.num_codebooks,
+                               self.device)
+        self._packs += 1
+        return Packed(self._packs, canvases, lay, to_device(lay.gather, self.device), torch.cat(mask), batched, tables)
+
+    @torch.inference_mode()
+    def _unmask(self, scored: list[tuple[Canvas, int]]) -> None:
+        p = self._packed_for(scored)
+        lay = p.layout
+        ids = []
+        for c, _ in scored:
+            ids.append(c.ids)
+            if c.document.guided:
+                ids.append(c.ids[:, -c.target:])
+        logits = self._logits(torch.cat(ids, dim=1), p)
+        batched = set(p.batched)
+        for i, ((c, k), col, ucol) in enumerate(zip(scored, lay.cond_column, lay.uncond_column)):
+            if i in batched:
                 continue
+            knobs = c.spec.knobs
             cond = logits[:, col:col + c.target].float()
             uncond = None if ucol is None else logits[:, ucol:ucol + c.target].float()
             noisy = knobs.position_temperature > 0 or knobs.class_temperature > 0
             generator = step_generator(c.spec.seed, k) if noisy else None
             c.ids[:, -c.target:] = unmask_step(c.ids[:, -c.target:], cond, uncond, knobs, c.counts[k],
                                                self.cfg.audio_mask_id, generator)
-        if together:
-            revealed = unmask_batch(logits, [item for _, item in together], self.cfg.audio_mask_id)
-            for (c, _), canvas in zip(together, revealed):
+        if p.batched:
+            items = []
+            for i in p.batched:
+                (c, k), knobs = scored[i], scored[i][0].spec.knobs
+                generator = step_generator(c.spec.seed, k) if knobs.position_temperature > 0 else None
+                items.append(Item(c.ids[:, -c.target:], lay.cond_column[i], lay.uncond_column[i], knobs, c.counts[k],
+                                  generator))
+            revealed = unmask_batch(logits, items, self.cfg.audio_mask_id, p.tables)
+            for i, canvas in zip(p.batched, revealed):
+                c = scored[i][0]
                 c.ids[:, -c.target:] = canvas
 
-    def _logits(self, ids: Tensor, mask: Tensor, lay) -> Tensor:
+    def _logits(self, ids: Tensor, p: Packed) -> Tensor:
         """Logits [C, n, V] at the layout's gathered rows (fp32, or the activations' dtype from a
         bucket): graphed when a graph holds the step."""
-        gather = to_device(lay.gather, self.device)
+        lay = p.layout
         if self.bucketed is not None:
-            h = self.bucketed.hidden(ids, mask, lay.positions.numpy(), lay.doc_lens)
+            h = self.bucketed.hidden(ids, p.mask, lay.positions.numpy(), lay.doc_lens, key=p.key)
             if h is not None:
-                return self.model.head_logits(h, gather)
-        return self.model(ids, mask, to_device(lay.positions, self.device), lay.doc_lens, gather, self.attention)
+                return self.model.head_logits(h, p.gather)
+        return self.model(ids, p.mask, to_device(lay.positions, self.device), lay.doc_lens, p.gather, self.attention)
 
     def warm_up(self, capture: bool = True) -> float:
         """Run a step of a guided and an unguided canvas unpadded (Triton and flashinfer compile their

@@ -43,6 +43,7 @@ class _Inputs:
     ids: Tensor         # int64 [C, R]
     audio_mask: Tensor  # bool [R]
     positions: Tensor   # int64 [R]
+    holds: int | None = None  # the key of the step whose mask, positions and filler these hold (hidden)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _StepGraph:
     wrapper: object     # its attention plan's fixed buffers (attention.graph_wrapper)
     inputs: _Inputs
     out: Tensor | None  # [R, hidden] final-norm hidden states (the graph's output)
+    planned: int | None = None  # the key of the step the attention plan was made for (hidden)
 
 
 class BucketedForward:
@@ -120,21 +122,29 @@ class BucketedForward:
     def _body(self, inputs: _Inputs, wrapper) -> Tensor:
         return self.model.hidden(inputs.ids, inputs.audio_mask, inputs.positions, self.attention.attend(wrapper))
 
-    def hidden(self, ids: Tensor, audio_mask: Tensor, positions: np.ndarray, doc_lens: list[int]) -> Tensor | None:
+    def hidden(self, ids: Tensor, audio_mask: Tensor, positions: np.ndarray, doc_lens: list[int],
+               key: int | None = None) -> Tensor | None:
         """Final-norm hidden states [r, hidden] of the packed step (ids [C, r] and audio_mask [r] on
         the device, positions [r] and doc_lens on the host) run in its bucket (its graph replayed),
         or None when no bucket holds it (the caller runs it unpadded). Replayed, the result is a
-        view of the graph's output: use it before any graph of this engine replays again."""
+        view of the graph's output: use it before any graph of this engine replays again.
+        key: a number that stands for the step's layout and audio mask (the engine's Packed.key); a
+        step with the key of the one before it in its bucket only copies the ids: the attention
+        plan, positions and mask are where that step left them."""
         if self.disabled:
             return None
         r = ids.shape[1]
         bucket = self.buckets.pick(r, len(doc_lens))
         if bucket is None or bucket in self.unusable:
             return None
+        pos = None
         try:
             g = self._get(bucket)
-            docs, pos = padded_layout(doc_lens, positions, bucket)
-            self._plan(g.wrapper, docs, bucket)  # before any copy: a refusal leaves no state behind
+            if key is None or g.planned != key:
+                docs, pos = padded_layout(doc_lens, positions, bucket)
+                g.planned = None
+                self._plan(g.wrapper, docs, bucket)  # before any copy: a refusal leaves no state behind
+                g.planned = key
         except BucketUnusable as e:
             log.warning("OmniVoice step graph for %d rows in %d documents left out: %s", bucket.rows, bucket.docs, e)
             return None
@@ -145,10 +155,15 @@ class BucketedForward:
             return None
         inputs = g.inputs
         inputs.ids[:, :r].copy_(ids)
-        inputs.ids[:, r:].fill_(self.cfg.audio_mask_id)
-        inputs.audio_mask[:r].copy_(audio_mask)
-        inputs.audio_mask[r:].fill_(True)
-        inputs.positions.copy_(to_device(pos, self.device))
+        if key is None or inputs.holds != key:  # buckets of equal rows share their inputs
+            if pos is None:
+                pos = padded_layout(doc_lens, positions, bucket)[1]
+            inputs.holds = None
+            inputs.ids[:, r:].fill_(self.cfg.audio_mask_id)
+            inputs.audio_mask[:r].copy_(audio_mask)
+            inputs.audio_mask[r:].fill_(True)
+            inputs.positions.copy_(to_device(pos, self.device))
+            inputs.holds = key
         self.runs += 1
         if g.graph is None:
             return self._body(inputs, g.wrapper)[:r]

@@ -216,6 +216,8 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], object] | None = None)
                 else:
                     answer(ident, cmd)
             if plans:
+                if pending is not None and pending[1].ready():  # it may have started while plans came in
+                    flush()
                 ident, plan = plans.popleft()
                 launched = launch(engine, plan)
                 flush()  # journals go out in plan order
