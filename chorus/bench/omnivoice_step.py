@@ -8,8 +8,10 @@ warm-up, batched unmasking); --attention torch --no-cuda-graphs gives the torch 
 
 Reports per batch: milliseconds per packed step, the canvases' audio seconds per second of
 generation, the step's matrix FLOPs with the time they take at --peak-tflops (the floor), and
-launch_ms, the host's time to queue a step (through the services, the worker's loop adds its
-messages to it, so a step is GPU-bound only while their sum stays under the GPU's step).
+host_launch_ms, the host's time in engine.launch a step. Through the services the worker's
+loop adds its messages to that, so a step stays GPU-bound only while their sum is under the
+GPU's step. Where the GPU's step is the longer one, the host runs ahead until the device's launch
+queue is full and then waits in launch, so host_launch_ms reads close to step_ms (32 canvases do).
 With --kernels, one more run per batch under the torch profiler adds the GPU's kernel time per
 step (so wall minus kernels is the time the GPU waits for the host) and the costliest kernels.
 """
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                      # the spread over the runs: how far interruptions (host, clocks) move a canvas
                      "canvas_ms_p50": round(runs[len(runs) // 2] * args.num_step, 1),
                      "canvas_ms_max": round(runs[-1] * args.num_step, 1),
-                     "launch_ms": round(sorted(host)[len(host) // 2], 3)})
+                     "host_launch_ms": round(sorted(host)[len(host) // 2], 3)})
         if args.kernels:
             rows[-1].update(kernel_report(lambda: run(batch), args.num_step))
         print(rows[-1], flush=True)
