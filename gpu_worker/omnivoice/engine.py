@@ -18,6 +18,11 @@ padded to its bucket, and with cuda_graphs the forward up to the final norm repl
 bucket's CUDA graph (graphs.py; without, it runs eagerly in the same bucket, with the same
 kernels); the audio head and the unmasking (batched_unmask.py) run eagerly after it. The only
 device-to-host copy of a step is the finished canvases' codes.
+
+What a step's canvases fix (the layout, the head's rows, the packed mask, the unmasking tables, the
+bucket's attention plan and positions) is built once and reused while the same canvases step
+together (`Packed`): the host's time per step is what the worker's loop cannot overlap with its
+messages, and at one canvas it is most of a GPU step.
 """
 
 from __future__ import annotations
