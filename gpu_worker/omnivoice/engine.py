@@ -295,9 +295,9 @@ class CanvasEngine:
         p = self._packed_for(scored)
         lay = p.layout
         ids = []
-        for c, _ in scored:
+        for (c, _), ucol in zip(scored, lay.uncond_column):
             ids.append(c.ids)
-            if c.document.guided:
+            if ucol is not None:  # guided: the uncond document, the canvas alone
                 ids.append(c.ids[:, -c.target:])
         logits = self._logits(torch.cat(ids, dim=1), p)
         batched = set(p.batched)

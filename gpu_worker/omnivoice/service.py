@@ -189,13 +189,6 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], object] | None = None)
 
     try:
         while not link.stopping:
-            # A step that finishes no canvas is reported once the GPU has started it (engine.py,
-            # PendingStep.ready): the scheduler plans the step after next while the GPU runs this
-            # one, so the round trip around a step overlaps two steps, not one. A step that finishes
-            # canvases waits for whichever comes first: its codes or the next plan (the scheduler's
-            # lookahead), which is launched before the journal is built.
-            if pending is not None and pending[1].ready():
-                flush()
             # Take in everything that arrived: plans wait their turn, in order; hello and stats are
             # answered now (behind a queued plan they would wait a whole step).
             timeout = 0 if pending is not None or plans else 200
@@ -215,9 +208,14 @@ def run(args: WorkerConfig, sidecar: Callable[[str, int], object] | None = None)
                     return
                 else:
                     answer(ident, cmd)
+            # A step that finishes no canvas is reported once the GPU has started it (engine.py,
+            # PendingStep.ready): the scheduler plans the step after next while the GPU runs this
+            # one, so the round trip around a step overlaps two steps, not one. A step that finishes
+            # canvases waits for whichever comes first: its codes or the next plan (the scheduler's
+            # lookahead), which is launched before the journal is built.
+            if pending is not None and pending[1].ready():
+                flush()
             if plans:
-                if pending is not None and pending[1].ready():  # it may have started while plans came in
-                    flush()
                 ident, plan = plans.popleft()
                 launched = launch(engine, plan)
                 flush()  # journals go out in plan order
